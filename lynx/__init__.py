@@ -1,0 +1,79 @@
+"""Lynx: plan and run activation recomputation inside communication windows.
+
+Example::
+
+    >>> import lynx
+    >>> model, inputs = lynx.models.build_preset("gpt-tiny", device="cpu")
+    >>> report = lynx.inspect_model(model, inputs, target="cpu")
+    >>> report.totals.saved_bytes > 0
+    True
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lynx.errors import (
+    LynxBudgetError,
+    LynxCaptureError,
+    LynxConfigError,
+    LynxError,
+    LynxFingerprintError,
+    LynxPlanError,
+    LynxProfileError,
+    LynxRuntimeError,
+)
+
+__version__ = "0.1.0"
+
+# Public names resolved on first use, so `import lynx` stays fast and each stage of the
+# data flow (capture → profile → graph → timeline → solve → plan → simulate → rewrite →
+# runtime) is imported only when needed.
+_LAZY = {
+    "models": ("lynx.models", None),
+    "capture": ("lynx.capture", "capture"),
+    "Captured": ("lynx.capture", "Captured"),
+    "profile": ("lynx.profile", "profile"),
+    "Profile": ("lynx.profile", "Profile"),
+    "build_graph": ("lynx.graph", "build_graph"),
+    "HardwareSpec": ("lynx.hardware", "HardwareSpec"),
+    "LinkSpec": ("lynx.hardware", "LinkSpec"),
+    "get_hardware": ("lynx.hardware", "get_hardware"),
+    "analyze": ("lynx.analyze", "analyze"),
+    "Analysis": ("lynx.analyze", "Analysis"),
+    "inspect_model": ("lynx.inspect", "inspect_model"),
+    "CompileConfig": ("lynx.config", "CompileConfig"),
+    "compile": ("lynx.compile", "compile"),
+    "Compiled": ("lynx.compile", "Compiled"),
+    "Plan": ("lynx.plan", "Plan"),
+    "simulate": ("lynx.simulate", "simulate"),
+    "optim": ("lynx.optim", None),
+    "runtime": ("lynx.runtime", None),
+}
+
+__all__ = [
+    "LynxError",
+    "LynxConfigError",
+    "LynxCaptureError",
+    "LynxProfileError",
+    "LynxPlanError",
+    "LynxBudgetError",
+    "LynxFingerprintError",
+    "LynxRuntimeError",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'lynx' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,44 @@
+"""The `lynx` command line: inspect, plan, show, compare, bench.
+
+Each sub-command lives in its own module and registers itself on :data:`app`.
+
+Example::
+
+    $ lynx inspect gpt-tiny --target cpu
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from lynx.errors import LynxError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="lynx",
+    help="Plan activation recomputation inside communication windows.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Sub-command modules: importing one registers its commands on `app`.
+from lynx.cli import inspect_cmd  # noqa: E402,F401
+
+try:  # the planner's commands (plan, show, compare, bench)
+    from lynx.cli import plan_cmd  # noqa: E402,F401
+except ImportError as _err:  # pragma: no cover - only while the planner is not installed
+    if getattr(_err, "name", None) != "lynx.cli.plan_cmd":
+        raise
+
+
+def main() -> None:
+    """Console-script entry point: runs the app, printing Lynx errors without a traceback."""
+    try:
+        app()
+    except LynxError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
