@@ -1,0 +1,205 @@
+"""Built-in model presets with published sizes, and the resolver for ``MODEL`` arguments.
+
+A ``MODEL`` is a preset name (``gpt-1.3b`` … ``gpt-20b``, ``llama-7b``, ``gpt-tiny``,
+``llama-tiny``) or a ``module:factory`` import path whose factory returns
+``(model, example_inputs)``. Presets build on the meta device by default, so a 20B model is
+described without allocating its weights.
+
+Example::
+
+    >>> from lynx.models import resolve_model
+    >>> m = resolve_model("gpt-20b", seq=2048, microbatch=1)
+    >>> m.dims["hidden"], m.dims["layers"], next(m.model.parameters()).device.type
+    (6144, 44, 'meta')
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lynx.errors import LynxConfigError
+from lynx.models.gpt import GPT, GPTConfig
+from lynx.models.llama import Llama, LlamaConfig
+
+__all__ = ["PRESETS", "Preset", "ResolvedModel", "build_preset", "resolve_model", "parse_dtype"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    family: str  # "gpt" | "llama"
+    config: GPTConfig | LlamaConfig
+    dtype: torch.dtype
+    published: str  # where the sizes come from
+
+
+def _gpt(name: str, hidden: int, layers: int, heads: int, source: str) -> Preset:
+    cfg = GPTConfig(vocab_size=51200, seq_len=2048, hidden=hidden, heads=heads, layers=layers)
+    return Preset(name, "gpt", cfg, torch.float16, source)
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        _gpt("gpt-1.3b", 2048, 24, 16, "GPT-3 XL / Megatron-LM 1.3B"),
+        _gpt("gpt-2.7b", 2560, 32, 20, "GPT-3 2.7B"),
+        _gpt("gpt-6.7b", 4096, 32, 32, "GPT-3 6.7B"),
+        _gpt("gpt-13b", 5120, 40, 40, "GPT-3 13B"),
+        _gpt("gpt-20b", 6144, 44, 64, "GPT-NeoX-20B"),
+        Preset("llama-7b", "llama", LlamaConfig(), torch.float16, "Llama 2 7B"),
+        Preset(
+            "gpt-tiny", "gpt",
+            GPTConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, layers=4), torch.float32, "test size",
+        ),
+        Preset(
+            "llama-tiny", "llama",
+            LlamaConfig(vocab_size=256, seq_len=32, hidden=64, heads=4, kv_heads=2, layers=4, ffn_hidden=172),
+            torch.float32, "test size",
+        ),
+    ]
+}
+
+_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise LynxConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise LynxConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass
+class ResolvedModel:
+    """A model ready to capture: the module, one microbatch of inputs, and what is known of it."""
+
+    name: str
+    model: nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    dims: dict[str, Any] = field(default_factory=dict)
+
+
+def build_preset(
+    name: str,
+    *,
+    seq: int | None = None,
+    microbatch: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    attention: str | None = None,
+    dropout: float | None = None,
+    device: str | torch.device = "meta",
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Build preset ``name`` as ``(model, (idx, targets))`` for one microbatch."""
+    m = resolve_model(name, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention,
+                      dropout=dropout, device=device)
+    return m.model, m.example_inputs
+
+
+def _build(preset: Preset, seq: int | None, microbatch: int, dtype: torch.dtype, attention: str | None,
+           dropout: float | None, device: torch.device) -> ResolvedModel:
+    cfg = preset.config
+    if seq is not None:
+        cfg = replace(cfg, seq_len=seq)
+    if attention is not None:
+        if preset.family != "gpt":
+            raise LynxConfigError(f"--attention applies to GPT presets only; {preset.name} always uses sdpa")
+        if attention not in ("math", "sdpa"):
+            raise LynxConfigError(f"attention must be 'math' or 'sdpa', got {attention!r}")
+        cfg = replace(cfg, attention=attention)
+    if dropout is not None:
+        if preset.family != "gpt":
+            raise LynxConfigError(f"dropout applies to GPT presets only, not {preset.name}")
+        cfg = replace(cfg, dropout=dropout)
+    with torch.device(device):
+        model = (GPT(cfg) if preset.family == "gpt" else Llama(cfg)).to(dtype)
+        idx = torch.zeros(microbatch, cfg.seq_len, dtype=torch.long)  # (B, T)
+        if device.type != "meta":
+            gen = torch.Generator().manual_seed(0)
+            idx = torch.randint(0, cfg.vocab_size, (microbatch, cfg.seq_len), generator=gen).to(device)
+    dims = {"hidden": cfg.hidden, "heads": cfg.heads, "layers": cfg.layers, "seq": cfg.seq_len,
+            "microbatch": microbatch, "dtype": str(dtype).removeprefix("torch.")}
+    return ResolvedModel(preset.name, model, (idx, idx.roll(-1, dims=1)), dims)
+
+
+def _load_factory(spec: str) -> Callable[[], Any]:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise LynxConfigError(f"{spec!r} is neither a preset ({', '.join(PRESETS)}) nor 'module:factory'")
+    try:
+        if module_name.endswith(".py") or "/" in module_name:
+            path = Path(module_name)
+            if not path.exists():
+                raise LynxConfigError(f"factory file {path} does not exist")
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mod_spec)  # type: ignore[arg-type]
+            sys.modules[path.stem] = module
+            mod_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise LynxConfigError(f"cannot import {module_name!r} for MODEL {spec!r}: {err}. "
+                              "Check the module is on PYTHONPATH (or pass a file path).") from err
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise LynxConfigError(f"{module_name!r} has no callable {attr!r} (MODEL {spec!r})")
+    return factory
+
+
+def resolve_model(
+    spec: str,
+    *,
+    seq: int | None = None,
+    microbatch: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    attention: str | None = None,
+    dropout: float | None = None,
+    device: str | torch.device = "meta",
+) -> ResolvedModel:
+    """Turn a ``MODEL`` argument (preset or ``module:factory``) into a :class:`ResolvedModel`."""
+    if seq is not None:
+        _positive_int("seq", seq)
+    if microbatch is not None:
+        _positive_int("microbatch", microbatch)
+    torch_dtype = parse_dtype(dtype)
+    if spec in PRESETS:
+        preset = PRESETS[spec]
+        return _build(preset, seq, microbatch or 1, torch_dtype or preset.dtype, attention, dropout,
+                      torch.device(device))
+    if ":" not in spec:
+        raise LynxConfigError(f"unknown model preset {spec!r}; valid presets: {', '.join(PRESETS)} "
+                              "(or pass 'module:factory' returning (model, example_inputs))")
+    produced = _load_factory(spec)()
+    if not (isinstance(produced, tuple) and len(produced) == 2 and isinstance(produced[0], nn.Module)):
+        raise LynxConfigError(f"factory {spec!r} must return (model, example_inputs), got {type(produced).__name__}")
+    model, inputs = produced
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if torch_dtype is not None:
+        model = model.to(torch_dtype)
+    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    cfg = getattr(model, "config", None)
+    dims = {
+        "hidden": getattr(cfg, "hidden", None) or getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None),
+        "heads": getattr(cfg, "heads", None) or getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None),
+        "layers": getattr(cfg, "layers", None) or getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None),
+        "seq": first.shape[1] if first is not None and first.dim() >= 2 else None,
+        "microbatch": first.shape[0] if first is not None and first.dim() >= 1 else None,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.") if any(True for _ in model.parameters()) else None,
+    }
+    return ResolvedModel(spec, model, inputs, dims)
