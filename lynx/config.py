@@ -1,0 +1,248 @@
+"""`CompileConfig`: every setting of :func:`lynx.compile`, validated once and frozen.
+
+Sizes are given as bytes or strings (``"60GiB"``, ``"500MB"``, ``"1.5 TiB"``); bad values
+raise :class:`lynx.LynxConfigError` naming the setting and what to do.
+
+Example::
+
+    >>> from lynx.config import CompileConfig, parse_size
+    >>> parse_size("60GiB") == 60 * 2**30
+    True
+    >>> cfg = CompileConfig(pp=4, microbatches=8, memory_budget="40GiB", solver="heu")
+    >>> cfg.memory_budget == 40 * 2**30 and cfg.schedule == "1f1b"
+    True
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from lynx.errors import LynxConfigError
+
+__all__ = [
+    "CompileConfig",
+    "parse_size",
+    "format_size",
+    "SCHEDULES",
+    "SOLVERS",
+    "OPTIMIZERS",
+    "FINGERPRINT_FIELDS",
+]
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
+SOLVERS = ("opt", "heu", "none", "full", "full-block", "selective", "checkmate")
+OPTIMIZERS = ("adamw", "demo", "lion")
+# Settings that change the planning problem: a plan made under other values is refused.
+FINGERPRINT_FIELDS = (
+    "pp", "dp", "tp", "microbatches", "schedule", "virtual_stages", "memory_budget",
+    "hardware", "optimizer", "target",
+)
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Union[int, float, str]) -> int:
+    """Bytes from ``int`` bytes or a size string such as ``"60GiB"``, ``"500MB"``, ``"2e9"``."""
+    if isinstance(value, bool):
+        raise LynxConfigError(f"a memory size must be bytes or a string like '60GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise LynxConfigError(f"a memory size must be positive, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise LynxConfigError(f"a memory size must be bytes or a string like '60GiB', got {value!r}")
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise LynxConfigError(
+            f"cannot read memory size {value!r}: use bytes or a number with a unit "
+            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '60GiB'")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise LynxConfigError(f"a memory size must be positive, got {value!r}")
+    return size
+
+
+def format_size(nbytes: Union[int, float]) -> str:
+    """Human-readable binary size, e.g. ``format_size(3 * 2**30) == '3.00 GiB'``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
+
+
+class CompileConfig(BaseModel):
+    """Settings of one compilation: parallelism, schedule, budget, hardware, optimizer, solver.
+
+    ``memory_budget`` is per device (``None``: the hardware's memory); ``target`` defaults to
+    ``"cpu"`` for the ``cpu-local`` hardware and ``"cuda"`` otherwise; ``plan`` (a saved plan's
+    path or a :class:`lynx.Plan`) is used instead of solving.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    microbatches: int = 8
+    schedule: Literal["1f1b", "gpipe", "interleaved1f1b"] = "1f1b"
+    virtual_stages: int = 2
+    memory_budget: Optional[int] = None
+    hardware: Any = "h100-sxm"
+    optimizer: Literal["adamw", "demo", "lion"] = "adamw"
+    solver: Literal["opt", "heu", "none", "full", "full-block", "selective", "checkmate"] = "heu"
+    time_limit_s: float = 60.0
+    plan: Any = None
+    target: Optional[Literal["cuda", "cpu"]] = None
+    seed: int = 0
+    max_iterations: int = 3
+
+    def __init__(self, **data: Any) -> None:
+        unknown = sorted(set(data) - set(type(self).model_fields))
+        if unknown:
+            raise LynxConfigError(
+                f"unknown setting(s) {', '.join(unknown)}; valid settings: "
+                f"{', '.join(type(self).model_fields)}")
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise LynxConfigError(_explain(err)) from None
+
+    @field_validator("pp", "dp", "tp", "microbatches", "virtual_stages", "max_iterations")
+    @classmethod
+    def _positive(cls, value: int, info: Any) -> int:
+        if value < 1:
+            raise ValueError(f"{info.field_name} must be >= 1, got {value}")
+        return value
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Optional[int]:
+        if value is None:
+            return None
+        try:
+            return parse_size(value)
+        except LynxConfigError as err:
+            raise ValueError(str(err)) from None
+
+    @field_validator("time_limit_s")
+    @classmethod
+    def _time_limit(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"time_limit_s must be > 0 seconds, got {value}")
+        return float(value)
+
+    @field_validator("hardware", mode="before")
+    @classmethod
+    def _hardware(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                from lynx.hardware import get_hardware
+            except ImportError:  # foundation not installed: the name is checked when used
+                return value
+            try:
+                get_hardware(value)
+            except Exception as err:  # noqa: BLE001 - re-raised with the setting's name
+                raise ValueError(f"unknown hardware {value!r}: {err}") from None
+            return value
+        if hasattr(value, "model_dump") and hasattr(value, "links"):
+            return value
+        raise ValueError(f"hardware must be a preset name or a lynx.HardwareSpec, got {value!r}")
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _plan(cls, value: Any) -> Any:
+        if value is None or isinstance(value, (str, Path)):
+            return value
+        from lynx.plan import Plan
+
+        if isinstance(value, Plan):
+            return value
+        raise ValueError(f"plan must be a path to a saved plan or a lynx.Plan, got {type(value).__name__}")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CompileConfig":
+        if self.target is None:
+            name = self.hardware if isinstance(self.hardware, str) else getattr(self.hardware, "name", "")
+            object.__setattr__(self, "target", "cpu" if str(name).startswith("cpu") else "cuda")
+        if self.schedule == "1f1b" and self.microbatches < self.pp:
+            raise ValueError(
+                f"schedule '1f1b' needs microbatches >= pp ({self.microbatches} < {self.pp}): "
+                f"raise microbatches to at least {self.pp} or use schedule='gpipe'")
+        if self.schedule == "interleaved1f1b":
+            if self.pp < 2:
+                raise ValueError("schedule 'interleaved1f1b' needs pp >= 2; use '1f1b' for one stage")
+            if self.virtual_stages < 2:
+                raise ValueError("schedule 'interleaved1f1b' needs virtual_stages >= 2")
+            if self.microbatches < self.pp or self.microbatches % self.pp:
+                raise ValueError(
+                    f"schedule 'interleaved1f1b' needs microbatches to be a multiple of pp and >= pp "
+                    f"(got microbatches={self.microbatches}, pp={self.pp})")
+        return self
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def virtual(self) -> int:
+        """Model chunks per device: ``virtual_stages`` for the interleaved schedule, else 1."""
+        return self.virtual_stages if self.schedule == "interleaved1f1b" else 1
+
+    def hardware_spec(self) -> Any:
+        """The resolved :class:`lynx.HardwareSpec`."""
+        from lynx.hardware import get_hardware
+
+        return get_hardware(self.hardware)
+
+    def budget_bytes(self) -> int:
+        """The per-device memory budget in bytes (the hardware's memory when unset)."""
+        if self.memory_budget is not None:
+            return int(self.memory_budget)
+        return int(self.hardware_spec().memory_bytes)
+
+    def hardware_record(self) -> Any:
+        """JSON-ready form of ``hardware``: the preset name or the spec's fields."""
+        if isinstance(self.hardware, str):
+            return self.hardware
+        return self.hardware.model_dump(mode="json")
+
+    def record(self) -> dict[str, Any]:
+        """JSON-ready dict of the settings (the plan field left out)."""
+        data = self.model_dump(mode="python", exclude={"plan", "hardware"})
+        data["hardware"] = self.hardware_record()
+        return data
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The settings a plan depends on (see :data:`FINGERPRINT_FIELDS`)."""
+        record = self.record()
+        if self.memory_budget is None:
+            record["memory_budget"] = self.budget_bytes()
+        return {name: record[name] for name in FINGERPRINT_FIELDS}
+
+    def replace(self, **changes: Any) -> "CompileConfig":
+        """A copy with some settings changed (re-validated)."""
+        data = {name: getattr(self, name) for name in type(self).model_fields}
+        data.update(changes)
+        return CompileConfig(**data)
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        where = ".".join(str(part) for part in item.get("loc", ()))
+        message = item.get("msg", "invalid value")
+        message = message.removeprefix("Value error, ")
+        if item.get("type") == "literal_error":
+            message = f"{message} (got {item.get('input')!r})"
+        lines.append(f"{where}: {message}" if where and where not in message else message)
+    return "invalid CompileConfig: " + "; ".join(lines)

@@ -1,0 +1,252 @@
+"""`Plan`: the decisions Lynx made for one model and config — JSON on disk, versioned, fingerprinted.
+
+A plan records, per pipeline stage, which nodes keep their saved tensors and which are
+recomputed (in which window, or on demand), the windows it was made with, and the
+simulator's prediction. :meth:`Plan.stage_schedule` is the only view the runtime reads.
+
+Example::
+
+    >>> from lynx.plan import Plan, StagePlan, Decision, Predicted
+    >>> plan = Plan(fingerprint="f", graph_fingerprint="g", config={"microbatches": 2},
+    ...             solver="none", status="HEURISTIC", search_time_s=0.0,
+    ...             stages=[StagePlan(index=0, layers=[0], budget_bytes=1, peak_memory_bytes=1,
+    ...                               decisions=[Decision(node="mm", action="keep")])],
+    ...             windows=[], predicted=Predicted(step_time_s=1.0, peak_memory_bytes=[1]))
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+    >>> plan.stage_schedule(0).dropped
+    frozenset()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from lynx.errors import LynxFingerprintError, LynxPlanError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Decision",
+    "StagePlan",
+    "WindowRecord",
+    "Predicted",
+    "Plan",
+    "StageSchedule",
+    "fingerprint_of",
+    "check_fingerprint",
+]
+
+SCHEMA_VERSION = 1
+
+
+class Decision(BaseModel):
+    """What happens to one node's saved tensors.
+
+    ``window`` is the window used for every microbatch when they all share one; ``windows``
+    maps a microbatch to its window otherwise. A recomputed node with no window for a
+    microbatch is recomputed on demand (on the critical path) for it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    node: str
+    action: Literal["keep", "recompute"]
+    window: Optional[str] = None
+    windows: Optional[dict[int, str]] = None
+
+    def window_for(self, microbatch: int) -> Optional[str]:
+        """The window this node is recomputed in for ``microbatch`` (None: kept or on demand)."""
+        if self.action == "keep":
+            return None
+        if self.windows is not None:
+            return self.windows.get(microbatch)
+        return self.window
+
+
+class StagePlan(BaseModel):
+    """One pipeline stage (device): its layers, budget, predicted peak and decisions."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int
+    layers: list[int]
+    blocks: list[str] = []
+    budget_bytes: int
+    peak_memory_bytes: int
+    static_bytes: int = 0
+    activation_bytes: int = 0
+    in_flight: int = 1
+    exposed_recompute_s: float = 0.0
+    hidden_recompute_s: float = 0.0
+    decisions: list[Decision]
+
+
+class WindowRecord(BaseModel):
+    """An idle interval a stage could fill with recomputation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    stage: int
+    kind: Literal["recv_grad", "recv_act", "tp_allreduce", "dp_collective"]
+    microbatch: int
+    capacity_s: float
+    eligible_layers: Optional[list[int]] = None
+
+
+class Predicted(BaseModel):
+    """The simulator's figures for the plan (never the solver's own objective)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    step_time_s: float
+    exposed_recompute_s: float = 0.0
+    hidden_recompute_s: float = 0.0
+    bubble_s: float = 0.0
+    peak_memory_bytes: list[int]
+    fits_budget: bool = True
+
+
+class Plan(BaseModel):
+    """A complete recomputation plan; see the module docstring."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    fingerprint: str
+    graph_fingerprint: str
+    config: dict[str, Any]
+    solver: str
+    status: str
+    gap: Optional[float] = None
+    search_time_s: float
+    iterations: int = 1
+    stages: list[StagePlan]
+    windows: list[WindowRecord]
+    predicted: Predicted
+
+    # ------------------------------------------------------------------ files
+    def to_json(self, indent: Optional[int] = 1) -> str:
+        """The plan as JSON text."""
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "<string>") -> "Plan":
+        """Parse a plan; a corrupt or wrong-version text raises :class:`LynxPlanError`."""
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise LynxPlanError(f"plan {source} is not valid JSON ({err}); re-create it with `lynx plan`") from None
+        if not isinstance(data, dict):
+            raise LynxPlanError(f"plan {source} is corrupt: expected a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise LynxPlanError(
+                f"plan {source} has schema_version {version!r}; this Lynx reads version {SCHEMA_VERSION}. "
+                f"Re-create the plan with this version of Lynx (`lynx plan`).")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise LynxPlanError(
+                f"plan {source} is corrupt: {where}: {first.get('msg')} "
+                f"({err.error_count()} problem(s)); re-create it with `lynx plan`") from None
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write the plan as JSON; returns the path."""
+        path = Path(path)
+        if path.parent and not path.parent.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Plan":
+        """Read a plan written by :meth:`save`."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise LynxPlanError(f"plan file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise LynxPlanError(f"cannot read plan file {path}: {err}") from None
+        return cls.from_json(text, source=str(path))
+
+    # -------------------------------------------------------------- accessors
+    @property
+    def microbatches(self) -> int:
+        return int(self.config.get("microbatches", 1))
+
+    def stage(self, index: int) -> StagePlan:
+        """The plan of stage ``index``."""
+        for stage in self.stages:
+            if stage.index == index:
+                return stage
+        raise LynxPlanError(f"plan has no stage {index}; it has stages 0..{len(self.stages) - 1}")
+
+    def stage_schedule(self, stage: int) -> "StageSchedule":
+        """What the runtime does on ``stage``: the dropped nodes and, per microbatch j, the
+        ordered ``(window id, [nodes in forward order])`` to recompute before ``B(j)``."""
+        stage_plan = self.stage(stage)
+        order = {w.id: i for i, w in enumerate(self.windows)}
+        dropped = frozenset(d.node for d in stage_plan.decisions if d.action == "recompute")
+        prefetch: dict[int, list[tuple[str, list[str]]]] = {}
+        for j in range(self.microbatches):
+            per_window: dict[str, list[str]] = {}
+            for decision in stage_plan.decisions:  # decisions are in forward order
+                window = decision.window_for(j)
+                if window is not None:
+                    per_window.setdefault(window, []).append(decision.node)
+            prefetch[j] = sorted(per_window.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+        return StageSchedule(dropped=dropped, prefetch=prefetch)
+
+    def recompute_fraction(self) -> float:
+        """Share of nodes recomputed over all stages (a quick summary figure)."""
+        total = sum(len(s.decisions) for s in self.stages)
+        dropped = sum(1 for s in self.stages for d in s.decisions if d.action == "recompute")
+        return dropped / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class StageSchedule:
+    """The runtime's view of one stage's plan (see :meth:`Plan.stage_schedule`)."""
+
+    dropped: frozenset[str]
+    prefetch: dict[int, list[tuple[str, list[str]]]] = field(default_factory=dict)
+
+    def on_demand(self, microbatch: int) -> frozenset[str]:
+        """Dropped nodes not prefetched for ``microbatch``: recomputed when backward needs them."""
+        prefetched = {n for _, nodes in self.prefetch.get(microbatch, []) for n in nodes}
+        return self.dropped - prefetched
+
+
+def fingerprint_of(graph_fingerprint: str, config_fields: dict[str, Any]) -> str:
+    """Hash of the graph's fingerprint and the settings a plan depends on."""
+    payload = json.dumps({"graph": graph_fingerprint, "config": config_fields}, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def check_fingerprint(plan: Plan, graph_fingerprint: str, config_fields: dict[str, Any]) -> None:
+    """Refuse ``plan`` unless it was made for this graph and these settings."""
+    expected = fingerprint_of(graph_fingerprint, config_fields)
+    if plan.fingerprint == expected:
+        return
+    differences = []
+    if plan.graph_fingerprint != graph_fingerprint:
+        differences.append(
+            f"the model graph (plan made for graph {plan.graph_fingerprint}, this one is {graph_fingerprint})")
+    for name, value in config_fields.items():
+        planned = plan.config.get(name)
+        if planned != value:
+            differences.append(f"{name}: plan {planned!r}, now {value!r}")
+    what = "; ".join(differences) or "the settings it was made for"
+    raise LynxFingerprintError(
+        f"plan fingerprint {plan.fingerprint} does not match this model and config ({expected}): "
+        f"differs in {what}. Make a new plan for this model and config (`lynx plan`, or drop plan=).")
