@@ -15,7 +15,10 @@ Conventions the solvers rely on:
 
 * ``problem.nodes`` is in forward topological order; ``problem.windows`` is in time order
   (a window listed earlier runs earlier). Recomputing "on demand" for microbatch j happens
-  during the backward of j, after every window of j.
+  during the backward of j, after every window of j, one group (layer or edge block) at a
+  time in backward order: the last group of the forward is regenerated first. So an
+  on-demand node may read an on-demand input of its own group, but not one of an earlier
+  group (that one is regenerated only later): such an input must be kept or prefetched.
 * A window with ``eligible_layers`` set serves only nodes of those layers; edge-block nodes
   (``layer is None``) are eligible only for windows with ``eligible_layers=None``.
 
@@ -30,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +52,9 @@ __all__ = [
     "validate",
     "required_recompute_closure",
     "group_key",
+    "group_ranks",
+    "MicrobatchClass",
+    "microbatch_classes",
     "make_uniform_problem",
 ]
 
@@ -127,6 +132,57 @@ class SolveResult:
 def group_key(node: ProblemNode) -> str:
     """The unit regenerated at once in backward: a repeated layer, or an edge block."""
     return f"layer{node.layer}" if node.layer is not None else f"edge:{node.layer_class}"
+
+
+def group_ranks(problem: StageProblem) -> dict[str, int]:
+    """Forward rank of each group; on-demand regeneration runs in decreasing rank."""
+    ranks: dict[str, int] = {}
+    for n in problem.nodes:
+        ranks.setdefault(group_key(n), len(ranks))
+    return ranks
+
+
+@dataclass(frozen=True)
+class MicrobatchClass:
+    """Microbatches whose windows are identical (kinds, capacities, eligibility, order).
+
+    They have the same optimal placement, so solvers decide once per class. ``window_ids[k]``
+    holds, for window position k, the id of that window for each member (aligned with
+    ``members``).
+    """
+
+    members: tuple[int, ...]
+    window_ids: tuple[tuple[str, ...], ...]
+    capacities: tuple[float, ...]
+    eligible_layers: tuple[tuple[int, ...] | None, ...]
+
+
+def microbatch_classes(problem: StageProblem) -> list[MicrobatchClass]:
+    """Group microbatches by their window signature, in order of first member."""
+    per_mb: dict[int, list[ProblemWindow]] = {mb: [] for mb in range(problem.microbatches)}
+    for w in problem.windows:
+        if w.microbatch not in per_mb:
+            raise LynxPlanError(
+                f"stage {problem.stage}: window {w.id!r} serves microbatch {w.microbatch}, "
+                f"but the stage has {problem.microbatches} microbatches"
+            )
+        per_mb[w.microbatch].append(w)
+    groups: dict[tuple, list[int]] = {}
+    for mb, ws in per_mb.items():
+        signature = tuple((w.kind, w.capacity_s, w.eligible_layers) for w in ws)
+        groups.setdefault(signature, []).append(mb)
+    classes = []
+    for signature, members in groups.items():
+        ids = tuple(tuple(per_mb[mb][k].id for mb in members) for k in range(len(signature)))
+        classes.append(
+            MicrobatchClass(
+                members=tuple(members),
+                window_ids=ids,
+                capacities=tuple(sig[1] for sig in signature),
+                eligible_layers=tuple(sig[2] for sig in signature),
+            )
+        )
+    return classes
 
 
 def kept_bytes(problem: StageProblem, assignment: Assignment) -> int:
@@ -235,7 +291,13 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                 f"{where}: node {name!r} (layer {by_name[name].layer}) is not eligible for window {wid!r} "
                 f"(eligible layers {window.eligible_layers})"
             )
-    on_demand = math.inf
+    ranks = group_ranks(problem)
+
+    def when(node: ProblemNode, mb: int) -> tuple[int, int]:
+        # windows (0, index) precede on-demand (1, -rank): later groups regenerate first
+        w = assignment.window_of.get((node.name, mb))
+        return (0, windows[w][0]) if w is not None else (1, -ranks[group_key(node)])
+
     for name in assignment.recompute:
         node = by_name[name]
         for src in node.inputs:
@@ -250,14 +312,14 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                     )
                 continue
             for mb in range(problem.microbatches):
-                w_src = assignment.window_of.get((src, mb))
-                w_dst = assignment.window_of.get((name, mb))
-                t_src = on_demand if w_src is None else windows[w_src][0]
-                t_dst = on_demand if w_dst is None else windows[w_dst][0]
-                if t_src > t_dst:
+                if when(producer, mb) > when(node, mb):
+                    w_src = assignment.window_of.get((src, mb))
+                    w_dst = assignment.window_of.get((name, mb))
                     raise LynxPlanError(
-                        f"{where}: for microbatch {mb}, {name!r} is recomputed in {w_dst!r} before its input "
-                        f"{src!r} ({'on demand' if w_src is None else w_src})"
+                        f"{where}: for microbatch {mb}, {name!r} is recomputed "
+                        f"({'on demand, ' + group_key(node) if w_dst is None else 'in ' + w_dst}) before its "
+                        f"input {src!r} is ({'on demand, ' + group_key(producer) if w_src is None else w_src}); "
+                        f"keep {src!r} or prefetch it earlier"
                     )
 
 
