@@ -1,0 +1,21 @@
+"""Communication-compressed data-parallel optimizers: DeMo and Distributed Lion.
+
+Both are ``torch.optim.Optimizer``s over a ``torch.distributed`` process group (a single
+process works without one), with bucketed, bit-packed payloads, asynchronous per-bucket
+collectives (``launch(bucket)`` / ``finish()``; ``step()`` does both) and per-step wire-byte
+counters (``last_step_bytes``). See ``docs/optimizers.md``.
+
+Example::
+
+    >>> import torch
+    >>> from lynx.optim import DeMo, DistributedLion
+    >>> model = torch.nn.Linear(8, 8)
+    >>> opt = DistributedLion(model.parameters(), lr=1e-4)
+    >>> model(torch.randn(2, 8)).sum().backward()
+    >>> opt.step()
+"""
+
+from lynx.optim.demo import DeMo
+from lynx.optim.lion import DistributedLion
+
+__all__ = ["DeMo", "DistributedLion"]

@@ -1,0 +1,171 @@
+"""DeMo: decoupled momentum optimization (Peng, Quesnelle, Kingma, arXiv 2411.19870).
+
+Each rank keeps its own momentum and per step, for every parameter ``p`` with gradient ``g``:
+
+1. ``m ← decay·m + lr·g``;
+2. ``C = DCT(m)`` chunk by chunk (orthonormal DCT-II, see :mod:`lynx.optim.dct`);
+3. keep the ``k`` largest-magnitude coefficients of every chunk, rounded to ``value_dtype``;
+4. error feedback: ``m ← m − IDCT(kept)`` — what was sent leaves the momentum;
+5. all-gather every rank's indices and values; each coefficient becomes the mean over the
+   ranks that sent it; ``u = IDCT(mean)``;
+6. ``p ← p·(1 − lr·λ) − lr·sign(u)``.
+
+Tensors whose sparse payload would not be smaller than their dense form are sent dense:
+their whole momentum is transmitted (``m ← 0``) and averaged with an all-reduce — DeMo with
+``k`` = the whole chunk. Payload layout and wire bytes: :mod:`lynx.optim.demo_payload`.
+
+Example (one process, no process group needed)::
+
+    >>> import torch
+    >>> from lynx.optim import DeMo
+    >>> model = torch.nn.Linear(64, 64)
+    >>> opt = DeMo(model.parameters(), lr=1e-3)
+    >>> model(torch.randn(4, 64)).square().mean().backward()
+    >>> opt.step()
+    >>> opt.last_step_bytes      # a single process sends nothing
+    {'sent': 0.0, 'received': 0.0}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from lynx.errors import LynxConfigError
+from lynx.optim.buckets import DEFAULT_BUCKET_BYTES, BucketedOptimizer, pack_bits, smallest_int_dtype, unpack_bits
+from lynx.optim.dct import decode, encode
+from lynx.optim.demo_payload import BucketPlan, plan_bucket
+
+__all__ = ["DeMo"]
+
+
+class DeMo(BucketedOptimizer):
+    """DeMo over a data-parallel process group, with bucketed, bit-packed payloads.
+
+    Args:
+        params: parameters, ``named_parameters()`` (names appear in errors) or param groups.
+        lr: learning rate (also scales the gradient into the momentum, as in the paper).
+        compression_decay: momentum decay ``β`` in ``[0, 1)``.
+        compression_topk: coefficients sent per chunk.
+        compression_chunk: target chunk side; each dimension is cut by its largest divisor
+            not above it (matrices get 2-D chunks of up to ``chunk²`` elements).
+        weight_decay: decoupled weight decay ``λ``.
+        process_group: the data-parallel group; ``None`` = the default group, or a single
+            process when torch.distributed is not initialized.
+        value_dtype: dtype the coefficient values travel in.
+        bucket_bytes: parameter bytes per bucket.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float,
+        compression_decay: float = 0.999,
+        compression_topk: int = 32,
+        compression_chunk: int = 64,
+        weight_decay: float = 0.0,
+        process_group: Any = None,
+        value_dtype: torch.dtype = torch.bfloat16,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
+        if not lr >= 0.0:
+            raise LynxConfigError(f"DeMo: lr must be >= 0, got {lr}")
+        if not 0.0 <= compression_decay < 1.0:
+            raise LynxConfigError(f"DeMo: compression_decay must be in [0, 1), got {compression_decay}")
+        if compression_chunk < 1:
+            raise LynxConfigError(f"DeMo: compression_chunk must be >= 1, got {compression_chunk}")
+        if not 1 <= compression_topk <= compression_chunk**2:
+            raise LynxConfigError(
+                f"DeMo: compression_topk={compression_topk} must be between 1 and the elements of a chunk "
+                f"(compression_chunk²={compression_chunk**2}); lower compression_topk or raise compression_chunk"
+            )
+        if not weight_decay >= 0.0:
+            raise LynxConfigError(f"DeMo: weight_decay must be >= 0, got {weight_decay}")
+        if not (isinstance(value_dtype, torch.dtype) and value_dtype.is_floating_point):
+            raise LynxConfigError(f"DeMo: value_dtype must be a floating torch.dtype, got {value_dtype!r}")
+        defaults = dict(
+            lr=lr,
+            compression_decay=compression_decay,
+            compression_topk=compression_topk,
+            compression_chunk=compression_chunk,
+            weight_decay=weight_decay,
+        )
+        self.value_dtype = value_dtype
+        super().__init__(params, defaults, process_group, bucket_bytes)
+        self._plans: list[BucketPlan] = []
+        for members in self.buckets:
+            g = self._group_of[members[0]]
+            settings = {(self._group_of[i]["compression_topk"], self._group_of[i]["compression_chunk"]) for i in members}
+            if len(settings) > 1:
+                raise LynxConfigError("DeMo: param groups sharing a bucket must share compression_topk/chunk")
+            self._plans.append(
+                plan_bucket(
+                    [(tuple(self._params[i].shape), self._params[i].dtype) for i in members],
+                    g["compression_topk"],
+                    g["compression_chunk"],
+                    value_dtype,
+                )
+            )
+
+    def _momentum(self, i: int) -> torch.Tensor:
+        state = self.state[self._params[i]]
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(self._params[i], memory_format=torch.preserve_format)
+        return state["momentum"]
+
+    def _launch_bucket(self, bucket: int) -> Callable[[], None]:
+        members, plan = self.buckets[bucket], self._plans[bucket]
+        device = self._params[members[0]].device
+        row = torch.zeros(plan.sparse_bytes, dtype=torch.uint8, device=device)  # (P,)
+        dense = torch.empty(plan.dense_numel, dtype=plan.dense_dtype, device=device)  # (D,)
+        for i, tp in zip(members, plan.tensors):
+            group, m = self._group_of[i], self._momentum(i)
+            m.mul_(group["compression_decay"]).add_(self._grad(i), alpha=group["lr"])
+            if not tp.compressed:
+                dense[tp.dense_offset : tp.dense_offset + tp.numel].copy_(m.reshape(-1))
+                m.zero_()  # all of it is transmitted
+                continue
+            coeffs = encode(m, tp.layout)  # (n_chunks, E)
+            idx = coeffs.abs().topk(tp.k, dim=1, sorted=False).indices  # (n_chunks, k)
+            vals = coeffs.gather(1, idx).to(self.value_dtype)  # (n_chunks, k)
+            sent = torch.zeros_like(coeffs).scatter_(1, idx, vals.to(coeffs.dtype))
+            m.sub_(decode(sent, tp.layout))  # error feedback: the rounded values left m
+            row[tp.value_offset : tp.value_offset + tp.value_bytes] = vals.reshape(-1).view(torch.uint8)
+            idx_small = idx.to(smallest_int_dtype(tp.layout.chunk_elements))  # in-memory form
+            row[tp.index_offset : tp.index_offset + tp.index_bytes] = pack_bits(idx_small, tp.index_bits)
+        world = self.comm.world_size
+        gathered = row.unsqueeze(0)  # (W, P)
+        works = []
+        if world > 1 and plan.sparse_bytes:
+            gathered = torch.empty((world, plan.sparse_bytes), dtype=torch.uint8, device=device)
+            works.append(self.comm.all_gather(gathered, row))
+        if world > 1 and plan.dense_numel:
+            works.append(self.comm.all_reduce(dense))
+
+        def complete() -> None:
+            for w in works:
+                w.wait()
+            for i, tp in zip(members, plan.tensors):
+                p, group = self._params[i], self._group_of[i]
+                if tp.compressed:
+                    update = self._decompress(gathered, tp, p.dtype)
+                else:
+                    update = (dense[tp.dense_offset : tp.dense_offset + tp.numel] / world).reshape(p.shape).to(p.dtype)
+                p.mul_(1.0 - group["lr"] * group["weight_decay"])
+                p.add_(update.sign(), alpha=-group["lr"])
+
+        return complete
+
+    def _decompress(self, gathered: torch.Tensor, tp: Any, dtype: torch.dtype) -> torch.Tensor:
+        """Mean over the ranks that sent each coefficient, then inverse DCT."""
+        world, n, k = gathered.shape[0], tp.layout.n_chunks, tp.k
+        raw_vals = gathered[:, tp.value_offset : tp.value_offset + tp.value_bytes].contiguous()
+        vals = raw_vals.view(self.value_dtype).reshape(world, n, k).to(dtype)  # (W, n, k)
+        raw_idx = gathered[:, tp.index_offset : tp.index_offset + tp.index_bytes]
+        idx = unpack_bits(raw_idx, tp.index_bits, n * k).reshape(world, n, k)  # (W, n, k)
+        vals = vals.permute(1, 0, 2).reshape(n, world * k)  # (n, W·k)
+        idx = idx.permute(1, 0, 2).reshape(n, world * k)  # (n, W·k)
+        mean = torch.zeros((n, tp.layout.chunk_elements), dtype=dtype, device=gathered.device)
+        mean.scatter_reduce_(1, idx, vals, reduce="mean", include_self=False)  # (n, E)
+        return decode(mean, tp.layout)
