@@ -1,0 +1,246 @@
+"""Step time per optimizer over rate-limited links: AdamW + fp32 all-reduce vs DeMo vs DistributedLion.
+
+Each link rate gets a fresh :class:`lynx.testbed.NetBed` (one network namespace per rank, each
+rank's link limited by ``tc tbf`` in both directions); its throughput is measured with gloo
+send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains the same small
+GPT with every optimizer, interleaved step by step (AdamW, DeMo, Lion, AdamW, ...) so that
+background load hits all of them alike; a step is timed from a barrier to the end of
+``optimizer.step()`` and its time is the slowest rank's. AdamW runs under
+``DistributedDataParallel`` (gloo, default 25 MB buckets, all-reduce overlapped with backward),
+exactly as DDP would; DeMo and DistributedLion communicate inside their ``step()``.
+
+    .venv/bin/python benchmarks/step_time.py                      # 10, 100, 1000 Mbit/s, 4 ranks
+    .venv/bin/python benchmarks/step_time.py --rates 100 --steps 4
+
+Writes ``benchmarks/results/step_time.{md,json,png}``. Needs root + iproute2 for real links;
+otherwise the bed falls back to loopback and the table says "unlimited".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "LYNX_STEP_TIME "
+ORDER = ["adamw", "demo", "lion"]
+LABEL = {"adamw": "AdamW + fp32 all-reduce (DDP)", "demo": "DeMo", "lion": "DistributedLion"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rates", default="10,100,1000", help="link rates in Mbit/s, comma separated")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per optimizer and rate")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per optimizer first")
+    p.add_argument("--optimizers", default="adamw,demo,lion")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rate")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_time"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- worker: one rank, started by NetBed.run ------------------------------------------------
+def build_optimizer(name: str, model, lr: float):
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    from lynx.optim import DeMo, DistributedLion
+
+    if name == "demo":
+        return DeMo(model.parameters(), lr=lr)
+    return DistributedLion(model.parameters(), lr=lr, mode="mavo")
+
+
+def wire_bytes(name: str, opt, n_params: int, world: int) -> float | None:
+    """Bytes this rank sent in the last step: the optimizer's own count, or the ring formula."""
+    if name == "adamw":
+        return 2 * (world - 1) / world * 4 * n_params
+    for attr in ("last_step_bytes_sent", "bytes_sent_last_step", "wire_bytes_sent"):
+        value = getattr(opt, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lynx.models.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden,
+                    heads=args.heads, layers=args.layers, dropout=0.0, attention="sdpa")
+    names = args.optimizers.split(",")
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)  # the same initial model on every rank and for every optimizer
+        model = GPT(cfg)
+        net = DistributedDataParallel(model) if name == "adamw" else model
+        lr = {"adamw": 1e-3, "demo": 1e-3, "lion": 1e-4}[name]
+        runs[name] = (net, build_optimizer(name, model, lr))
+    n_params = sum(p.numel() for p in runs[names[0]][0].parameters())
+    gen = torch.Generator().manual_seed(1000 + rank)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    sent: dict[str, float | None] = {}
+    for step in range(args.warmup + args.steps):
+        for name in names:
+            net, opt = runs[name]
+            tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = net(tokens[:, :-1], tokens[:, 1:])  # () mean cross-entropy
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+            sent[name] = wire_bytes(name, opt, n_params, world)
+    # Step time = the slowest rank's: gather every rank's times (one small collective).
+    mine = torch.tensor([times[n] for n in names], dtype=torch.float64)  # (optimizers, steps)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    slowest = torch.stack(gathered).amax(dim=0)  # (optimizers, steps)
+    if rank == 0:
+        out = {"n_params": n_params, "tokens_per_rank": args.batch * cfg.seq_len,
+               "steps": {n: slowest[i].tolist() for i, n in enumerate(names)},
+               "wire_bytes_sent": sent}
+        print(MARKER + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+# -- driver ---------------------------------------------------------------------------------
+def available_optimizers(requested: list[str]) -> list[str]:
+    wanted = [n for n in requested if n != "adamw"]
+    if wanted:
+        try:
+            from lynx.optim import DeMo, DistributedLion  # noqa: F401
+        except ImportError as exc:
+            print(f"NOTE: lynx.optim DeMo/DistributedLion not importable ({exc}); "
+                  f"timing AdamW only", flush=True)
+            return [n for n in requested if n == "adamw"]
+    return requested
+
+
+def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
+    from lynx.testbed import NetBed, measure_link
+
+    with NetBed(world_size=args.world_size, rate_mbit=rate) as bed:
+        link = measure_link(bed)
+        print(f"[{rate:g} Mbit/s] link: {link}; {bed}", flush=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker",
+               "--optimizers", ",".join(names)]
+        for key in ("steps", "warmup", "vocab", "seq", "hidden", "heads", "layers", "batch"):
+            cmd += [f"--{key}", str(getattr(args, key))]
+        started = time.perf_counter()
+        results = bed.run(cmd, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                          timeout_s=args.timeout)
+        wall = time.perf_counter() - started
+        limited = bed.rate_limited
+    for line in results[0].stdout.splitlines():
+        if line.startswith(MARKER):
+            data = json.loads(line[len(MARKER):])
+            break
+    else:
+        raise SystemExit(f"rank 0 printed no result; stderr:\n{results[0].stderr[-3000:]}")
+    data.update(rate_mbit=rate, rate_limited=limited, measured_mbit=link.measured_mbit,
+                wall_s=wall)
+    mean = {n: statistics.mean(v) for n, v in data["steps"].items()}
+    print(f"[{rate:g} Mbit/s] mean step: " + ", ".join(f"{n} {mean[n]:.3f} s" for n in names)
+          + f"  ({wall:.0f} s for the run)", flush=True)
+    return data
+
+
+def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
+    first = rows[0]
+    head = (f"# Step time per optimizer over rate-limited links\n\n"
+            f"`{' '.join(['benchmarks/step_time.py', *sys.argv[1:]])}` — {args.world_size} ranks "
+            f"(one thread each, {os.cpu_count()} CPU cores), GPT {args.layers} layers × hidden "
+            f"{args.hidden} ({first['n_params'] / 1e6:.2f} M parameters), "
+            f"{first['tokens_per_rank']} tokens per rank per step, {args.steps} timed steps per "
+            f"optimizer after {args.warmup} warm-up, optimizers interleaved step by step. "
+            f"Step time: barrier → forward → backward → `optimizer.step()`, slowest rank.\n\n")
+    cols = [f"{LABEL[n]} (s)" for n in names] + [f"{LABEL[n]} / AdamW" for n in names if n != "adamw"]
+    lines = ["| link (nominal) | measured | " + " | ".join(cols) + " |",
+             "|" + " --- |" * (2 + len(cols))]
+    for row in rows:
+        mean = {n: statistics.mean(row["steps"][n]) for n in names}
+        nominal = f"{row['rate_mbit']:g} Mbit/s" if row["rate_limited"] else "unlimited (loopback)"
+        cells = [nominal, f"{row['measured_mbit']:.1f} Mbit/s"]
+        cells += [f"{mean[n]:.3f} ± {statistics.pstdev(row['steps'][n]):.3f}" for n in names]
+        if "adamw" in mean:
+            cells += [f"{mean[n] / mean['adamw']:.3f}×" for n in names if n != "adamw"]
+        lines.append("| " + " | ".join(cells) + " |")
+    sent = first.get("wire_bytes_sent", {})
+    wire = ", ".join(f"{LABEL[n]} {sent[n] / 1e6:.3f} MB" for n in names if sent.get(n))
+    return head + "\n".join(lines) + (f"\n\nBytes sent per rank per step: {wire}.\n" if wire
+                                      else "\n")
+
+
+def plot(rows: list[dict], names: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        means = [statistics.mean(r["steps"][n]) for r in rows]
+        ax.bar([x + i * width for x in range(len(rows))], means, width, label=LABEL[n])
+    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(rows))],
+                  [f"{r['rate_mbit']:g} Mbit/s\n(measured {r['measured_mbit']:.0f})" for r in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("mean step time (s, log)")
+    ax.set_title(f"Step time per optimizer, {rows[0]['n_params'] / 1e6:.1f} M-param GPT, "
+                 f"{args_world(rows)} ranks over tbf links")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def args_world(rows: list[dict]) -> int:
+    return int(rows[0].get("world_size", 0))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    names = available_optimizers([n for n in args.optimizers.split(",") if n])
+    unknown = set(names) - set(ORDER)
+    if unknown:
+        raise SystemExit(f"--optimizers: unknown {sorted(unknown)}; choose from {ORDER}")
+    rows = []
+    for rate in [float(r) for r in args.rates.split(",")]:
+        rows.append(run_rate(args, rate, names) | {"world_size": args.world_size})
+    table = render(rows, names, args)
+    print("\n" + table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    plot(rows, names, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.md')}, .json, .png")
+
+
+if __name__ == "__main__":
+    main()
