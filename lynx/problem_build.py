@@ -1,0 +1,236 @@
+"""From a contract graph and a config to the planning inputs: the :class:`~lynx.timeline.Pipeline`,
+static memory per stage, and one :class:`~lynx.solvers.problem.StageProblem` per stage built
+from a replayed timeline; and back from solver assignments to plan decisions.
+
+Example::
+
+    >>> from lynx.problem_build import build_pipeline, build_problems, static_bytes, synthetic_graph
+    >>> from lynx.partition import CommModel
+    >>> from lynx.timeline import run_timeline
+    >>> g = synthetic_graph(layers=4)          # a small graph that follows the graph contract
+    >>> pipe = build_pipeline(g, pp=2, microbatches=4, comm=CommModel.free())
+    >>> problems = build_problems(g, pipe, run_timeline(pipe), budget_bytes=2**40,
+    ...                           static=static_bytes(g, pipe, optimizer="adamw"))
+    >>> [p.in_flight for p in problems]
+    [2, 1]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import networkx as nx
+
+from lynx.partition import (
+    CommModel,
+    block_costs,
+    dtype_bytes,
+    partition_graph,
+    static_bytes_per_param,
+)
+from lynx.plan import Decision
+from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem
+from lynx.timeline import Loads, Pipeline, Timeline
+
+__all__ = [
+    "build_pipeline",
+    "static_bytes",
+    "static_breakdown",
+    "stage_nodes",
+    "build_problems",
+    "loads_from_assignments",
+    "decisions_from_assignment",
+    "assignment_from_decisions",
+    "synthetic_graph",
+]
+
+
+def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: str = "1f1b",
+                   virtual: int = 1, tp: int = 1, optimizer: str = "adamw",
+                   comm: Optional[CommModel] = None, hardware: Any = None, dp: int = 1) -> Pipeline:
+    """Partition ``graph`` into balanced chunks and cost every block and boundary."""
+    if comm is None:
+        if hardware is None:
+            raise ValueError("build_pipeline needs comm= or hardware=")
+        comm = CommModel.from_hardware(hardware, tp=tp, dp=dp, optimizer=optimizer)
+    chunks = partition_graph(graph, pp=pp, virtual=virtual, tp=tp)
+    costs = block_costs(graph, comm, tp=tp, optimizer=optimizer)
+    blocks = graph.graph["blocks"]
+    chunk_of_node = {n: c.index for c in chunks for b in c.blocks for n in blocks[b]["nodes"]}
+    boundary = []
+    for c in chunks[:-1]:
+        sent: set[str] = set()
+        for b in c.blocks:
+            for n in blocks[b]["nodes"]:
+                if any(chunk_of_node.get(v, -1) > c.index for v in graph.successors(n)):
+                    sent.add(n)
+        nbytes = sum(int(graph.nodes[n].get("output_bytes", 0)) for n in sent) // tp
+        boundary.append(comm.p2p(nbytes))
+    return Pipeline(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
+                    costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual)
+
+
+def static_breakdown(graph: nx.DiGraph, pipe: Pipeline, *, optimizer: str) -> list[dict[str, int]]:
+    """Per device: bytes of weights, gradients and optimizer state (mixed precision, ÷ tp)."""
+    size = dtype_bytes(graph.graph.get("dims", {}).get("dtype"))
+    per_param = static_bytes_per_param(optimizer, size)
+    out = []
+    for s in range(pipe.pp):
+        weight_bytes = sum(pipe.costs[b].param_bytes for c in pipe.device_chunks(s) for b in c.blocks)
+        params = weight_bytes // size
+        out.append({"weights": params * size, "gradients": params * size,
+                    "optimizer": params * (per_param - 2 * size)})
+    return out
+
+
+def static_bytes(graph: nx.DiGraph, pipe: Pipeline, *, optimizer: str) -> list[int]:
+    """Per device: static memory (weights + gradients + optimizer state)."""
+    return [sum(parts.values()) for parts in static_breakdown(graph, pipe, optimizer=optimizer)]
+
+
+def stage_nodes(graph: nx.DiGraph, pipe: Pipeline, device: int) -> list[str]:
+    """The device's nodes in forward order (its chunks in pipeline order)."""
+    blocks = graph.graph["blocks"]
+    return [n for c in pipe.device_chunks(device) for b in c.blocks for n in blocks[b]["nodes"]]
+
+
+def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, budget_bytes: int,
+                   static: list[int], tp: int = 1) -> list[StageProblem]:
+    """One StageProblem per device from the graph and a replayed timeline's windows."""
+    problems = []
+    for s in range(pipe.pp):
+        names = stage_nodes(graph, pipe, s)
+        members = set(names)
+        nodes = []
+        for n in names:
+            attrs = graph.nodes[n]
+            nodes.append(ProblemNode(
+                name=n,
+                saved_bytes=-(-int(attrs.get("saved_bytes", 0)) // tp),
+                output_saved=bool(attrs.get("output_saved", False)),
+                recompute_s=float(attrs.get("forward_s", 0.0)) / tp,
+                inputs=tuple(p for p in graph.predecessors(n) if p in members),
+                layer=attrs.get("layer"),
+                layer_class=str(attrs.get("layer_class", "")),
+                core_attention=bool(attrs.get("core_attention", False)),
+            ))
+        windows = tuple(
+            ProblemWindow(id=w.id, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
+                          eligible_layers=w.eligible_layers)
+            for w in timeline.windows
+            if w.device == s and w.capacity_s > 1e-12 and w.eligible_layers != ())
+        problems.append(StageProblem(
+            stage=s, nodes=tuple(nodes), windows=windows, microbatches=pipe.microbatches,
+            in_flight=timeline.in_flight[s], activation_budget_bytes=max(0, budget_bytes - static[s])))
+    return problems
+
+
+def loads_from_assignments(graph: nx.DiGraph, pipe: Pipeline, problems: list[StageProblem],
+                           assignments: list[Assignment]) -> Loads:
+    """The recomputation seconds each assignment places in windows and on demand."""
+    chunk_of_block = {b: c.index for c in pipe.chunks for b in c.blocks}
+    window: dict[str, float] = {}
+    on_demand: dict[tuple[int, int, int], float] = {}
+    for problem, assignment in zip(problems, assignments):
+        for node in problem.nodes:
+            if node.name not in assignment.recompute or node.recompute_s <= 0:
+                continue
+            block = graph.nodes[node.name]["block"]
+            for j in range(problem.microbatches):
+                wid = assignment.window_of.get((node.name, j))
+                if wid is None:
+                    key = (chunk_of_block[block], j, block)
+                    on_demand[key] = on_demand.get(key, 0.0) + node.recompute_s
+                else:
+                    window[wid] = window.get(wid, 0.0) + node.recompute_s
+    return Loads(window=window, on_demand=on_demand)
+
+
+def decisions_from_assignment(problem: StageProblem, assignment: Assignment) -> list[Decision]:
+    """Plan decisions (forward order): one per node; a shared window is stored once."""
+    decisions = []
+    for node in problem.nodes:
+        if node.name not in assignment.recompute:
+            decisions.append(Decision(node=node.name, action="keep"))
+            continue
+        per_mb = {j: assignment.window_of[(node.name, j)] for j in range(problem.microbatches)
+                  if (node.name, j) in assignment.window_of}
+        ids = set(per_mb.values())
+        if len(per_mb) == problem.microbatches and len(ids) == 1:
+            decisions.append(Decision(node=node.name, action="recompute", window=ids.pop()))
+        else:
+            decisions.append(Decision(node=node.name, action="recompute", windows=per_mb or None))
+    return decisions
+
+
+def assignment_from_decisions(decisions: list[Decision], microbatches: int) -> Assignment:
+    """The inverse of :func:`decisions_from_assignment`."""
+    recompute = frozenset(d.node for d in decisions if d.action == "recompute")
+    window_of = {}
+    for d in decisions:
+        for j in range(microbatches):
+            wid = d.window_for(j)
+            if wid is not None:
+                window_of[(d.node, j)] = wid
+    return Assignment(recompute=recompute, window_of=window_of)
+
+
+def synthetic_graph(*, layers: int = 4, seq: int = 1024, hidden: int = 1024, heads: int = 16,
+                    microbatch: int = 1, flops_per_s: float = 1e14, bytes_per_s: float = 1e12,
+                    vocab: int = 8192, heavy_post: float = 1.0) -> nx.DiGraph:
+    """A Megatron-style GPT graph that follows the graph contract, without capturing a model.
+
+    Per layer the 15-node chain ln1 → qkv → scores → softmax → attn_dropout → attn_v → proj →
+    drop1 → add1 → ln2 → fc1 → gelu → fc2 → drop2 → add2 (saved bytes summing to Korthikanti's
+    ``s·b·h·(34 + 5·a·s/h)`` in fp16), ``pre`` (embedding) and ``post`` (norm, head, loss).
+    Backward costs twice the forward; ``heavy_post`` scales the head's cost (unbalanced stages).
+    """
+    s, b, h, a = seq, microbatch, hidden, heads
+    sbh, as2b = s * b * h * 2, a * s * s * b * 2
+    mm = lambda k: 2.0 * s * b * h * k * h / flops_per_s  # noqa: E731
+    ew = lambda n: n / bytes_per_s  # noqa: E731
+    attn = 4.0 * s * s * b * h / flops_per_s
+    chain = [("ln1", 2 * sbh, True, ew(2 * sbh), ["IN"], False), ("qkv", 6 * sbh, True, mm(3), ["ln1"], False),
+             ("scores", 0, False, attn, ["qkv"], True), ("softmax", 2 * as2b, True, ew(2 * as2b), ["scores"], True),
+             ("attn_dropout", 3 * as2b, True, ew(3 * as2b), ["softmax"], True),
+             ("attn_v", 2 * sbh, True, attn, ["attn_dropout", "qkv"], True), ("proj", 0, False, mm(1), ["attn_v"], False),
+             ("drop1", sbh, False, ew(2 * sbh), ["proj"], False), ("add1", 2 * sbh, True, ew(3 * sbh), ["drop1", "IN"], False),
+             ("ln2", 2 * sbh, True, ew(2 * sbh), ["add1"], False), ("fc1", 8 * sbh, True, mm(4), ["ln2"], False),
+             ("gelu", 8 * sbh, True, ew(8 * sbh), ["fc1"], False), ("fc2", 0, False, mm(4), ["gelu"], False),
+             ("drop2", sbh, False, ew(2 * sbh), ["fc2"], False), ("add2", 2 * sbh, True, ew(3 * sbh), ["drop2", "add1"], False)]
+    g = nx.DiGraph()
+    blocks: list[dict[str, Any]] = []
+
+    def add(name: str, block: int, layer: Optional[int], cls: str, saved: int, out_saved: bool, fwd: float,
+            inputs: list[str], core: bool, path: str) -> None:
+        g.add_node(name, op="aten.synthetic.default", flops=int(fwd * flops_per_s), output_bytes=sbh,
+                   saved_bytes=saved, output_saved=out_saved, forward_s=fwd, backward_s=2 * fwd, block=block,
+                   layer=layer, layer_class=cls, module_path=path, core_attention=core)
+        for src in inputs:
+            g.add_edge(src, name)
+
+    add("embed", 0, None, "pre", 0, True, ew(2 * sbh), [], False, "embed")
+    blocks.append({"index": 0, "name": "pre", "kind": "edge", "layer_class": "pre", "layer": None,
+                   "module_path": "embed", "nodes": ["embed"]})
+    prev = "embed"
+    for layer in range(layers):
+        names = []
+        for name, saved, out_saved, fwd, ins, core in chain:
+            full = f"l{layer}_{name}"
+            add(full, layer + 1, layer, "GPTBlock", saved, out_saved, fwd,
+                [prev if i == "IN" else f"l{layer}_{i}" for i in ins], core, f"layers.{layer}.{name}")
+            names.append(full)
+        blocks.append({"index": layer + 1, "name": f"layers.{layer}", "kind": "layer", "layer_class": "GPTBlock",
+                       "layer": layer, "module_path": f"layers.{layer}", "nodes": names})
+        prev = f"l{layer}_add2"
+    post = len(blocks)
+    add("ln_f", post, None, "post", 2 * sbh, True, ew(2 * sbh), [prev], False, "ln_f")
+    add("head", post, None, "post", 2 * s * b * vocab * 2, True, heavy_post * 2.0 * s * b * h * vocab / flops_per_s,
+        ["ln_f"], False, "head")
+    add("loss", post, None, "post", s * b * vocab * 4, False, ew(4 * s * b * vocab), ["head"], False, "loss")
+    blocks.append({"index": post, "name": "post", "kind": "edge", "layer_class": "post", "layer": None,
+                   "module_path": "", "nodes": ["ln_f", "head", "loss"]})
+    g.graph.update(blocks=blocks, layer_classes={"GPTBlock": list(range(layers))}, target="cuda",
+                   dims={"hidden": h, "heads": a, "layers": layers, "seq": s, "microbatch": b, "dtype": "float16"},
+                   param_bytes=[vocab * h * 2] + [12 * h * h * 2] * layers + [2 * h * 2])
+    return g

@@ -1,0 +1,352 @@
+"""The pipeline timeline: schedule × cost model → timed actions per stage and the idle windows.
+
+:func:`schedule_order` gives each device's ordered forward/backward actions for ``1f1b``,
+``gpipe`` and ``interleaved1f1b`` (Megatron's order). :func:`run_timeline` replays that order
+with per-block costs and p2p times (a forward waits for its activation, a backward for its
+gradient), optionally with recomputation placed in windows or on demand, and records every
+interval a device waits: ``recv_grad`` before a backward, ``recv_act`` before a forward (it
+serves the next backward whose forward is done), the ``tp_allreduce`` of each layer's
+backward (serving layers not yet backpropagated) and the ``dp_collective`` tail after a
+device's last backward. Windows are named by their place in the schedule, not their time, so
+the same ids exist in every replay and a plan made on one replay can be scored on another.
+
+Example::
+
+    >>> from lynx.timeline import Pipeline, run_timeline
+    >>> pipe = Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0)
+    >>> t = run_timeline(pipe)
+    >>> t.step_time_s == (8 + 4 - 1) * 3.0
+    True
+    >>> [t.in_flight[s] for s in range(4)]
+    [4, 3, 2, 1]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from lynx.errors import LynxConfigError, LynxPlanError
+from lynx.partition import BlockCost, Chunk
+
+__all__ = ["Pipeline", "Loads", "Action", "Window", "Segment", "Timeline", "schedule_order", "run_timeline"]
+
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Everything the timeline needs: chunks, per-block costs, p2p times, schedule."""
+
+    pp: int
+    microbatches: int
+    schedule: str
+    chunks: tuple[Chunk, ...]
+    costs: tuple[BlockCost, ...]          # indexed by block
+    boundary_s: tuple[float, ...]          # p2p seconds from chunk c to c+1 (and back, same size)
+    virtual: int = 1
+
+    @staticmethod
+    def uniform(*, pp: int, microbatches: int, forward_s: float, backward_s: float,
+                schedule: str = "1f1b", p2p_s: float = 0.0, tp_s: float = 0.0, virtual: int = 1) -> "Pipeline":
+        """``pp × virtual`` chunks of one layer each with the given costs (closed-form checks)."""
+        n = pp * virtual
+        chunks = tuple(Chunk(index=c, device=c % pp, blocks=(c,), layers=(c,)) for c in range(n))
+        costs = tuple(BlockCost(block=c, name=f"layer{c}", layer=c, forward_s=forward_s, backward_s=backward_s,
+                                tp_forward_s=tp_s, tp_backward_s=tp_s, param_bytes=0, dp_s=0.0) for c in range(n))
+        return Pipeline(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks, costs=costs,
+                        boundary_s=tuple([p2p_s] * max(0, n - 1)), virtual=virtual)
+
+    def device_chunks(self, device: int) -> list[Chunk]:
+        return [c for c in self.chunks if c.device == device]
+
+
+@dataclass(frozen=True)
+class Loads:
+    """Recomputation to replay: seconds per window id and seconds on demand per
+    (chunk, microbatch, block) — the latter run inside that block's backward."""
+
+    window: dict[str, float] = field(default_factory=dict)
+    on_demand: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+
+@dataclass
+class Action:
+    device: int
+    kind: str            # "F" | "B"
+    chunk: int
+    microbatch: int
+    ready: float = 0.0   # when the device was free to start it
+    arrival: float = 0.0  # when its input (activation or gradient) was available
+    start: float = 0.0
+    end: float = 0.0
+
+
+@dataclass(frozen=True)
+class Window:
+    id: str
+    device: int
+    kind: str                     # recv_grad | recv_act | tp_allreduce | dp_collective
+    microbatch: int               # the backward it serves
+    start: float
+    capacity_s: float
+    eligible_layers: Optional[tuple[int, ...]]
+    load_s: float = 0.0           # recomputation placed in it during this replay
+
+
+@dataclass(frozen=True)
+class Segment:
+    device: int
+    kind: str     # forward | backward | recompute | tp | wait | dp | send
+    start: float
+    end: float
+    label: str = ""
+
+
+@dataclass
+class Timeline:
+    pipeline: Pipeline
+    actions: list[list[Action]]
+    windows: list[Window]
+    segments: list[Segment]
+    step_time_s: float
+    device_end_s: list[float]
+    busy_s: list[float]            # compute incl. recomputation, per device
+    in_flight: list[int]
+    exposed_recompute_s: list[float]
+    hidden_recompute_s: list[float]
+
+    @property
+    def bubble_s(self) -> list[float]:
+        """Per device: step time not spent computing (waits, collectives, pipeline fill)."""
+        return [self.step_time_s - b for b in self.busy_s]
+
+    def bubble_fraction(self, device: int = 0) -> float:
+        return self.bubble_s[device] / self.step_time_s if self.step_time_s else 0.0
+
+    def window(self, window_id: str) -> Window:
+        for w in self.windows:
+            if w.id == window_id:
+                return w
+        raise KeyError(window_id)
+
+
+def schedule_order(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Per device the ordered ``(kind, chunk, microbatch)`` actions of one training step."""
+    m = microbatches
+    order: list[list[tuple[str, int, int]]] = []
+    for s in range(pp):
+        acts: list[tuple[str, int, int]] = []
+        if schedule == "gpipe":
+            acts = [("F", s, j) for j in range(m)] + [("B", s, j) for j in range(m)]
+        elif schedule == "1f1b":
+            warm = min(pp - s - 1, m)
+            acts = [("F", s, j) for j in range(warm)]
+            for i in range(m - warm):
+                acts += [("F", s, warm + i), ("B", s, i)]
+            acts += [("B", s, j) for j in range(m - warm, m)]
+        elif schedule == "interleaved1f1b":
+            if m % pp:
+                raise LynxConfigError(f"interleaved1f1b needs microbatches divisible by pp ({m} % {pp} != 0)")
+            total = m * virtual
+
+            def fwd(k: int) -> tuple[int, int]:
+                local = (k % (pp * virtual)) // pp
+                return local * pp + s, (k // (pp * virtual)) * pp + k % pp
+
+            def bwd(k: int) -> tuple[int, int]:
+                local = virtual - 1 - (k % (pp * virtual)) // pp
+                return local * pp + s, (k // (pp * virtual)) * pp + k % pp
+
+            warm = min((pp - s - 1) * 2 + (virtual - 1) * pp, total)
+            acts = [("F", *fwd(k)) for k in range(warm)]
+            for i in range(total - warm):
+                acts += [("F", *fwd(warm + i)), ("B", *bwd(i))]
+            acts += [("B", *bwd(k)) for k in range(total - warm, total)]
+        else:
+            raise LynxConfigError(f"unknown schedule {schedule!r}; use 1f1b, gpipe or interleaved1f1b")
+        order.append(acts)
+    return order
+
+
+def _wid(device: int, kind: str, chunk: int, mb: int, virtual: int) -> str:
+    return f"s{device}.{kind}.mb{mb}" if virtual == 1 else f"s{device}.{kind}.c{chunk}.mb{mb}"
+
+
+def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
+    """Replay one training step; ``loads`` places recomputation (see :class:`Loads`)."""
+    loads = loads or Loads()
+    used: set[str] = set()
+    order = schedule_order(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
+    n_chunks = len(pipe.chunks)
+    chunk_of = {c.index: c for c in pipe.chunks}
+    done: dict[tuple[str, int, int], float] = {}
+    actions = [[Action(device=s, kind=k, chunk=c, microbatch=j) for k, c, j in acts] for s, acts in enumerate(order)]
+    pointer, free = [0] * pipe.pp, [0.0] * pipe.pp
+    busy, exposed, hidden = [0.0] * pipe.pp, [0.0] * pipe.pp, [0.0] * pipe.pp
+    windows: list[Window] = []
+    segments: list[Segment] = []
+    last_bwd_mb = {c.index: max(j for k, cc, j in order[c.device] if k == "B" and cc == c.index) for c in pipe.chunks}
+    block_done: dict[tuple[int, int], float] = {}   # (device, block) -> time its final gradient exists
+
+    def window_load(wid: str) -> float:
+        used.add(wid)
+        return loads.window.get(wid, 0.0)
+
+    def dependency(a: Action) -> Optional[float]:
+        if a.kind == "F":
+            if a.chunk == 0:
+                return 0.0
+            t = done.get(("F", a.chunk - 1, a.microbatch))
+            return None if t is None else t + pipe.boundary_s[a.chunk - 1]
+        if a.chunk == n_chunks - 1:
+            return done.get(("F", a.chunk, a.microbatch))
+        t = done.get(("B", a.chunk + 1, a.microbatch))
+        return None if t is None else t + pipe.boundary_s[a.chunk]
+
+    def served_by_recv_act(s: int, index: int) -> Optional[tuple[int, int]]:
+        """The next backward on device s after action `index` whose forward already ran."""
+        forwarded = {(a.chunk, a.microbatch) for a in actions[s][:index] if a.kind == "F"}
+        for a in actions[s][index:]:
+            if a.kind == "B":
+                return (a.chunk, a.microbatch) if (a.chunk, a.microbatch) in forwarded else None
+        return None
+
+    def eligible(s: int, upto_chunk: int, below_block: Optional[int] = None) -> Optional[tuple[int, ...]]:
+        if pipe.virtual == 1 and below_block is None:
+            return None
+        layers: list[int] = []
+        for c in pipe.device_chunks(s):
+            if c.index > upto_chunk:
+                continue
+            for b in c.blocks:
+                if c.index == upto_chunk and below_block is not None and b >= below_block:
+                    continue
+                if pipe.costs[b].layer is not None:
+                    layers.append(pipe.costs[b].layer)
+        return tuple(sorted(layers))
+
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for s in range(pipe.pp):
+            while pointer[s] < len(actions[s]):
+                a = actions[s][pointer[s]]
+                arrival = dependency(a)
+                if arrival is None:
+                    break
+                a.ready, a.arrival = free[s], arrival
+                chunk = chunk_of[a.chunk]
+                # --- the wait before the action: a window
+                kind = "recv_act" if a.kind == "F" else "recv_grad"
+                wid = _wid(s, kind, a.chunk, a.microbatch, pipe.virtual)
+                serves = (a.chunk, a.microbatch) if a.kind == "B" else served_by_recv_act(s, pointer[s])
+                load = window_load(wid) if serves is not None else 0.0
+                capacity = max(0.0, arrival - a.ready)
+                if serves is not None and (capacity > _EPS or load > 0):
+                    windows.append(Window(wid, s, kind, serves[1], a.ready, capacity,
+                                          eligible(s, serves[0]), load))
+                a.start = max(arrival, a.ready + load)
+                _account(segments, busy, exposed, hidden, s, a.ready, load, capacity, f"{kind} {a.microbatch}")
+                if a.start > a.ready + load + _EPS:
+                    segments.append(Segment(s, "wait", a.ready + load, a.start, wid))
+                # --- the action itself
+                t = a.start
+                if a.kind == "F":
+                    for b in chunk.blocks:
+                        cost = pipe.costs[b]
+                        segments.append(Segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}"))
+                        t += cost.forward_s
+                        busy[s] += cost.forward_s
+                        if cost.tp_forward_s > 0:
+                            segments.append(Segment(s, "tp", t, t + cost.tp_forward_s, f"tp F{a.microbatch}"))
+                            t += cost.tp_forward_s
+                else:
+                    for b in reversed(chunk.blocks):
+                        cost = pipe.costs[b]
+                        od = loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
+                        if od > 0:
+                            segments.append(Segment(s, "recompute", t, t + od, f"on demand {cost.name}"))
+                            t += od
+                            busy[s] += od
+                            exposed[s] += od
+                        segments.append(Segment(s, "backward", t, t + cost.backward_s, f"B{a.microbatch} {cost.name}"))
+                        t += cost.backward_s
+                        busy[s] += cost.backward_s
+                        if cost.tp_backward_s > 0 and cost.layer is not None:
+                            tid = f"s{s}.tp.l{cost.layer}.b.mb{a.microbatch}"
+                            tload = window_load(tid)
+                            windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
+                                                  eligible(s, a.chunk, below_block=b), tload))
+                            _account(segments, busy, exposed, hidden, s, t, tload, cost.tp_backward_s, tid)
+                            if cost.tp_backward_s > tload:
+                                segments.append(Segment(s, "tp", t + tload, t + cost.tp_backward_s, tid))
+                            t += max(cost.tp_backward_s, tload)
+                        if a.microbatch == last_bwd_mb[a.chunk]:
+                            block_done[(s, b)] = t
+                a.end = t
+                free[s] = t
+                done[(a.kind, a.chunk, a.microbatch)] = t
+                if a.kind == "F" and a.chunk < n_chunks - 1 and pipe.boundary_s[a.chunk] > 0:
+                    segments.append(Segment(s, "send", t, t + pipe.boundary_s[a.chunk], f"act {a.microbatch}"))
+                if a.kind == "B" and a.chunk > 0 and pipe.boundary_s[a.chunk - 1] > 0:
+                    segments.append(Segment(s, "send", t, t + pipe.boundary_s[a.chunk - 1], f"grad {a.microbatch}"))
+                pointer[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise LynxConfigError(f"schedule {pipe.schedule!r} deadlocks for pp={pipe.pp}, m={pipe.microbatches}")
+
+    device_end = list(free)
+    for s in range(pipe.pp):  # data-parallel gradient collectives, one bucket per block, in gradient order
+        link = 0.0
+        for (dev, b), ready in sorted(block_done.items(), key=lambda kv: kv[1]):
+            if dev != s or pipe.costs[b].dp_s <= 0:
+                continue
+            start = max(ready, link)
+            link = start + pipe.costs[b].dp_s
+            segments.append(Segment(s, "dp", start, link, f"dp {pipe.costs[b].name}"))
+            idle_from = max(start, free[s])
+            if link > idle_from + _EPS:
+                windows.append(Window(f"s{s}.dp.b{b}", s, "dp_collective", last_bwd_mb[_chunk_of_block(pipe, b)],
+                                      idle_from, link - idle_from, (), 0.0))
+            device_end[s] = max(device_end[s], link)
+    unknown = sorted(set(loads.window) - used)
+    if unknown:
+        raise LynxPlanError(f"plan places recomputation in windows this schedule does not have: {unknown[:5]}")
+    windows.sort(key=lambda w: (w.device, w.start, w.id))
+    return Timeline(pipeline=pipe, actions=actions, windows=windows, segments=segments,
+                    step_time_s=max(device_end), device_end_s=device_end, busy_s=busy,
+                    in_flight=_in_flight(actions, pipe.virtual), exposed_recompute_s=exposed,
+                    hidden_recompute_s=hidden)
+
+
+def _account(segments: list[Segment], busy: list[float], exposed: list[float], hidden: list[float],
+             s: int, start: float, load: float, capacity: float, label: str) -> None:
+    """Recomputation ``load`` run from ``start`` in an idle interval of ``capacity`` seconds."""
+    if load <= 0:
+        return
+    segments.append(Segment(s, "recompute", start, start + load, label))
+    busy[s] += load
+    hidden[s] += min(load, capacity)
+    exposed[s] += max(0.0, load - capacity)
+
+
+def _chunk_of_block(pipe: Pipeline, block: int) -> int:
+    return next(c.index for c in pipe.chunks if block in c.blocks)
+
+
+def _in_flight(actions: list[list[Action]], virtual: int) -> list[int]:
+    """Per device: most microbatches forwarded but not yet backpropagated, at a backward's start
+    (chunk-microbatch pairs ÷ chunks per device, rounded up, for the interleaved schedule)."""
+    result = []
+    for acts in actions:
+        live, peak = 0, 0
+        for a in acts:
+            if a.kind == "F":
+                live += 1
+            else:
+                peak = max(peak, live)
+                live -= 1
+        result.append(-(-peak // virtual))
+    return result
