@@ -185,6 +185,9 @@ def test_loopback_mode_reports_failures_too() -> None:
             bed.run([sys.executable, "-c", code], timeout_s=30)
         results = bed.run([sys.executable, "-c", code], timeout_s=30, check=False)
         assert [r.returncode for r in results] == [7, 0]
+        # A per-rank command: a callable rank -> argv.
+        results = bed.run(lambda k: [sys.executable, "-c", f"print({k} * 10)"], timeout_s=30)
+        assert [r.stdout.strip() for r in results] == ["0", "10"]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -39,10 +39,11 @@ stderr, seconds) per rank; if a rank fails it stops the others and raises
 """
 
 from lynx.testbed.measure import LinkMeasurement, measure_link
-from lynx.testbed.netbed import LynxTestbedError, NetBed, RankResult
+from lynx.testbed.netbed import Command, LynxTestbedError, NetBed, RankResult
 from lynx.testbed.netns import TbfShape, cleanup_stale
 
 __all__ = [
+    "Command",
     "LinkMeasurement",
     "LynxTestbedError",
     "NetBed",

@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence, Union
 
 from lynx.errors import LynxConfigError, LynxRuntimeError
 from lynx.testbed.netns import (
@@ -42,7 +42,10 @@ from lynx.testbed.netns import (
     delete_namespaces,
 )
 
-__all__ = ["NetBed", "RankResult", "LynxTestbedError"]
+__all__ = ["NetBed", "RankResult", "LynxTestbedError", "Command"]
+
+# The same argv for every rank, or a function rank -> argv (e.g. rank-specific arguments).
+Command = Union[Sequence[str], Callable[[int], Sequence[str]]]
 
 log = logging.getLogger("lynx.testbed")
 _SEQ = itertools.count()
@@ -182,10 +185,13 @@ class NetBed:
             return int(s.getsockname()[1])
 
     # -- running ----------------------------------------------------------------------
-    def run(self, command: Sequence[str], env: Mapping[str, str] | None = None,
+    def run(self, command: Command, env: Mapping[str, str] | None = None,
             timeout_s: float = 300.0, cwd: str | None = None,
             check: bool = True) -> list[RankResult]:
         """Run ``command`` once per rank, concurrently, and wait for all.
+
+        ``command`` is an argv (the same for every rank; ranks tell themselves apart by the
+        ``RANK`` variable) or a callable ``rank -> argv``.
 
         ``env`` is merged over ``os.environ`` and under the rank variables. If a rank exits
         non-zero, the others are killed and (with ``check``) a :class:`LynxTestbedError`
@@ -194,7 +200,9 @@ class NetBed:
         """
         if self._topology is None and self.fallback_reason is None:
             raise LynxRuntimeError("NetBed.run after close(): make a new NetBed")
-        if not command:
+        argvs = [list(command(k) if callable(command) else command)
+                 for k in range(self.world_size)]
+        if not all(argvs):
             raise LynxConfigError("NetBed.run: command is empty")
         port = self._free_port()
         start = time.monotonic()
@@ -206,7 +214,7 @@ class NetBed:
                     err = open(os.path.join(tmp, f"{rank}.err"), "w+b")
                     files.append((out, err))
                     procs.append(subprocess.Popen(
-                        [*self.exec_prefix(rank), *command], cwd=cwd, stdout=out, stderr=err,
+                        [*self.exec_prefix(rank), *argvs[rank]], cwd=cwd, stdout=out, stderr=err,
                         stdin=subprocess.DEVNULL, start_new_session=True,
                         env={**os.environ, **(env or {}), **self.rank_env(rank, port)}))
                 first_failed, killed, timed_out, ends = self._wait(procs, start, timeout_s)
