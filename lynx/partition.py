@@ -110,14 +110,9 @@ def dp_payload_bytes(params: int, optimizer: str, world: int) -> int:
     ``adamw``: fp32 gradients (ring all-reduce). ``demo``: top-32 DCT coefficients of every
     64×64 chunk, a 2-byte index and a bf16 value each, all-gathered (4096 params → 128 B).
     ``lion``: one sign bit per parameter (packed 8 per byte), exchanged all-to-all.
-    Uses :func:`lynx.optim.payload_bytes` when the optimizer package provides it.
+    (The optimizers in :mod:`lynx.optim` count their real wire bytes per step; this is the
+    planner's per-parameter approximation of the same payloads.)
     """
-    try:  # the optimizers' own accounting, when available
-        from lynx.optim import payload_bytes  # type: ignore[attr-defined]
-
-        return int(payload_bytes(optimizer, params, world))
-    except (ImportError, AttributeError, TypeError):
-        pass
     if optimizer == "adamw":
         return 4 * params
     if optimizer == "demo":

@@ -1,0 +1,227 @@
+"""`lynx.compile`: analyse a model, plan recomputation per pipeline stage, return a `Compiled`.
+
+:func:`plan_graph` is the planning loop on an analysed graph: build the pipeline timeline,
+turn its windows into one problem per stage, solve, replay the decisions in the simulator,
+re-derive the windows from the replayed timeline (recomputation placed in windows moves
+them) and re-solve — a bounded number of times or until the decisions stop changing —
+keeping the plan the simulator scores best.
+
+Example::
+
+    >>> import lynx
+    >>> from lynx.problem_build import synthetic_graph
+    >>> from lynx.partition import CommModel
+    >>> from lynx.compile import plan_graph
+    >>> cfg = lynx.CompileConfig(pp=2, microbatches=4, solver="none", memory_budget="80GiB")
+    >>> plan = plan_graph(synthetic_graph(layers=4), cfg, comm=CommModel.free())
+    >>> plan.predicted.fits_budget and len(plan.stages) == 2
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import networkx as nx
+
+from lynx.config import CompileConfig, format_size
+from lynx.errors import LynxBudgetError, LynxConfigError
+from lynx.partition import CommModel, graph_fingerprint
+from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, check_fingerprint, fingerprint_of
+from lynx.problem_build import (
+    build_pipeline,
+    build_problems,
+    decisions_from_assignment,
+    static_breakdown,
+)
+from lynx.simulate import SimResult, simulate_assignments
+from lynx.solvers.problem import StageProblem
+from lynx.timeline import Pipeline, run_timeline
+
+__all__ = ["compile", "Compiled", "plan_graph", "PlanOutcome", "resolve_config", "BUDGET_CHECKED_SOLVERS"]
+
+# Solvers that promise a plan within the budget: failing to find one is an error. Baselines
+# (none, full, selective) are scored as they are and may report fits_budget=False.
+BUDGET_CHECKED_SOLVERS = ("opt", "heu", "checkmate")
+_STATUS_RANK = {"OPTIMAL": 0, "HEURISTIC": 1, "FEASIBLE": 2, "INFEASIBLE": 3}
+
+
+@dataclass
+class PlanOutcome:
+    """A plan with the objects it was made from (for benchmarks and the CLI)."""
+
+    plan: Plan
+    sim: SimResult
+    pipeline: Pipeline
+    problems: list[StageProblem]
+
+
+@dataclass
+class Compiled:
+    """The result of :func:`compile`: the plan, the settings and the analysis it was made from."""
+
+    plan: Plan
+    config: CompileConfig
+    analysis: Any
+
+    def stage(self, index: int) -> Any:
+        """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
+        if not isinstance(index, int) or not 0 <= index < self.config.pp:
+            raise LynxConfigError(f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}")
+        from lynx.rewrite import build_stage_module
+
+        return build_stage_module(self, index)
+
+    def simulate(self) -> SimResult:
+        """Replay the plan on this model's timeline."""
+        from lynx.simulate import simulate
+
+        return simulate(self.plan, self.analysis.graph)
+
+
+def resolve_config(config: Optional[CompileConfig], settings: dict[str, Any]) -> CompileConfig:
+    """One config from an optional ``CompileConfig`` and keyword overrides."""
+    if config is None:
+        return CompileConfig(**settings)
+    if not isinstance(config, CompileConfig):
+        raise LynxConfigError(f"config must be a lynx.CompileConfig, got {type(config).__name__}")
+    return config.replace(**settings) if settings else config
+
+
+def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = None, **settings: Any) -> Compiled:
+    """Analyse ``model`` on one microbatch of ``example_inputs`` and plan it (see module doc).
+
+    Settings are those of :class:`lynx.CompileConfig`, as one object, keywords, or both
+    (keywords win). With ``plan=`` the saved plan is checked against this model and config
+    (:class:`lynx.LynxFingerprintError` when it was made for others) and used as it is.
+    """
+    config = resolve_config(config, settings)
+    from lynx.analyze import analyze
+
+    analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
+    if config.plan is not None:
+        plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
+        check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
+        return Compiled(plan=plan, config=config, analysis=analysis)
+    return Compiled(plan=plan_graph(analysis.graph, config), config=config, analysis=analysis)
+
+
+def plan_graph(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommModel] = None,
+               solve: Optional[Callable[..., Any]] = None, progress: Optional[Callable[[str], None]] = None,
+               check_budget: bool = True) -> Plan:
+    """Plan an analysed contract graph under ``config`` (see module docstring)."""
+    return plan_graph_outcome(graph, config, comm=comm, solve=solve, progress=progress,
+                              check_budget=check_budget).plan
+
+
+def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommModel] = None,
+                       solve: Optional[Callable[..., Any]] = None, progress: Optional[Callable[[str], None]] = None,
+                       check_budget: bool = True, pipeline: Optional[Pipeline] = None) -> PlanOutcome:
+    """:func:`plan_graph` returning the pipeline, problems and simulation as well."""
+    if solve is None:
+        from lynx.solvers import solve as registry_solve
+
+        solve = registry_solve
+    say = progress or (lambda message: None)
+    pipe = pipeline or build_pipeline(
+        graph, pp=config.pp, microbatches=config.microbatches, schedule=config.schedule,
+        virtual=config.virtual, tp=config.tp, dp=config.dp, optimizer=config.optimizer,
+        comm=comm, hardware=None if comm is not None else config.hardware_spec())
+    budget = config.budget_bytes()
+    breakdown = static_breakdown(graph, pipe, optimizer=config.optimizer)
+    static = [sum(parts.values()) for parts in breakdown]
+    timeline = run_timeline(pipe)
+    best: Optional[tuple[tuple, SimResult, list[StageProblem], list[Any]]] = None
+    previous = None
+    search_time, iterations = 0.0, 0
+    for iteration in range(config.max_iterations):
+        iterations = iteration + 1
+        problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp)
+        results = []
+        for problem in problems:
+            say(f"iteration {iterations}: solving stage {problem.stage} with {config.solver} "
+                f"({len(problem.nodes)} nodes, {len(problem.windows)} windows)")
+            started = time.perf_counter()
+            results.append(solve(config.solver, problem, time_limit_s=config.time_limit_s))
+            search_time += time.perf_counter() - started
+        assignments = [r.assignment for r in results]
+        sim = simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget)
+        score = (not sim.fits_budget, round(sim.step_time_s, 12), max(sim.peak_memory_bytes))
+        if best is None or score < best[0]:
+            best = (score, sim, problems, results)
+        if assignments == previous:
+            break
+        previous = assignments
+        timeline = sim.timeline  # windows re-derived from the replay
+    assert best is not None
+    _, sim, problems, results = best
+    if check_budget and config.solver in BUDGET_CHECKED_SOLVERS and not sim.fits_budget:
+        raise LynxBudgetError(_budget_message(graph, pipe, config, problems, sim, breakdown, solve))
+    plan = _assemble(graph, config, pipe, problems, results, sim, search_time, iterations)
+    return PlanOutcome(plan=plan, sim=sim, pipeline=pipe, problems=problems)
+
+
+def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems: list[StageProblem],
+              results: list[Any], sim: SimResult, search_time: float, iterations: int) -> Plan:
+    blocks = graph.graph["blocks"]
+    record = config.record()
+    fields = config.fingerprint_fields()
+    record.update(fields)
+    graph_fp = graph_fingerprint(graph)
+    stages = []
+    for s, (problem, result) in enumerate(zip(problems, results)):
+        chunks = pipe.device_chunks(s)
+        stages.append(StagePlan(
+            index=s, layers=sorted(l for c in chunks for l in c.layers),
+            blocks=[blocks[b]["name"] for c in chunks for b in c.blocks],
+            budget_bytes=sim.budget_bytes, peak_memory_bytes=sim.peak_memory_bytes[s],
+            static_bytes=sim.static_bytes[s], activation_bytes=sim.activation_bytes[s],
+            in_flight=problem.in_flight, exposed_recompute_s=sim.exposed_per_stage[s],
+            hidden_recompute_s=sim.hidden_per_stage[s],
+            decisions=decisions_from_assignment(problem, result.assignment)))
+    windows = [WindowRecord(id=w.id, stage=p.stage, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
+                            eligible_layers=None if w.eligible_layers is None else list(w.eligible_layers))
+               for p in problems for w in p.windows]
+    statuses = [r.status for r in results]
+    status = max(statuses, key=lambda st: _STATUS_RANK.get(st, 1))
+    gaps = [r.gap for r in results if r.gap is not None]
+    return Plan(
+        fingerprint=fingerprint_of(graph_fp, fields), graph_fingerprint=graph_fp, config=record,
+        solver=config.solver, status=status, gap=max(gaps) if gaps else None, search_time_s=search_time,
+        iterations=iterations, stages=stages, windows=windows,
+        predicted=Predicted(step_time_s=sim.step_time_s, exposed_recompute_s=sim.exposed_recompute_s,
+                            hidden_recompute_s=sim.hidden_recompute_s, bubble_s=sim.bubble_s,
+                            peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget))
+
+
+def _budget_message(graph: nx.DiGraph, pipe: Pipeline, config: CompileConfig, problems: list[StageProblem],
+                    sim: SimResult, breakdown: list[dict[str, int]], solve: Callable[..., Any]) -> str:
+    """Say what the leanest plan needs per stage and what dominates it."""
+    peaks = list(sim.peak_memory_bytes)
+    activations = list(sim.activation_bytes)
+    try:  # full recomputation is usually the leanest plan there is
+        full = [solve("full", p, time_limit_s=config.time_limit_s).assignment for p in problems]
+        full_sim = simulate_assignments(graph, pipe, problems, full, static=sim.static_bytes,
+                                        budget_bytes=sim.budget_bytes, check=False)
+        for s, peak in enumerate(full_sim.peak_memory_bytes):
+            if peak < peaks[s]:
+                peaks[s], activations[s] = peak, full_sim.activation_bytes[s]
+    except Exception:  # noqa: BLE001 - the message is still useful without it
+        pass
+    lines = []
+    for s, peak in enumerate(peaks):
+        parts = dict(breakdown[s], activations=activations[s])
+        dominant = max(parts, key=parts.get)
+        detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts.items())
+        lines.append(f"stage {s}: {format_size(peak)} ({detail}; mostly {dominant}, "
+                     f"{problems[s].in_flight} microbatch(es) in flight)")
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    dominant = max(dict(breakdown[worst], activations=activations[worst]).items(), key=lambda kv: kv[1])[0]
+    advice = {"activations": "raise pp or tp, or use fewer microbatches in flight (gpipe holds all m)",
+              "optimizer": "use optimizer='demo' or 'lion' (one momentum instead of two), or raise pp or tp",
+              "weights": "raise pp or tp", "gradients": "raise pp or tp"}[dominant]
+    return (f"no {config.solver} plan fits memory_budget {format_size(sim.budget_bytes)} per device; "
+            f"the leanest plan found needs " + "; ".join(lines)
+            + f". Raise memory_budget to at least {format_size(peaks[worst])}, or {advice}.")

@@ -1,0 +1,140 @@
+"""Pipeline timeline: closed forms on uniform stages, windows found exactly, partitioning."""
+
+from __future__ import annotations
+
+import pytest
+
+from lynx.errors import LynxConfigError
+from lynx.partition import CommModel, balanced_boundaries, partition_graph
+from lynx.problem_build import build_pipeline, synthetic_graph
+from lynx.timeline import Pipeline, run_timeline, schedule_order
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 16), (8, 8), (8, 32), (3, 7)])
+def test_1f1b_bubble_fraction_closed_form(p: int, m: int) -> None:
+    t = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0))
+    assert t.step_time_s == pytest.approx((m + p - 1) * 3.0)
+    for s in range(p):
+        assert t.bubble_fraction(s) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (8, 3), (2, 5)])
+def test_in_flight_gpipe_holds_m_and_1f1b_min_p_minus_s_m(p: int, m: int) -> None:
+    gpipe = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0, schedule="gpipe"))
+    one_f_one_b = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0))
+    assert gpipe.in_flight == [m] * p
+    assert one_f_one_b.in_flight == [min(p - s, m) for s in range(p)]
+
+
+def test_gpipe_step_time_closed_form() -> None:
+    t = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, schedule="gpipe"))
+    # forwards fill in (m + p - 1)·F, backwards drain in (m + p - 1)·B
+    assert t.step_time_s == pytest.approx((8 + 3) * 1.0 + (8 + 3) * 2.0)
+
+
+def test_every_action_runs_once_after_its_dependencies() -> None:
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved1f1b", 2), ("interleaved1f1b", 3)):
+        pipe = Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, schedule=schedule,
+                                virtual=v, p2p_s=0.25)
+        t = run_timeline(pipe)
+        ends = {(a.kind, a.chunk, a.microbatch): a for acts in t.actions for a in acts}
+        assert len(ends) == 2 * 8 * 4 * v
+        for a in ends.values():
+            if a.kind == "F" and a.chunk > 0:
+                assert a.start >= ends[("F", a.chunk - 1, a.microbatch)].end + 0.25 - 1e-9
+            if a.kind == "B" and a.chunk < 4 * v - 1:
+                assert a.start >= ends[("B", a.chunk + 1, a.microbatch)].end + 0.25 - 1e-9
+            if a.kind == "B":
+                assert a.start >= ends[("F", a.chunk, a.microbatch)].end - 1e-9
+
+
+def test_interleaved_has_smaller_bubble_than_1f1b() -> None:
+    # same total work per device: 2 chunks of half the cost each
+    plain = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0))
+    inter = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=0.5, backward_s=1.0,
+                                          schedule="interleaved1f1b", virtual=2))
+    assert inter.step_time_s < plain.step_time_s
+    assert inter.bubble_s[0] == pytest.approx(plain.bubble_s[0] / 2)
+
+
+def test_balanced_1f1b_fast_links_windows_are_exactly_the_bubble() -> None:
+    p, m, F = 4, 8, 1.0
+    t = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=F, backward_s=2.0))
+    for s in range(p):
+        mine = [w for w in t.windows if w.device == s]
+        # idle time no recomputation can use: the wait for microbatch 0's activation (s·F)
+        # and the tail after the stage's last backward (s·B)
+        assert sum(w.capacity_s for w in mine) == pytest.approx(t.bubble_s[s] - s * (F + 2.0))
+        # no steady-state waits: only the first backward and the cool-down ones wait
+        served = sorted(w.microbatch for w in mine if w.kind == "recv_grad")
+        assert served == ([0] if s < p - 1 else []) + list(range(m - (p - s - 1), m)) * (s < p - 1)
+    first = t.window("s0.recv_grad.mb0")
+    assert first.capacity_s == pytest.approx((p - 1) * 2.0)  # the warm-up bubble: (p−1)·B
+
+
+def test_slow_links_add_a_wait_before_steady_state_backwards() -> None:
+    fast = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0))
+    slow = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, p2p_s=0.5))
+    steady = range(2, 5)  # after the first backward, before the cool-down
+    fast_waits = {w.microbatch for w in fast.windows if w.device == 0 and w.kind == "recv_grad"}
+    slow_waits = {w.microbatch: w.capacity_s for w in slow.windows if w.device == 0 and w.kind == "recv_grad"}
+    assert not fast_waits & set(steady)
+    assert all(slow_waits[j] == pytest.approx(1.0) for j in steady)  # a transfer wait on every one
+
+
+def test_unbalanced_last_stage_adds_waits_upstream() -> None:
+    g = synthetic_graph(layers=4, heavy_post=30.0)
+    pipe = build_pipeline(g, pp=2, microbatches=8, comm=CommModel.free())
+    t = run_timeline(pipe)
+    steady = [w for w in t.windows if w.device == 0 and w.kind == "recv_grad" and 1 <= w.microbatch <= 6]
+    assert len(steady) == 6 and all(w.capacity_s > 0 for w in steady)
+
+
+def test_tp_windows_one_per_layer_backward_serving_lower_layers() -> None:
+    g = synthetic_graph(layers=4)
+    comm = CommModel(p2p=lambda n: 0.0, tp_allreduce=lambda n: 1e-4, dp_gradients=lambda n: 0.0)
+    pipe = build_pipeline(g, pp=2, microbatches=4, tp=2, comm=comm)
+    t = run_timeline(pipe)
+    tp = [w for w in t.windows if w.kind == "tp_allreduce" and w.device == 0]
+    assert len(tp) == 2 * 4  # 2 layers on stage 0 × 4 microbatches
+    assert all(w.capacity_s == pytest.approx(2e-4) for w in tp)
+    w = t.window("s0.tp.l1.b.mb2")
+    assert w.eligible_layers == (0,) and w.microbatch == 2
+    assert t.window("s0.tp.l0.b.mb2").eligible_layers == ()
+
+
+def test_dp_collectives_run_after_the_last_backward_and_leave_no_usable_window() -> None:
+    g = synthetic_graph(layers=4)
+    comm = CommModel(p2p=lambda n: 0.0, tp_allreduce=lambda n: 0.0, dp_gradients=lambda n: 5e-3)
+    t_dp = run_timeline(build_pipeline(g, pp=2, microbatches=4, comm=comm))
+    t_free = run_timeline(build_pipeline(g, pp=2, microbatches=4, comm=CommModel.free()))
+    assert t_dp.step_time_s > t_free.step_time_s
+    dp = [w for w in t_dp.windows if w.kind == "dp_collective"]
+    assert dp and all(w.eligible_layers == () and w.microbatch == 3 for w in dp)
+
+
+def test_schedule_orders() -> None:
+    order = schedule_order("1f1b", 2, 3)
+    assert order[0] == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2)]
+    assert order[1] == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2)]
+    with pytest.raises(LynxConfigError, match="unknown schedule"):
+        schedule_order("zigzag", 2, 2)
+
+
+def test_partition_balanced_with_edges_on_first_and_last() -> None:
+    assert balanced_boundaries([1, 1, 1, 1, 1, 1], 3) == [(0, 2), (2, 4), (4, 6)]
+    assert balanced_boundaries([1, 1, 1, 1], 2, head=2.0) == [(0, 1), (1, 4)]
+    g = synthetic_graph(layers=8, heavy_post=20.0)
+    chunks = partition_graph(g, pp=4)
+    names = [[g.graph["blocks"][b]["name"] for b in c.blocks] for c in chunks]
+    assert names[0][0] == "pre" and names[-1][-1] == "post"
+    assert sum(len(c.layers) for c in chunks) == 8 and all(c.layers for c in chunks)
+    assert len(chunks[-1].layers) < len(chunks[0].layers)  # the heavy head gets fewer layers
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    g = synthetic_graph(layers=3)
+    with pytest.raises(LynxConfigError, match="only 3 layers"):
+        partition_graph(g, pp=4)
+    with pytest.raises(LynxConfigError, match="virtual_stages"):
+        partition_graph(g, pp=2, virtual=2)
