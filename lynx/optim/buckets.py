@@ -152,7 +152,7 @@ class Comm:
         self.sent += all_gather_bytes(inp.nbytes, self.world_size)
         self.received += all_gather_bytes(inp.nbytes, self.world_size)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return gather(out, inp, group=self.group, async_op=True)
+        return gather(out.view(-1), inp.reshape(-1), group=self.group, async_op=True)  # (W·n,) ← (n,)
 
     def all_reduce(self, tensor: torch.Tensor) -> Any:
         self.collectives += 1
@@ -180,7 +180,8 @@ class BucketHandle:
 
     def wait(self) -> None:
         if not self.done:
-            self.finisher()
+            with torch.no_grad():
+                self.finisher()
             self.done = True
 
 
@@ -288,7 +289,7 @@ class BucketedOptimizer(torch.optim.Optimizer):
         local = torch.tensor([_checksum(p) for p in self._params], dtype=torch.int64)  # (n, 2)
         gathered = torch.empty((self.comm.world_size, *local.shape), dtype=torch.int64)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(gathered, local, group=self.comm.group)
+        gather(gathered.view(-1), local.view(-1), group=self.comm.group)
         differs = (gathered != gathered[0:1]).any(dim=2).any(dim=0)  # (n,)
         if bool(differs.any()):
             bad = [self._names[i] for i in differs.nonzero().flatten().tolist()]
