@@ -57,8 +57,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
         if cfg.attention == "math":
             # A buffer, so the mask autograd saves for masked_fill is not an activation.
-            causal = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).tril()
-            self.register_buffer("causal_mask", causal.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
+            future = torch.ones(cfg.seq_len, cfg.seq_len, dtype=torch.bool).triu(1)
+            self.register_buffer("future_mask", future.view(1, 1, cfg.seq_len, cfg.seq_len), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -71,7 +71,7 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hd)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
-            att = att.masked_fill(~self.causal_mask[:, :, :T, :T], float("-inf"))
+            att = att.masked_fill(self.future_mask[:, :, :T, :T], float("-inf"))
             att = self.attn_dropout(F.softmax(att, dim=-1))  # (B, nh, T, T)
             y = att @ v  # (B, nh, T, hd)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)

@@ -1,0 +1,122 @@
+"""Hardware descriptions: compute, memory bandwidth and the three communication links.
+
+A :class:`HardwareSpec` gives peak dense matmul FLOP/s per dtype with the fraction that is
+achievable in practice, memory bandwidth and capacity, and per-link α (latency, seconds) and β
+(bandwidth, bytes/s) for the pipeline (``pp``), tensor-parallel (``tp``) and data-parallel
+(``dp``) groups. Presets are vendor datasheet numbers with typical achievable fractions.
+
+Example::
+
+    >>> from lynx.hardware import get_hardware
+    >>> h100 = get_hardware("h100-sxm")
+    >>> h100.links["tp"].beta_bytes_per_s > h100.links["dp"].beta_bytes_per_s
+    True
+    >>> round(h100.achievable_flops("float16") / 1e12)
+    594
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from lynx.errors import LynxConfigError
+
+__all__ = ["LinkSpec", "HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]
+
+
+class LinkSpec(BaseModel):
+    """One communication link: time(n bytes) = alpha_s + n / beta_bytes_per_s."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    alpha_s: float = Field(ge=0.0)
+    beta_bytes_per_s: float = Field(gt=0.0)
+
+
+class HardwareSpec(BaseModel):
+    """One device and its links; every rate is per device."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    device: Literal["cuda", "cpu"]
+    peak_flops: dict[str, float]  # dtype name ("float16", "bfloat16", "float32") → dense FLOP/s
+    achievable_fraction: float = Field(gt=0.0, le=1.0)
+    memory_bandwidth: float = Field(gt=0.0)  # bytes/s
+    memory_bytes: int = Field(gt=0)
+    links: dict[str, LinkSpec]  # "pp", "tp", "dp"
+
+    @field_validator("links")
+    @classmethod
+    def _has_all_links(cls, links: dict[str, LinkSpec]) -> dict[str, LinkSpec]:
+        missing = {"pp", "tp", "dp"} - set(links)
+        if missing:
+            raise ValueError(f"links needs entries for pp, tp and dp; missing {sorted(missing)}")
+        return links
+
+    def achievable_flops(self, dtype: str) -> float:
+        """FLOP/s a real kernel sustains for ``dtype`` (falls back to float32's peak)."""
+        peak = self.peak_flops.get(dtype, self.peak_flops.get("float32"))
+        if peak is None:
+            raise LynxConfigError(f"hardware {self.name!r} has no peak_flops for {dtype!r} or float32")
+        return peak * self.achievable_fraction
+
+
+_GiB = 1024**3
+
+
+def _gpu(name: str, fp16: float, fp32: float, bw: float, mem_gib: int, nvlink: float, ib: float) -> HardwareSpec:
+    return HardwareSpec(
+        name=name,
+        device="cuda",
+        peak_flops={"float16": fp16, "bfloat16": fp16, "float32": fp32},
+        achievable_fraction=0.6,
+        memory_bandwidth=bw,
+        memory_bytes=mem_gib * _GiB,
+        links={
+            # Pipeline stages usually span nodes (InfiniBand); tensor parallelism stays in NVLink.
+            "pp": LinkSpec(alpha_s=10e-6, beta_bytes_per_s=ib),
+            "tp": LinkSpec(alpha_s=5e-6, beta_bytes_per_s=nvlink),
+            "dp": LinkSpec(alpha_s=20e-6, beta_bytes_per_s=ib),
+        },
+    )
+
+
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
+    # A100 SXM 80GB: 312 TF fp16 dense, 19.5 TF fp32 (non-TF32), 2.0 TB/s HBM2e, NVLink3 300 GB/s
+    # per direction, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
+    "a100-80g": _gpu("a100-80g", 312e12, 19.5e12, 2.0e12, 80, 300e9, 25e9),
+    # H100 SXM: 989 TF fp16 dense, 67 TF fp32, 3.35 TB/s HBM3, NVLink4 450 GB/s per direction,
+    # NDR InfiniBand 400 Gb/s = 50 GB/s per GPU.
+    "h100-sxm": _gpu("h100-sxm", 989e12, 67e12, 3.35e12, 80, 450e9, 50e9),
+    # H200: H100's compute with 141 GB HBM3e at 4.8 TB/s.
+    "h200": _gpu("h200", 989e12, 67e12, 4.8e12, 141, 450e9, 50e9),
+    # This machine's CPU cores, one thread per rank, gloo over loopback; calibrated by
+    # `benchmarks/calibrate_cpu.py` (matmul and copy throughput on one thread).
+    "cpu-local": HardwareSpec(
+        name="cpu-local",
+        device="cpu",
+        peak_flops={"float32": 60e9, "bfloat16": 15e9, "float16": 5e9},
+        achievable_fraction=1.0,
+        memory_bandwidth=8e9,
+        memory_bytes=24 * _GiB,
+        links={
+            "pp": LinkSpec(alpha_s=50e-6, beta_bytes_per_s=1.0e9),
+            "tp": LinkSpec(alpha_s=50e-6, beta_bytes_per_s=1.0e9),
+            "dp": LinkSpec(alpha_s=50e-6, beta_bytes_per_s=1.0e9),
+        },
+    ),
+}
+
+
+def get_hardware(hardware: str | HardwareSpec) -> HardwareSpec:
+    """Return a preset by name, or ``hardware`` itself when it already is a spec."""
+    if isinstance(hardware, HardwareSpec):
+        return hardware
+    try:
+        return HARDWARE_PRESETS[hardware]
+    except (KeyError, TypeError):
+        raise LynxConfigError(
+            f"unknown hardware {hardware!r}; presets: {', '.join(HARDWARE_PRESETS)} "
+            "(or pass a lynx.HardwareSpec)"
+        ) from None
