@@ -68,11 +68,8 @@ def wire_bytes(name: str, opt, n_params: int, world: int) -> float | None:
     """Bytes this rank sent in the last step: the optimizer's own count, or the ring formula."""
     if name == "adamw":
         return 2 * (world - 1) / world * 4 * n_params
-    for attr in ("last_step_bytes_sent", "bytes_sent_last_step", "wire_bytes_sent"):
-        value = getattr(opt, attr, None)
-        if isinstance(value, (int, float)):
-            return float(value)
-    return None
+    counted = getattr(opt, "last_step_bytes", None)  # lynx.optim: {"sent": .., "received": ..}
+    return float(counted["sent"]) if isinstance(counted, dict) else None
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -98,6 +95,7 @@ def worker(args: argparse.Namespace) -> None:
     n_params = sum(p.numel() for p in runs[names[0]][0].parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
     times: dict[str, list[float]] = {n: [] for n in names}
+    in_step: dict[str, list[float]] = {n: [] for n in names}  # of which optimizer.step()
     sent: dict[str, float | None] = {}
     for step in range(args.warmup + args.steps):
         for name in names:
@@ -107,12 +105,16 @@ def worker(args: argparse.Namespace) -> None:
             start = time.perf_counter()
             loss = net(tokens[:, :-1], tokens[:, 1:])  # () mean cross-entropy
             loss.backward()
+            before_step = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if step >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+                end = time.perf_counter()
+                times[name].append(end - start)
+                in_step[name].append(end - before_step)
             sent[name] = wire_bytes(name, opt, n_params, world)
     # Step time = the slowest rank's: gather every rank's times (one small collective).
+    # optimizer.step() share: rank 0's own (ranks differ in how long they wait for others).
     mine = torch.tensor([times[n] for n in names], dtype=torch.float64)  # (optimizers, steps)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
@@ -120,6 +122,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         out = {"n_params": n_params, "tokens_per_rank": args.batch * cfg.seq_len,
                "steps": {n: slowest[i].tolist() for i, n in enumerate(names)},
+               "optimizer_step_rank0": in_step,
                "wire_bytes_sent": sent}
         print(MARKER + json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -187,6 +190,14 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
         if "adamw" in mean:
             cells += [f"{mean[n] / mean['adamw']:.3f}×" for n in names if n != "adamw"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Of which inside `optimizer.step()` (rank 0, mean; DeMo's and DistributedLion's "
+              "communication happens here, AdamW's all-reduce during backward under DDP):", "",
+              "| link (nominal) | " + " | ".join(f"{LABEL[n]} (s)" for n in names) + " |",
+              "|" + " --- |" * (1 + len(names))]
+    for row in rows:
+        nominal = f"{row['rate_mbit']:g} Mbit/s" if row["rate_limited"] else "unlimited"
+        lines.append(f"| {nominal} | " + " | ".join(
+            f"{statistics.mean(row['optimizer_step_rank0'][n]):.3f}" for n in names) + " |")
     sent = first.get("wire_bytes_sent", {})
     wire = ", ".join(f"{LABEL[n]} {sent[n] / 1e6:.3f} MB" for n in names if sent.get(n))
     return head + "\n".join(lines) + (f"\n\nBytes sent per rank per step: {wire}.\n" if wire
