@@ -63,14 +63,16 @@ def shard_splits(nbytes: int, world_size: int) -> list[int]:
     return [base + (1 if r < rem else 0) for r in range(world_size)]
 
 
-def _avg_uses_gather(world_size: int) -> bool:
-    # all-gather of 2-bit codes: (W−1)·N/4 bytes; int8 all-reduce: 2(W−1)/W·N bytes.
-    return world_size < 8
+AVG_GATHER_BELOW = 8  # all-gather of 2-bit codes: (W−1)·N/4 bytes; int8 all-reduce: 2(W−1)/W·N
+
+
+def _avg_uses_gather(world_size: int, below: int = AVG_GATHER_BELOW) -> bool:
+    return world_size < below
 
 
 def lion_wire_bytes(
     numels: list[int], world_size: int, mode: str = "mavo", *, rank: int = 0, elem_bytes: int = 4,
-    bucket_bytes: int | None = None,
+    bucket_bytes: int | None = None, avg_gather_below: int = AVG_GATHER_BELOW,
 ) -> dict[str, float]:
     """Analytic per-rank wire bytes of one DistributedLion step (same bucketing and formats)."""
     buckets = assign_buckets([n * elem_bytes for n in numels], bucket_bytes or DEFAULT_BUCKET_BYTES)
@@ -85,7 +87,7 @@ def lion_wire_bytes(
             sent += sum(s for j, s in enumerate(splits) if j != rank) + all_gather_bytes(max(splits), world_size)
             received += (world_size - 1) * splits[rank] + all_gather_bytes(max(splits), world_size)
             collectives += 2
-        elif _avg_uses_gather(world_size):
+        elif _avg_uses_gather(world_size, avg_gather_below):
             sent += all_gather_bytes(math.ceil(n / 4), world_size)
             received += all_gather_bytes(math.ceil(n / 4), world_size)
             collectives += 1
@@ -129,6 +131,7 @@ class DistributedLion(BucketedOptimizer):
         if mode not in MODES:
             raise LynxConfigError(f"DistributedLion: unknown mode {mode!r}; use one of {', '.join(MODES)}")
         self.mode = mode
+        self.avg_gather_below = AVG_GATHER_BELOW  # "avg": all-gather codes below this W, else all-reduce
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), process_group, bucket_bytes)
 
     def _state(self, i: int) -> dict[str, torch.Tensor]:
@@ -207,7 +210,7 @@ class DistributedLion(BucketedOptimizer):
 
     def _launch_avg(self, members: list[int], delta: torch.Tensor) -> Callable[[], None]:
         world, n = self.comm.world_size, delta.numel()
-        if _avg_uses_gather(world):
+        if _avg_uses_gather(world, self.avg_gather_below):
             codes = pack_bits((delta + 1).to(torch.int64), bits=2)  # (ceil(N/4),)
             gathered = torch.empty((world, codes.numel()), dtype=torch.uint8, device=delta.device)
             work = self.comm.all_gather(gathered, codes)
