@@ -45,6 +45,7 @@ class HardwareSpec(BaseModel):
     memory_bandwidth: float = Field(gt=0.0)  # bytes/s
     memory_bytes: int = Field(gt=0)
     links: dict[str, LinkSpec]  # "pp", "tp", "dp"
+    op_overhead_s: float = Field(default=0.0, ge=0.0)  # per-op dispatch cost not hidden by async launch
 
     @field_validator("links")
     @classmethod

@@ -10,9 +10,9 @@ Example::
 
 from lynx.models.gpt import GPT, GPTBlock, GPTConfig
 from lynx.models.llama import Llama, LlamaBlock, LlamaConfig
-from lynx.models.presets import PRESETS, Preset, ResolvedModel, build_preset, parse_dtype, resolve_model
+from lynx.models.presets import PRESETS, Preset, ResolvedModel, build_preset, infer_dims, parse_dtype, resolve_model
 
 __all__ = [
     "GPT", "GPTBlock", "GPTConfig", "Llama", "LlamaBlock", "LlamaConfig",
-    "PRESETS", "Preset", "ResolvedModel", "build_preset", "parse_dtype", "resolve_model",
+    "PRESETS", "Preset", "ResolvedModel", "build_preset", "infer_dims", "parse_dtype", "resolve_model",
 ]

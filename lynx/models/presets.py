@@ -29,7 +29,7 @@ from lynx.errors import LynxConfigError
 from lynx.models.gpt import GPT, GPTConfig
 from lynx.models.llama import Llama, LlamaConfig
 
-__all__ = ["PRESETS", "Preset", "ResolvedModel", "build_preset", "resolve_model", "parse_dtype"]
+__all__ = ["PRESETS", "Preset", "ResolvedModel", "build_preset", "infer_dims", "resolve_model", "parse_dtype"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,25 @@ def _load_factory(spec: str) -> Callable[[], Any]:
     return factory
 
 
+def infer_dims(model: nn.Module, inputs: tuple) -> dict[str, Any]:
+    """What a model reveals of its sizes (``None`` where it does not): from its config and inputs."""
+    cfg = getattr(model, "config", None)
+
+    def first_attr(*names: str) -> Any:
+        return next((getattr(cfg, n) for n in names if isinstance(getattr(cfg, n, None), int)), None)
+
+    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
+    params = list(model.parameters())
+    return {
+        "hidden": first_attr("hidden", "hidden_size", "n_embd", "d_model"),
+        "heads": first_attr("heads", "num_attention_heads", "n_head"),
+        "layers": first_attr("layers", "num_hidden_layers", "n_layer"),
+        "seq": first.shape[1] if first is not None and first.dim() >= 2 else None,
+        "microbatch": first.shape[0] if first is not None and first.dim() >= 1 else None,
+        "dtype": str(params[0].dtype).removeprefix("torch.") if params else None,
+    }
+
+
 def resolve_model(
     spec: str,
     *,
@@ -192,14 +211,5 @@ def resolve_model(
     inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
-    first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
-    cfg = getattr(model, "config", None)
-    dims = {
-        "hidden": getattr(cfg, "hidden", None) or getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None),
-        "heads": getattr(cfg, "heads", None) or getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None),
-        "layers": getattr(cfg, "layers", None) or getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None),
-        "seq": first.shape[1] if first is not None and first.dim() >= 2 else None,
-        "microbatch": first.shape[0] if first is not None and first.dim() >= 1 else None,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch.") if any(True for _ in model.parameters()) else None,
-    }
+    dims = infer_dims(model, inputs)
     return ResolvedModel(spec, model, inputs, dims)

@@ -1,0 +1,80 @@
+"""One call from a model to its measured, timed op graph: capture → profile → graph → cost.
+
+Example::
+
+    >>> from lynx.analyze import analyze
+    >>> from lynx.models import build_preset
+    >>> model, inputs = build_preset("gpt-tiny", device="meta")
+    >>> a = analyze(model, inputs, hardware="a100-80g")
+    >>> a.target, len(a.graph.graph["layer_classes"]["GPTBlock"])
+    ('cuda', 4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import networkx as nx
+import torch
+from torch import nn
+
+from lynx.capture import Captured, capture
+from lynx.cost import annotate_times, measure_times
+from lynx.errors import LynxConfigError
+from lynx.graph import build_graph
+from lynx.hardware import HardwareSpec, get_hardware
+from lynx.models.presets import infer_dims
+from lynx.profile import TARGETS, Profile, profile
+
+__all__ = ["Analysis", "analyze"]
+
+
+@dataclass
+class Analysis:
+    """A model as Lynx sees it: the capture, the profile and the tagged op graph with times."""
+
+    captured: Captured
+    profile: Profile
+    graph: nx.DiGraph
+    hardware: HardwareSpec
+    dims: dict[str, Any]
+    name: str
+
+    @property
+    def target(self) -> str:
+        return self.profile.target
+
+    @property
+    def topo_order(self) -> list[str]:
+        """Op nodes in forward execution order."""
+        return [n for block in self.graph.graph["blocks"] for n in block["nodes"]]
+
+
+def analyze(
+    model: nn.Module,
+    example_inputs: tuple | list | torch.Tensor,
+    *,
+    target: str | None = None,
+    hardware: str | HardwareSpec = "h100-sxm",
+    times: Literal["analytic", "measure"] = "analytic",
+    dims: dict[str, Any] | None = None,
+    name: str | None = None,
+    fold_repeats: bool | None = None,
+) -> Analysis:
+    """Capture, profile (for ``target``, default the hardware's device) and time ``model``."""
+    hw = get_hardware(hardware)
+    target = target or hw.device
+    if target not in TARGETS:
+        raise LynxConfigError(f"unknown target {target!r}; use one of {TARGETS}")
+    if times not in ("analytic", "measure"):
+        raise LynxConfigError(f"times must be 'analytic' or 'measure', got {times!r}")
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    dims = {**infer_dims(model, inputs), **(dims or {})} if isinstance(model, nn.Module) else dict(dims or {})
+    captured = capture(model, inputs, fold_repeats=False if times == "measure" else fold_repeats)
+    prof = profile(captured, target=target)
+    G = build_graph(captured, prof, dims)
+    annotate_times(G, hw, dims.get("dtype") or prof.dtype)
+    if times == "measure":
+        measure_times(G, captured)
+    return Analysis(captured, prof, G, hw, dims, name or type(model).__name__)

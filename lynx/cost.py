@@ -1,0 +1,194 @@
+"""The cost model: per-node forward and backward seconds, and α-β collective times.
+
+Analytic mode is a roofline: an op costs ``max(FLOPs / achievable FLOP/s, bytes moved /
+memory bandwidth)`` plus the hardware's per-op overhead; views cost nothing. Backward costs
+twice the forward FLOPs (gradients for inputs and weights) and twice the bytes. Collectives use
+ring formulas over a :class:`~lynx.hardware.LinkSpec` (α latency per message step, β bytes/s).
+``measure_times`` instead times every node for real on the current device.
+
+Example::
+
+    >>> from lynx.cost import allreduce_time, p2p_time
+    >>> from lynx.hardware import LinkSpec
+    >>> link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9)
+    >>> p2p_time(1e9, link), allreduce_time(1e9, 4, link)
+    (1.0, 1.5)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lynx.capture import Captured, is_op_node
+from lynx.errors import LynxConfigError, LynxProfileError
+from lynx.hardware import HardwareSpec, LinkSpec
+
+__all__ = [
+    "node_forward_s",
+    "node_backward_s",
+    "annotate_times",
+    "measure_times",
+    "p2p_time",
+    "allreduce_time",
+    "allgather_time",
+    "reduce_scatter_time",
+    "alltoall_time",
+]
+
+
+def node_forward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:
+    if attrs.get("is_view"):
+        return 0.0
+    compute = attrs["flops"] / hw.achievable_flops(dtype)
+    memory = (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
+    return max(compute, memory) + hw.op_overhead_s
+
+
+def node_backward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:
+    if attrs.get("is_view"):
+        return 0.0
+    compute = 2 * attrs["flops"] / hw.achievable_flops(dtype)
+    memory = 2 * (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
+    return max(compute, memory) + hw.op_overhead_s
+
+
+def annotate_times(G: nx.DiGraph, hw: HardwareSpec, dtype: str | None = None) -> nx.DiGraph:
+    """Fill ``forward_s`` and ``backward_s`` of every node from the analytic model."""
+    dtype = dtype or (G.graph.get("dims") or {}).get("dtype") or "float32"
+    for _, attrs in G.nodes(data=True):
+        attrs["forward_s"] = node_forward_s(attrs, hw, dtype)
+        attrs["backward_s"] = node_backward_s(attrs, hw, dtype)
+    G.graph["hardware"] = hw.name
+    G.graph["time_source"] = "analytic"
+    return G
+
+
+# --- collectives ----------------------------------------------------------------------------
+
+
+def _check(nbytes: float, world: int) -> None:
+    if nbytes < 0 or world < 1:
+        raise LynxConfigError(f"collective needs nbytes >= 0 and world >= 1, got {nbytes}, {world}")
+
+
+def p2p_time(nbytes: float, link: LinkSpec) -> float:
+    """One point-to-point transfer of ``nbytes``."""
+    _check(nbytes, 1)
+    return 0.0 if nbytes == 0 else link.alpha_s + nbytes / link.beta_bytes_per_s
+
+
+def allreduce_time(nbytes: float, world: int, link: LinkSpec) -> float:
+    """Ring all-reduce of ``nbytes`` per rank: ``2(W−1)`` steps moving ``2(W−1)/W·n`` bytes."""
+    _check(nbytes, world)
+    if world == 1 or nbytes == 0:
+        return 0.0
+    return 2 * (world - 1) * link.alpha_s + 2 * (world - 1) / world * nbytes / link.beta_bytes_per_s
+
+
+def allgather_time(nbytes: float, world: int, link: LinkSpec) -> float:
+    """Ring all-gather where each rank contributes ``nbytes``: ``(W−1)·n`` bytes in."""
+    _check(nbytes, world)
+    if world == 1 or nbytes == 0:
+        return 0.0
+    return (world - 1) * link.alpha_s + (world - 1) * nbytes / link.beta_bytes_per_s
+
+
+def reduce_scatter_time(nbytes: float, world: int, link: LinkSpec) -> float:
+    """Ring reduce-scatter of ``nbytes`` per rank: ``(W−1)/W·n`` bytes."""
+    _check(nbytes, world)
+    if world == 1 or nbytes == 0:
+        return 0.0
+    return (world - 1) * link.alpha_s + (world - 1) / world * nbytes / link.beta_bytes_per_s
+
+
+def alltoall_time(nbytes: float, world: int, link: LinkSpec) -> float:
+    """All-to-all where each rank holds ``nbytes`` split evenly across ranks."""
+    _check(nbytes, world)
+    if world == 1 or nbytes == 0:
+        return 0.0
+    return (world - 1) * link.alpha_s + (world - 1) / world * nbytes / link.beta_bytes_per_s
+
+
+# --- measure mode ---------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _TimingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, repeats: int) -> None:
+        super().__init__(gm)
+        self.repeats = repeats
+        self.times: dict[str, tuple[float, float]] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op == "call_module" and n.target == "_guards_fn":
+            return None
+        out = super().run_node(n)
+        if not is_op_node(n):
+            return out
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        device = leaves[0].device if leaves else torch.device("cpu")
+
+        def fresh() -> tuple[Any, Any, list[torch.Tensor]]:
+            grads: list[torch.Tensor] = []
+
+            def detach(a: Any) -> Any:
+                if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad:
+                    d = a.detach().requires_grad_(True)
+                    grads.append(d)
+                    return d
+                return a
+
+            a, k = tree_map(detach, (args, kwargs))
+            return a, k, grads
+
+        forward, backward = [], []
+        for _ in range(self.repeats):
+            a, k, wrt = fresh()
+            _sync(device)
+            start = time.perf_counter()
+            result = getattr(self, n.op)(n.target, a, k)
+            _sync(device)
+            forward.append(time.perf_counter() - start)
+            outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and wrt:
+                seeds = [torch.ones_like(t) for t in outs]
+                _sync(device)
+                start = time.perf_counter()
+                torch.autograd.grad(outs, wrt, seeds, allow_unused=True)
+                _sync(device)
+                backward.append(time.perf_counter() - start)
+        self.times[n.name] = (statistics.median(forward), statistics.median(backward) if backward else 0.0)
+        return out
+
+
+def measure_times(G: nx.DiGraph, captured: Captured, repeats: int = 3) -> nx.DiGraph:
+    """Time every node for real on the device the model's parameters live on (measure mode)."""
+    if captured.folded is not None or any(p.is_meta for p in captured.gm.parameters()):
+        raise LynxConfigError(
+            "measure mode times real ops: build the model with real weights on the device to time "
+            "(not on meta), or use the analytic cost model"
+        )
+    interp = _TimingInterpreter(captured.gm, repeats)
+    try:
+        with torch.enable_grad():
+            interp.run(*captured.example_inputs)
+    except Exception as err:  # noqa: BLE001
+        raise LynxProfileError(f"measure mode failed at a node: {type(err).__name__}: {err}") from err
+    for name, (fwd, bwd) in interp.times.items():
+        if name in G:
+            G.nodes[name]["forward_s"] = fwd
+            G.nodes[name]["backward_s"] = bwd
+    G.graph["time_source"] = "measured"
+    return G
