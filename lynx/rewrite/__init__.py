@@ -1,0 +1,21 @@
+"""Rewrite: per pipeline stage, an executable module that drops what the plan drops.
+
+Example::
+
+    >>> import lynx
+    >>> model, inputs = lynx.models.build_preset("gpt-tiny", device="cpu")
+    >>> compiled = lynx.compile(model, inputs, pp=2, microbatches=2, solver="full")
+    >>> stage0 = compiled.stage(0)          # calls build_stage_module(compiled, 0)
+    >>> sorted(stage0.dropped) == sorted(compiled.plan.stage_schedule(0).dropped)
+    True
+"""
+
+from lynx.rewrite.build import build_stage_module, build_stages, stage_node_lists
+from lynx.rewrite.saved import SavedBytesMeter, SaveTracker, storage_key
+from lynx.rewrite.split import StageGraph, StageSpec, split_graph
+from lynx.rewrite.stage import MicrobatchStats, StageModule
+
+__all__ = [
+    "build_stage_module", "build_stages", "stage_node_lists", "split_graph", "StageGraph", "StageSpec",
+    "StageModule", "MicrobatchStats", "SavedBytesMeter", "SaveTracker", "storage_key",
+]

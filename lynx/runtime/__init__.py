@@ -1,0 +1,39 @@
+"""Runtime: execute planned stages, recomputing inside communication windows.
+
+``run_local`` runs every stage in one process (the reference); ``PipelineRunner`` runs one
+stage per rank over ``torch.distributed`` (gloo or NCCL) with 1F1B or GPipe, posting each
+gradient receive, running the plan's window recomputation while it is in flight, then
+waiting and running backward; data parallelism over a ``(pp, dp)`` device mesh. See
+``docs/runtime.md``.
+
+Example::
+
+    >>> from lynx.runtime import stage_actions
+    >>> [str(a) for a in stage_actions("gpipe", stage=1, stages=2, microbatches=2)]
+    ['F0', 'F1', 'B0', 'B1']
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Action": "lynx.runtime.schedule",
+    "stage_actions": "lynx.runtime.schedule",
+    "max_in_flight": "lynx.runtime.schedule",
+    "run_local": "lynx.runtime.local",
+    "InFlight": "lynx.runtime.step",
+    "forward_step": "lynx.runtime.step",
+    "backward_step": "lynx.runtime.step",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'lynx.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
