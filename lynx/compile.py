@@ -40,7 +40,8 @@ from lynx.simulate import SimResult, simulate_assignments
 from lynx.solvers.problem import StageProblem
 from lynx.timeline import Pipeline, run_timeline
 
-__all__ = ["compile", "Compiled", "plan_graph", "PlanOutcome", "resolve_config", "BUDGET_CHECKED_SOLVERS"]
+__all__ = ["compile", "Compiled", "plan_graph", "PlanOutcome", "resolve_config", "BUDGET_CHECKED_SOLVERS",
+           "timeline_bars"]
 
 # Solvers that promise a plan within the budget: failing to find one is an error. Baselines
 # (none, full, selective) are scored as they are and may report fits_budget=False.
@@ -193,7 +194,29 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems
         iterations=iterations, stages=stages, windows=windows,
         predicted=Predicted(step_time_s=sim.step_time_s, exposed_recompute_s=sim.exposed_recompute_s,
                             hidden_recompute_s=sim.hidden_recompute_s, bubble_s=sim.bubble_s,
-                            peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget))
+                            peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget),
+        timeline=timeline_bars(sim.timeline))
+
+
+_BAR_KIND = {"forward": "compute", "backward": "compute", "recompute": "recompute", "tp": "comm",
+             "dp": "comm", "wait": "idle"}
+
+
+def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
+    """The replayed step as merged bars per stage (sends overlap compute and are left out)."""
+    bars: list[tuple[int, str, float, float]] = []
+    last: dict[int, int] = {}
+    for seg in sorted(timeline.segments, key=lambda g: (g.device, g.start)):
+        kind = _BAR_KIND.get(seg.kind)
+        if kind is None or seg.end <= seg.start:
+            continue
+        i = last.get(seg.device)
+        if i is not None and bars[i][1] == kind and abs(bars[i][3] - seg.start) < 1e-12:
+            bars[i] = (seg.device, kind, bars[i][2], seg.end)
+        else:
+            last[seg.device] = len(bars)
+            bars.append((seg.device, kind, seg.start, seg.end))
+    return bars
 
 
 def _budget_message(graph: nx.DiGraph, pipe: Pipeline, config: CompileConfig, problems: list[StageProblem],

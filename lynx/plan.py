@@ -130,6 +130,8 @@ class Plan(BaseModel):
     stages: list[StagePlan]
     windows: list[WindowRecord]
     predicted: Predicted
+    # the simulated step, merged per stage: (stage, compute|recompute|comm|idle, start_s, end_s)
+    timeline: list[tuple[int, str, float, float]] = []
 
     # ------------------------------------------------------------------ files
     def to_json(self, indent: Optional[int] = 1) -> str:

@@ -1,0 +1,237 @@
+"""The paper-like grid: Lynx (HEU, optionally OPT) against every baseline, one simulator.
+
+Models gpt-1.3b … gpt-20b (each captured and profiled ONCE on the meta device, then re-timed
+per hardware), hardware a100-80g and h100-sxm, pp 4 and 8, tp 1/2/4, 8–32 microbatches, and
+per configuration budgets from "`none` just fits" down to "only `full` fits":
+``budget = full_peak + level · (none_peak − full_peak)`` for each level (peaks are the
+largest stage's). Configurations where even `full` exceeds the device's memory are skipped.
+The budget-independent baselines (none, full, full-block, selective) are planned once per
+configuration and checked against each budget; heu and checkmate (and opt with ``--opt``)
+are planned per budget.
+
+Prints, from this one run:
+  * violations of "Lynx's best plan is never slower than any baseline that fits";
+  * the median speedup of Lynx over `full` at each budget level (bar: ≥ 1.25× at level 0.3);
+  * the share of recomputation hidden where every stage's window capacity exceeds the
+    recomputation it needs (bar: ≥ 90%);
+  * with ``--opt``: the largest relative step-time gap of HEU over OPT (bar: ≤ 1%).
+
+    .venv/bin/python benchmarks/grid.py                       # default grid, ~10 min on 2 cores
+    .venv/bin/python benchmarks/grid.py --models gpt-1.3b --pp 4 --tp 1 --microbatches 8 --opt
+
+Writes benchmarks/results/grid.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lynx.compile import plan_graph_outcome  # noqa: E402
+from lynx.config import CompileConfig, format_size  # noqa: E402
+from lynx.errors import LynxError  # noqa: E402
+
+BASELINES = ("none", "full", "full-block", "selective")
+BUDGETED = ("heu", "checkmate")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="gpt-1.3b,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-20b")
+    p.add_argument("--hardware", default="a100-80g,h100-sxm")
+    p.add_argument("--pp", default="4,8")
+    p.add_argument("--tp", default="1,2,4")
+    p.add_argument("--microbatches", default="8,32")
+    p.add_argument("--levels", default="1.0,0.6,0.3,0.0", help="budget levels between full (0) and none (1)")
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--schedule", default="1f1b")
+    p.add_argument("--opt", action="store_true", help="also plan with OPT (slow) and compare HEU with it")
+    p.add_argument("--opt-time-limit", type=float, default=20.0)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    return p.parse_args(argv)
+
+
+def profiled_graphs(models: list[str]) -> dict[str, Any]:
+    """Capture and profile each model once (meta device, CUDA target)."""
+    from lynx.analyze import analyze
+    from lynx.models import resolve_model
+
+    graphs = {}
+    for name in models:
+        started = time.perf_counter()
+        resolved = resolve_model(name)
+        graphs[name] = analyze(resolved.model, resolved.example_inputs, target="cuda", hardware="h100-sxm").graph
+        print(f"analysed {name}: {graphs[name].number_of_nodes()} ops in {time.perf_counter() - started:.1f} s",
+              flush=True)
+    return graphs
+
+
+def retimed(graph: Any, hardware: str) -> Any:
+    """A copy of ``graph`` with forward/backward times for ``hardware``."""
+    from lynx.cost import annotate_times
+    from lynx.hardware import get_hardware
+
+    copy = graph.copy()
+    copy.graph = dict(graph.graph)
+    return annotate_times(copy, get_hardware(hardware))
+
+
+def record(outcome: Any) -> dict[str, Any]:
+    plan, sim = outcome.plan, outcome.sim
+    capacity = [sum(w.capacity_s for w in p.windows) for p in outcome.problems]
+    needed = [e + h for e, h in zip(sim.exposed_per_stage, sim.hidden_per_stage)]
+    return {"step_time_s": sim.step_time_s, "exposed_s": sim.exposed_recompute_s, "hidden_s": sim.hidden_recompute_s,
+            "peak": max(sim.peak_memory_bytes), "peaks": sim.peak_memory_bytes, "status": plan.status,
+            "search_time_s": plan.search_time_s,
+            "windows_suffice": all(c >= n for c, n in zip(capacity, needed)) and sum(needed) > 0}
+
+
+def run_point(graph: Any, base: CompileConfig, levels: list[float], with_opt: bool, opt_limit: float) -> list[dict]:
+    fixed = {}
+    for solver in BASELINES:
+        out = plan_graph_outcome(graph, base.replace(solver=solver), check_budget=False, pipeline=fixed.get("_pipe"))
+        fixed["_pipe"] = out.pipeline
+        fixed[solver] = record(out)
+    pipe = fixed.pop("_pipe")
+    none_peak, full_peak = fixed["none"]["peak"], fixed["full"]["peak"]
+    rows = []
+    for level in levels:
+        budget = int(full_peak + level * (none_peak - full_peak))
+        cfg = base.replace(memory_budget=budget)
+        row = {"level": level, "budget": budget, "results": {}}
+        for solver, rec in fixed.items():
+            row["results"][solver] = dict(rec, fits=rec["peak"] <= budget)
+        for solver in BUDGETED + (("opt",) if with_opt else ()):
+            settings = {"solver": solver}
+            if solver == "opt":
+                settings["time_limit_s"] = opt_limit
+            try:
+                out = plan_graph_outcome(graph, cfg.replace(**settings), check_budget=False, pipeline=pipe)
+                row["results"][solver] = dict(record(out), fits=out.sim.fits_budget)
+            except LynxError as err:
+                row["results"][solver] = {"error": str(err), "fits": False}
+        rows.append(row)
+    return rows
+
+
+def lynx_best(results: dict[str, Any]) -> dict[str, Any] | None:
+    fitting = [results[s] for s in ("heu", "opt") if s in results and results[s].get("fits")]
+    return min(fitting, key=lambda r: r["step_time_s"]) if fitting else None
+
+
+def summarise(points: list[dict], levels: list[float], with_opt: bool) -> list[str]:
+    lines, violations, by_level, hidden, gaps = [], [], {lv: [] for lv in levels}, [], []
+    for pt in points:
+        res = pt["results"]
+        best = lynx_best(res)
+        fitting = {s: r for s, r in res.items() if s not in ("heu", "opt") and r.get("fits")}
+        if best is None:
+            if fitting:
+                violations.append(f"{pt['name']}: Lynx found no fitting plan, {', '.join(fitting)} fit")
+            continue
+        for s, r in fitting.items():
+            if best["step_time_s"] > r["step_time_s"] * (1 + 1e-9):
+                violations.append(f"{pt['name']}: Lynx {best['step_time_s'] * 1e3:.3f} ms slower than "
+                                  f"{s} {r['step_time_s'] * 1e3:.3f} ms")
+        by_level[pt["level"]].append(res["full"]["step_time_s"] / best["step_time_s"])
+        if best["windows_suffice"]:
+            hidden.append(best["hidden_s"] / (best["hidden_s"] + best["exposed_s"]))
+        if with_opt and res.get("opt", {}).get("fits") and res["heu"].get("fits"):
+            gaps.append(res["heu"]["step_time_s"] / res["opt"]["step_time_s"] - 1)
+    lines.append(f"grid points: {len(points)}")
+    lines.append(f"Lynx never slower than a fitting baseline: {'YES' if not violations else 'NO'} "
+                 f"({len(violations)} violation(s))")
+    lines += [f"  {v}" for v in violations[:20]]
+    for lv in levels:
+        xs = by_level[lv]
+        if xs:
+            lines.append(f"level {lv:.1f}: median speedup over full {statistics.median(xs):.3f}× "
+                         f"(min {min(xs):.3f}×, max {max(xs):.3f}×, {len(xs)} points)")
+    if hidden:
+        lines.append(f"hidden share where windows suffice: median {statistics.median(hidden):.1%}, "
+                     f"min {min(hidden):.1%} over {len(hidden)} points")
+    else:
+        lines.append("hidden share where windows suffice: no grid point where the windows cover the recompute")
+    if gaps:
+        lines.append(f"HEU vs OPT step time: max gap {max(gaps):+.3%}, median {statistics.median(gaps):+.3%} "
+                     f"over {len(gaps)} points")
+    return lines
+
+
+def write_markdown(points: list[dict], summary: list[str], path: Path, argv: list[str]) -> None:
+    solvers = ["heu", "opt", "checkmate", "none", "full", "full-block", "selective"]
+    out = ["# Lynx grid: step time per solver (ms), simulated; `-` = does not fit the budget", "",
+           f"Command: `.venv/bin/python benchmarks/grid.py {' '.join(argv)}`", "", "```", *summary, "```", "",
+           "| point | budget | " + " | ".join(solvers) + " | speedup vs full | hidden |",
+           "|---|---|" + "---|" * len(solvers) + "---|---|"]
+    for pt in points:
+        res, best = pt["results"], lynx_best(pt["results"])
+        cells = []
+        for s in solvers:
+            r = res.get(s)
+            cells.append("" if r is None else ("-" if not r.get("fits") else f"{r['step_time_s'] * 1e3:.1f}"))
+        speed = f"{res['full']['step_time_s'] / best['step_time_s']:.3f}×" if best else "-"
+        hid = (f"{best['hidden_s'] / (best['hidden_s'] + best['exposed_s']):.0%}"
+               if best and best["hidden_s"] + best["exposed_s"] > 0 else "-")
+        out.append(f"| {pt['name']} | {format_size(pt['budget'])} | " + " | ".join(cells) + f" | {speed} | {hid} |")
+    path.write_text("\n".join(out) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    split = lambda text, kind=str: [kind(x) for x in text.split(",") if x]  # noqa: E731
+    models, hardware, levels = split(args.models), split(args.hardware), split(args.levels, float)
+    started = time.perf_counter()
+    graphs = profiled_graphs(models)
+    points, skipped = [], 0
+    for model in models:
+        for hw in hardware:
+            graph = retimed(graphs[model], hw)
+            for pp in split(args.pp, int):
+                for tp in split(args.tp, int):
+                    for m in split(args.microbatches, int):
+                        name = f"{model} {hw} pp{pp} tp{tp} m{m}"
+                        base = CompileConfig(pp=pp, tp=tp, dp=args.dp, microbatches=m, schedule=args.schedule,
+                                             hardware=hw, optimizer=args.optimizer, solver="heu",
+                                             memory_budget=2**50)
+                        t0 = time.perf_counter()
+                        try:
+                            rows = run_point(graph, base, levels, args.opt, args.opt_time_limit)
+                        except LynxError as err:
+                            print(f"skip {name}: {err}", flush=True)
+                            skipped += 1
+                            continue
+                        device_memory = base.hardware_spec().memory_bytes
+                        if rows[-1]["results"]["full"]["peak"] > device_memory:
+                            skipped += 1
+                            print(f"skip {name}: full recomputation needs "
+                                  f"{format_size(rows[-1]['results']['full']['peak'])} > device memory", flush=True)
+                            continue
+                        for row in rows:
+                            points.append({"name": f"{name} L{row['level']:.1f}", **row})
+                        print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    summary = summarise(points, levels, args.opt)
+    summary.append(f"skipped configurations (full does not fit the device, or invalid): {skipped}")
+    summary.append(f"wall time: {time.perf_counter() - started:.0f} s")
+    print("\n".join(summary))
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if argv == [] else "_custom"
+    (args.out / f"grid{suffix}.json").write_text(json.dumps({"argv": argv, "summary": summary, "points": points},
+                                                            indent=1))
+    write_markdown(points, summary, args.out / f"grid{suffix}.md", argv)
+    print(f"wrote {args.out / f'grid{suffix}.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

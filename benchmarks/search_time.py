@@ -1,0 +1,143 @@
+"""OPT vs HEU search time (and plan quality) over gpt-1.3b … gpt-20b.
+
+Each model is captured and profiled once (meta device, h100-sxm, 1F1B, pp 4, tp 1,
+8 microbatches); the budget is 30% of the way from `full`'s peak to `none`'s. HEU's search
+time is the solver time of one planning round over all stages (median of ``--repeats`` runs);
+OPT runs once per model with ``--opt-time-limit`` per stage and reports its status and gap.
+Both plans are scored by the simulator: the bar is HEU within 1% of OPT's step time, HEU on
+gpt-20b ≤ 0.05 s median, OPT OPTIMAL on gpt-1.3b within 60 s.
+
+    .venv/bin/python benchmarks/search_time.py
+    .venv/bin/python benchmarks/search_time.py --models gpt-1.3b --repeats 3
+    lynx bench search                                     # the same
+
+Writes benchmarks/results/search.{md,json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lynx.compile import plan_graph_outcome  # noqa: E402
+from lynx.config import CompileConfig, format_size  # noqa: E402
+from lynx.problem_build import build_problems  # noqa: E402
+from lynx.timeline import run_timeline  # noqa: E402
+
+MODELS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b"]
+
+
+def heu_round_time(graph: Any, config: CompileConfig, pipeline: Any, static: list[int]) -> float:
+    """Solver seconds of one HEU round over every stage (what one plan's search costs)."""
+    from lynx.solvers import solve
+
+    problems = build_problems(graph, pipeline, run_timeline(pipeline), budget_bytes=config.budget_bytes(),
+                              static=static, tp=config.tp)
+    started = time.perf_counter()
+    for problem in problems:
+        solve("heu", problem, time_limit_s=config.time_limit_s)
+    return time.perf_counter() - started
+
+
+def bench_model(name: str, repeats: int, opt_time_limit: float, level: float = 0.3) -> dict[str, Any]:
+    from lynx.analyze import analyze
+    from lynx.models import resolve_model
+
+    resolved = resolve_model(name)
+    t0 = time.perf_counter()
+    graph = analyze(resolved.model, resolved.example_inputs, target="cuda", hardware="h100-sxm").graph
+    analyse_s = time.perf_counter() - t0
+    base = CompileConfig(pp=4, microbatches=8, hardware="h100-sxm", memory_budget=2**50, solver="none")
+    none = plan_graph_outcome(graph, base, check_budget=False)
+    full = plan_graph_outcome(graph, base.replace(solver="full"), check_budget=False, pipeline=none.pipeline)
+    none_peak, full_peak = max(none.sim.peak_memory_bytes), max(full.sim.peak_memory_bytes)
+    budget = int(full_peak + level * (none_peak - full_peak))
+    cfg = base.replace(memory_budget=budget, solver="heu")
+    heu = plan_graph_outcome(graph, cfg, check_budget=False, pipeline=none.pipeline)
+    rounds = [heu_round_time(graph, cfg, none.pipeline, none.sim.static_bytes) for _ in range(repeats)]
+    opt = plan_graph_outcome(graph, cfg.replace(solver="opt", time_limit_s=opt_time_limit), check_budget=False,
+                             pipeline=none.pipeline)
+    row = {
+        "model": name, "analyse_s": analyse_s, "budget": budget, "nodes_per_stage": [len(p.nodes) for p in heu.problems],
+        "windows_per_stage": [len(p.windows) for p in heu.problems],
+        "heu_round_median_s": statistics.median(rounds), "heu_rounds_s": rounds,
+        "heu_plan_search_s": heu.plan.search_time_s, "heu_iterations": heu.plan.iterations,
+        "heu_step_s": heu.sim.step_time_s, "heu_fits": heu.sim.fits_budget,
+        "opt_search_s": opt.plan.search_time_s, "opt_status": opt.plan.status, "opt_gap": opt.plan.gap,
+        "opt_iterations": opt.plan.iterations, "opt_step_s": opt.sim.step_time_s, "opt_fits": opt.sim.fits_budget,
+        "full_step_s": full.sim.step_time_s, "none_step_s": none.sim.step_time_s,
+    }
+    row["heu_vs_opt"] = row["heu_step_s"] / row["opt_step_s"] - 1
+    print(f"{name}: HEU {row['heu_round_median_s'] * 1e3:.1f} ms/round (plan {row['heu_plan_search_s']:.3f} s, "
+          f"{row['heu_iterations']} it), OPT {row['opt_search_s']:.2f} s {row['opt_status']} "
+          f"gap={row['opt_gap']}, HEU vs OPT step {row['heu_vs_opt']:+.3%}", flush=True)
+    return row
+
+
+def write_outputs(rows: list[dict[str, Any]], out: Path) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["# OPT vs HEU search time (pp 4, tp 1, 8 microbatches, h100-sxm, budget 30% from full to none)", "",
+             "| model | nodes/stage | windows/stage | HEU median s (one round) | HEU plan s (all iterations) | "
+             "OPT s | OPT status | OPT gap | HEU step ms | OPT step ms | HEU vs OPT | full step ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = "-" if r["opt_gap"] is None else f"{r['opt_gap']:.2%}"
+        lines.append(f"| {r['model']} | {max(r['nodes_per_stage'])} | {max(r['windows_per_stage'])} | "
+                     f"{r['heu_round_median_s']:.4f} | {r['heu_plan_search_s']:.3f} | {r['opt_search_s']:.2f} | "
+                     f"{r['opt_status']} | {gap} | {r['heu_step_s'] * 1e3:.2f} | {r['opt_step_s'] * 1e3:.2f} | "
+                     f"{r['heu_vs_opt']:+.3%} | {r['full_step_s'] * 1e3:.2f} |")
+    summary = []
+    by = {r["model"]: r for r in rows}
+    if "gpt-20b" in by:
+        summary.append(f"HEU gpt-20b median search {by['gpt-20b']['heu_round_median_s']:.4f} s (bar ≤ 0.05 s)")
+    summary.append(f"HEU vs OPT worst step-time gap {max(r['heu_vs_opt'] for r in rows):+.3%} (bar ≤ +1%)")
+    if "gpt-1.3b" in by:
+        summary.append(f"OPT gpt-1.3b: {by['gpt-1.3b']['opt_status']} in {by['gpt-1.3b']['opt_search_s']:.2f} s")
+    lines += ["", *summary]
+    (out / "search.md").write_text("\n".join(lines) + "\n")
+    (out / "search.json").write_text(json.dumps(rows, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["opt_search_s"] for r in rows], 0.4, label="OPT (CP-SAT)")
+    ax.bar([x + 0.2 for x in xs], [r["heu_round_median_s"] for r in rows], 0.4, label="HEU")
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([r["model"] for r in rows])
+    ax.set_ylabel("search time (s, log)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "search.png", dpi=120)
+    plt.close(fig)
+    return summary
+
+
+def main(models: Optional[list[str]] = None, repeats: int = 5, opt_time_limit: float = 60.0,
+         out: Path = ROOT / "benchmarks" / "results") -> int:
+    rows = [bench_model(name, repeats, opt_time_limit) for name in (models or MODELS)]
+    summary = write_outputs(rows, Path(out))
+    print("\n".join(summary))
+    print(f"wrote {Path(out) / 'search.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--opt-time-limit", type=float, default=60.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    a = parser.parse_args()
+    raise SystemExit(main(a.models.split(","), a.repeats, a.opt_time_limit, a.out))

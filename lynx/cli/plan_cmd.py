@@ -1,0 +1,245 @@
+"""`lynx plan`, `lynx show`, `lynx compare` and `lynx bench search`.
+
+Example::
+
+    $ lynx plan gpt-1.3b --pp 4 --microbatches 8 --memory-budget 40GiB -o plan.json
+    $ lynx show plan.json                 # table per stage + plan.timeline.png / .svg
+    $ lynx compare gpt-1.3b --pp 4 --memory-budget 40GiB --json
+    $ lynx bench search
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from lynx.cli import app
+from lynx.config import SOLVERS, CompileConfig, format_size
+from lynx.errors import LynxConfigError, LynxError
+
+__all__ = ["plan_command", "show_command", "compare_command", "bench_search_command", "compare_records",
+           "analyze_spec"]
+
+console = Console(stderr=True)
+
+
+def _table_console() -> Console:
+    """Wide tables stay readable when stdout is a file or pipe (rich assumes 80 columns)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+bench_app = typer.Typer(help="Benchmarks that print their figures.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+MODEL_HELP = "a preset (gpt-1.3b … gpt-20b, llama-7b, gpt-tiny, llama-tiny) or module:factory"
+
+
+def _config(pp: int, dp: int, tp: int, microbatches: int, schedule: str, virtual_stages: int,
+            memory_budget: Optional[str], hardware: str, optimizer: str, solver: str, time_limit: float,
+            target: Optional[str], seed: int, iterations: int) -> CompileConfig:
+    budget: Any = memory_budget
+    if memory_budget is not None and memory_budget.isdigit():
+        budget = int(memory_budget)
+    return CompileConfig(pp=pp, dp=dp, tp=tp, microbatches=microbatches, schedule=schedule,
+                         virtual_stages=virtual_stages, memory_budget=budget, hardware=hardware,
+                         optimizer=optimizer, solver=solver, time_limit_s=time_limit, target=target,
+                         seed=seed, max_iterations=iterations)
+
+
+def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None, microbatch: Optional[int] = None,
+                 dtype: Optional[str] = None, attention: Optional[str] = None) -> Any:
+    """Resolve ``model`` (preset or module:factory) on the meta device and analyse it."""
+    from lynx.analyze import analyze
+    from lynx.models import resolve_model
+
+    resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
+    return analyze(resolved.model, resolved.example_inputs, target=config.target, hardware=config.hardware_spec())
+
+
+def _run(fn: Any) -> Any:
+    try:
+        return fn()
+    except LynxError as err:
+        console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from None
+
+
+# Options shared by plan and compare (typer needs them spelled out per command).
+_PP = typer.Option(1, "--pp", help="pipeline stages")
+_DP = typer.Option(1, "--dp", help="data-parallel replicas")
+_TP = typer.Option(1, "--tp", help="tensor-parallel degree")
+_M = typer.Option(8, "--microbatches", "-m", help="microbatches per step")
+_SCHED = typer.Option("1f1b", "--schedule", help="1f1b | gpipe | interleaved1f1b")
+_VIRT = typer.Option(2, "--virtual-stages", help="model chunks per device (interleaved1f1b)")
+_BUDGET = typer.Option(None, "--memory-budget", "-b", help="per device, e.g. 60GiB (default: device memory)")
+_HW = typer.Option("h100-sxm", "--hardware", help="a100-80g | h100-sxm | h200 | cpu-local")
+_OPTIM = typer.Option("adamw", "--optimizer", help="adamw | demo | lion (sets the DP windows)")
+_TL = typer.Option(60.0, "--time-limit", help="seconds per stage solve (opt)")
+_TARGET = typer.Option(None, "--target", help="cuda | cpu (default from the hardware)")
+_SEED = typer.Option(0, "--seed")
+_ITER = typer.Option(3, "--iterations", help="re-derive windows and re-solve at most this often")
+_SEQ = typer.Option(None, "--seq", help="sequence length (presets)")
+_MB = typer.Option(None, "--microbatch", help="microbatch size (presets)")
+_DTYPE = typer.Option(None, "--dtype", help="fp16 | bf16 | fp32")
+_ATTN = typer.Option(None, "--attention", help="math | sdpa (presets)")
+
+
+@app.command("plan")
+def plan_command(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="where to write the plan"),
+    solver: str = typer.Option("heu", "--solver", help=" | ".join(SOLVERS)),
+    pp: int = _PP, dp: int = _DP, tp: int = _TP, microbatches: int = _M, schedule: str = _SCHED,
+    virtual_stages: int = _VIRT, memory_budget: Optional[str] = _BUDGET, hardware: str = _HW,
+    optimizer: str = _OPTIM, time_limit: float = _TL, target: Optional[str] = _TARGET, seed: int = _SEED,
+    iterations: int = _ITER, seq: Optional[int] = _SEQ, microbatch: Optional[int] = _MB,
+    dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
+) -> None:
+    """Plan recomputation for MODEL and write the plan as JSON."""
+    from lynx.compile import plan_graph
+
+    def work() -> Any:
+        config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
+                         solver, time_limit, target, seed, iterations)
+        with console.status(f"analysing {model} …") as status:
+            analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
+            plan = plan_graph(analysis.graph, config, progress=lambda msg: status.update(msg))
+        plan.save(output)
+        return plan
+
+    plan = _run(work)
+    _summary(plan)
+    console.print(f"wrote {output}")
+
+
+def _summary(plan: Any) -> None:
+    p = plan.predicted
+    console.print(
+        f"[bold]{plan.solver}[/] ({plan.status}{'' if plan.gap is None else f', gap {plan.gap:.2%}'}): "
+        f"step {p.step_time_s * 1e3:.2f} ms, exposed recompute {p.exposed_recompute_s * 1e3:.2f} ms, "
+        f"hidden {p.hidden_recompute_s * 1e3:.2f} ms, bubble {p.bubble_s * 1e3:.2f} ms, "
+        f"peak {', '.join(format_size(b) for b in p.peak_memory_bytes)}, "
+        f"{'fits' if p.fits_budget else '[red]does NOT fit[/]'} the budget; search {plan.search_time_s:.3f} s")
+
+
+@app.command("show")
+def show_command(
+    plan_path: Path = typer.Argument(..., help="a plan written by `lynx plan`"),
+    picture: Optional[Path] = typer.Option(None, "--picture", help="timeline picture path (.png and .svg written)"),
+) -> None:
+    """Print a plan per stage and draw its timeline (compute, recompute, communication, idle)."""
+    from lynx.plan import Plan
+    from lynx.viz import draw_timeline, stage_totals
+
+    plan = _run(lambda: Plan.load(plan_path))
+    totals = stage_totals(plan.timeline, plan.predicted.step_time_s)
+    table = Table(title=f"{plan_path} — {plan.solver}, {plan.config.get('schedule')}, pp={plan.config.get('pp')}, "
+                        f"m={plan.config.get('microbatches')}")
+    for column in ("stage", "layers", "in flight", "kept", "in windows", "on demand", "static", "activations",
+                   "peak", "budget", "fits", "compute ms", "recompute ms", "comm ms", "idle ms"):
+        table.add_column(column, justify="right")
+    for stage in plan.stages:
+        kept = sum(d.action == "keep" for d in stage.decisions)
+        windowed = sum(d.action == "recompute" and (d.window or d.windows) is not None for d in stage.decisions)
+        on_demand = len(stage.decisions) - kept - windowed
+        t = totals.get(stage.index, {})
+        layers = f"{stage.layers[0]}–{stage.layers[-1]}" if stage.layers else "-"
+        table.add_row(str(stage.index), layers, str(stage.in_flight), str(kept), str(windowed), str(on_demand),
+                      format_size(stage.static_bytes), format_size(stage.activation_bytes),
+                      format_size(stage.peak_memory_bytes), format_size(stage.budget_bytes),
+                      "yes" if stage.peak_memory_bytes <= stage.budget_bytes else "[red]no[/]",
+                      *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("compute", "recompute", "comm", "idle")))
+    _table_console().print(table)
+    _summary(plan)
+    target = picture or plan_path.with_suffix(".timeline")
+    written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target,
+                            title=f"{plan.solver}: step {plan.predicted.step_time_s * 1e3:.2f} ms")
+    console.print("timeline picture: " + ", ".join(str(p) for p in written))
+
+
+def compare_records(graph: Any, config: CompileConfig, solvers: tuple[str, ...] = SOLVERS,
+                    progress: Any = None, pipeline: Any = None) -> list[dict[str, Any]]:
+    """Plan ``graph`` with every solver and baseline under one config; one record each."""
+    from lynx.compile import plan_graph_outcome
+
+    records = []
+    for solver in solvers:
+        try:
+            out = plan_graph_outcome(graph, config.replace(solver=solver), check_budget=False, progress=progress,
+                                     pipeline=pipeline)
+        except LynxError as err:
+            records.append({"solver": solver, "status": "ERROR", "error": str(err)})
+            continue
+        pipeline = out.pipeline
+        p = out.plan.predicted
+        records.append({"solver": solver, "status": out.plan.status, "gap": out.plan.gap,
+                        "step_time_s": p.step_time_s, "exposed_recompute_s": p.exposed_recompute_s,
+                        "hidden_recompute_s": p.hidden_recompute_s, "bubble_s": p.bubble_s,
+                        "peak_memory_bytes": p.peak_memory_bytes, "fits_budget": p.fits_budget,
+                        "search_time_s": out.plan.search_time_s})
+    full = next((r for r in records if r["solver"] == "full" and "step_time_s" in r), None)
+    for r in records:
+        if "step_time_s" in r:
+            r["speedup_over_full"] = full["step_time_s"] / r["step_time_s"] if full else None
+    return records
+
+
+@app.command("compare")
+def compare_command(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print a JSON list of records"),
+    pp: int = _PP, dp: int = _DP, tp: int = _TP, microbatches: int = _M, schedule: str = _SCHED,
+    virtual_stages: int = _VIRT, memory_budget: Optional[str] = _BUDGET, hardware: str = _HW,
+    optimizer: str = _OPTIM, time_limit: float = _TL, target: Optional[str] = _TARGET, seed: int = _SEED,
+    iterations: int = _ITER, seq: Optional[int] = _SEQ, microbatch: Optional[int] = _MB,
+    dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
+) -> None:
+    """Every solver and baseline on MODEL side by side, scored by the same simulator."""
+    def work() -> list[dict[str, Any]]:
+        config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
+                         "heu", time_limit, target, seed, iterations)
+        with console.status(f"analysing {model} …") as status:
+            analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
+            return compare_records(analysis.graph, config, progress=lambda msg: status.update(msg))
+
+    records = _run(work)
+    if as_json:
+        print(json.dumps(records, indent=1))
+        return
+    table = Table(title=f"{model}: pp={pp} tp={tp} dp={dp} m={microbatches} {schedule}, budget {memory_budget}")
+    for column in ("solver", "status", "step ms", "speedup vs full", "exposed ms", "hidden ms", "peak per stage",
+                   "fits", "search s"):
+        table.add_column(column, justify="right")
+    for r in records:
+        if "step_time_s" not in r:
+            table.add_row(r["solver"], "[red]error[/]", r["error"][:60], *[""] * 6)
+            continue
+        speed = r.get("speedup_over_full")
+        table.add_row(r["solver"], r["status"], f"{r['step_time_s'] * 1e3:.2f}", "-" if speed is None else f"{speed:.3f}×",
+                      f"{r['exposed_recompute_s'] * 1e3:.2f}", f"{r['hidden_recompute_s'] * 1e3:.2f}",
+                      " ".join(format_size(b) for b in r["peak_memory_bytes"]),
+                      "yes" if r["fits_budget"] else "[red]no[/]", f"{r['search_time_s']:.3f}")
+    _table_console().print(table)
+
+
+@bench_app.command("search")
+def bench_search_command(
+    models: str = typer.Option("gpt-1.3b,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-20b", "--models"),
+    repeats: int = typer.Option(5, "--repeats", help="HEU timings per model (median reported)"),
+    opt_time_limit: float = typer.Option(60.0, "--opt-time-limit"),
+    out: Path = typer.Option(Path("benchmarks/results"), "--out", help="folder for search.md and search.png"),
+) -> None:
+    """OPT vs HEU search time over the GPT presets (markdown table and plot)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "search_time.py"
+    if not script.exists():
+        raise LynxConfigError(f"`lynx bench search` runs {script}, which is not there (run from a source checkout)")
+    spec = importlib.util.spec_from_file_location("lynx_bench_search_time", script)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    _run(lambda: module.main(models=models.split(","), repeats=repeats, opt_time_limit=opt_time_limit, out=out))
