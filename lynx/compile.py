@@ -133,7 +133,7 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     budget = config.budget_bytes()
     breakdown = static_breakdown(graph, pipe, optimizer=config.optimizer)
     static = [sum(parts.values()) for parts in breakdown]
-    timeline = run_timeline(pipe)
+    timeline = run_timeline(pipe, record=False)
     best: Optional[tuple[tuple, SimResult, list[StageProblem], list[Any]]] = None
     previous = None
     search_time, iterations = 0.0, 0
@@ -148,7 +148,8 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
             results.append(solve(config.solver, problem, time_limit_s=config.time_limit_s))
             search_time += time.perf_counter() - started
         assignments = [r.assignment for r in results]
-        sim = simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget)
+        sim = simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget,
+                                   record=False)
         score = (not sim.fits_budget, round(sim.step_time_s, 12), max(sim.peak_memory_bytes))
         if best is None or score < best[0]:
             best = (score, sim, problems, results)
@@ -160,6 +161,9 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     _, sim, problems, results = best
     if check_budget and config.solver in BUDGET_CHECKED_SOLVERS and not sim.fits_budget:
         raise LynxBudgetError(_budget_message(graph, pipe, config, problems, sim, breakdown, solve))
+    # the chosen plan once more, with drawing segments for the plan's timeline picture
+    sim = simulate_assignments(graph, pipe, problems, [r.assignment for r in results], static=static,
+                               budget_bytes=budget, check=False)
     plan = _assemble(graph, config, pipe, problems, results, sim, search_time, iterations)
     return PlanOutcome(plan=plan, sim=sim, pipeline=pipe, problems=problems)
 

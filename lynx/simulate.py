@@ -77,11 +77,12 @@ class SimResult:
 
 def simulate_assignments(graph: nx.DiGraph, pipe: Pipeline, problems: list[StageProblem],
                          assignments: list[Assignment], *, static: list[int], budget_bytes: int,
-                         check: bool = True) -> SimResult:
-    """Replay per-stage assignments on ``pipe``; ``check`` validates each against its problem."""
+                         check: bool = True, record: bool = True) -> SimResult:
+    """Replay per-stage assignments on ``pipe``; ``check`` validates each against its problem;
+    ``record=False`` leaves the timeline's drawing segments out (faster)."""
     if len(assignments) != len(problems):
         raise LynxPlanError(f"{len(assignments)} stage assignments for {len(problems)} stages")
-    timeline = run_timeline(pipe, loads_from_assignments(graph, pipe, problems, assignments))
+    timeline = run_timeline(pipe, loads_from_assignments(graph, pipe, problems, assignments), record=record)
     if check:
         for problem, assignment in zip(problems, assignments):
             validate(_windows_of(problem, timeline), assignment)

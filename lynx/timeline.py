@@ -173,8 +173,9 @@ def _wid(device: int, kind: str, chunk: int, mb: int, virtual: int) -> str:
     return f"s{device}.{kind}.mb{mb}" if virtual == 1 else f"s{device}.{kind}.c{chunk}.mb{mb}"
 
 
-def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
-    """Replay one training step; ``loads`` places recomputation (see :class:`Loads`)."""
+def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool = True) -> Timeline:
+    """Replay one training step; ``loads`` places recomputation (see :class:`Loads`);
+    ``record=False`` skips the drawing segments (faster, for planning loops)."""
     loads = loads or Loads()
     used: set[str] = set()
     order = schedule_order(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
@@ -204,27 +205,32 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
         t = done.get(("B", a.chunk + 1, a.microbatch))
         return None if t is None else t + pipe.boundary_s[a.chunk]
 
+    # per device: position of each forward, and of the next backward at or after each position
+    fwd_pos = [{(a.chunk, a.microbatch): i for i, a in enumerate(acts) if a.kind == "F"} for acts in actions]
+    next_bwd: list[list[Optional[int]]] = []
+    for acts in actions:
+        nxt: list[Optional[int]] = [None] * (len(acts) + 1)
+        for i in range(len(acts) - 1, -1, -1):
+            nxt[i] = i if acts[i].kind == "B" else nxt[i + 1]
+        next_bwd.append(nxt)
+
     def served_by_recv_act(s: int, index: int) -> Optional[tuple[int, int]]:
         """The next backward on device s after action `index` whose forward already ran."""
-        forwarded = {(a.chunk, a.microbatch) for a in actions[s][:index] if a.kind == "F"}
-        for a in actions[s][index:]:
-            if a.kind == "B":
-                return (a.chunk, a.microbatch) if (a.chunk, a.microbatch) in forwarded else None
-        return None
+        b = next_bwd[s][index]
+        if b is None:
+            return None
+        key = (actions[s][b].chunk, actions[s][b].microbatch)
+        return key if fwd_pos[s].get(key, len(actions[s])) < index else None
+
+    eligible_cache: dict[tuple[int, int, Optional[int]], Optional[tuple[int, ...]]] = {}
 
     def eligible(s: int, upto_chunk: int, below_block: Optional[int] = None) -> Optional[tuple[int, ...]]:
         if pipe.virtual == 1 and below_block is None:
             return None
-        layers: list[int] = []
-        for c in pipe.device_chunks(s):
-            if c.index > upto_chunk:
-                continue
-            for b in c.blocks:
-                if c.index == upto_chunk and below_block is not None and b >= below_block:
-                    continue
-                if pipe.costs[b].layer is not None:
-                    layers.append(pipe.costs[b].layer)
-        return tuple(sorted(layers))
+        key = (s, upto_chunk, below_block)
+        if key not in eligible_cache:
+            eligible_cache[key] = _eligible_layers(pipe, s, upto_chunk, below_block)
+        return eligible_cache[key]
 
     remaining = sum(len(a) for a in actions)
     while remaining:
@@ -247,30 +253,34 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
                     windows.append(Window(wid, s, kind, serves[1], a.ready, capacity,
                                           eligible(s, serves[0]), load))
                 a.start = max(arrival, a.ready + load)
-                _account(segments, busy, exposed, hidden, s, a.ready, load, capacity, f"{kind} {a.microbatch}")
-                if a.start > a.ready + load + _EPS:
+                _account(segments if record else None, busy, exposed, hidden, s, a.ready, load, capacity, wid)
+                if record and a.start > a.ready + load + _EPS:
                     segments.append(Segment(s, "wait", a.ready + load, a.start, wid))
                 # --- the action itself
                 t = a.start
                 if a.kind == "F":
                     for b in chunk.blocks:
                         cost = pipe.costs[b]
-                        segments.append(Segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}"))
+                        if record:
+                            segments.append(Segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}"))
                         t += cost.forward_s
                         busy[s] += cost.forward_s
                         if cost.tp_forward_s > 0:
-                            segments.append(Segment(s, "tp", t, t + cost.tp_forward_s, f"tp F{a.microbatch}"))
+                            if record:
+                                segments.append(Segment(s, "tp", t, t + cost.tp_forward_s, f"tp F{a.microbatch}"))
                             t += cost.tp_forward_s
                 else:
                     for b in reversed(chunk.blocks):
                         cost = pipe.costs[b]
                         od = loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
                         if od > 0:
-                            segments.append(Segment(s, "recompute", t, t + od, f"on demand {cost.name}"))
+                            if record:
+                                segments.append(Segment(s, "recompute", t, t + od, f"on demand {cost.name}"))
                             t += od
                             busy[s] += od
                             exposed[s] += od
-                        segments.append(Segment(s, "backward", t, t + cost.backward_s, f"B{a.microbatch} {cost.name}"))
+                        if record:
+                            segments.append(Segment(s, "backward", t, t + cost.backward_s, f"B{a.microbatch} {cost.name}"))
                         t += cost.backward_s
                         busy[s] += cost.backward_s
                         if cost.tp_backward_s > 0 and cost.layer is not None:
@@ -278,8 +288,9 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
                             tload = window_load(tid)
                             windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
                                                   eligible(s, a.chunk, below_block=b), tload))
-                            _account(segments, busy, exposed, hidden, s, t, tload, cost.tp_backward_s, tid)
-                            if cost.tp_backward_s > tload:
+                            _account(segments if record else None, busy, exposed, hidden, s, t, tload,
+                                     cost.tp_backward_s, tid)
+                            if record and cost.tp_backward_s > tload:
                                 segments.append(Segment(s, "tp", t + tload, t + cost.tp_backward_s, tid))
                             t += max(cost.tp_backward_s, tload)
                         if a.microbatch == last_bwd_mb[a.chunk]:
@@ -287,9 +298,9 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
                 a.end = t
                 free[s] = t
                 done[(a.kind, a.chunk, a.microbatch)] = t
-                if a.kind == "F" and a.chunk < n_chunks - 1 and pipe.boundary_s[a.chunk] > 0:
+                if record and a.kind == "F" and a.chunk < n_chunks - 1 and pipe.boundary_s[a.chunk] > 0:
                     segments.append(Segment(s, "send", t, t + pipe.boundary_s[a.chunk], f"act {a.microbatch}"))
-                if a.kind == "B" and a.chunk > 0 and pipe.boundary_s[a.chunk - 1] > 0:
+                if record and a.kind == "B" and a.chunk > 0 and pipe.boundary_s[a.chunk - 1] > 0:
                     segments.append(Segment(s, "send", t, t + pipe.boundary_s[a.chunk - 1], f"grad {a.microbatch}"))
                 pointer[s] += 1
                 remaining -= 1
@@ -305,7 +316,8 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
                 continue
             start = max(ready, link)
             link = start + pipe.costs[b].dp_s
-            segments.append(Segment(s, "dp", start, link, f"dp {pipe.costs[b].name}"))
+            if record:
+                segments.append(Segment(s, "dp", start, link, f"dp {pipe.costs[b].name}"))
             idle_from = max(start, free[s])
             if link > idle_from + _EPS:
                 windows.append(Window(f"s{s}.dp.b{b}", s, "dp_collective", last_bwd_mb[_chunk_of_block(pipe, b)],
@@ -321,12 +333,13 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None) -> Timeline:
                     hidden_recompute_s=hidden)
 
 
-def _account(segments: list[Segment], busy: list[float], exposed: list[float], hidden: list[float],
+def _account(segments: Optional[list[Segment]], busy: list[float], exposed: list[float], hidden: list[float],
              s: int, start: float, load: float, capacity: float, label: str) -> None:
     """Recomputation ``load`` run from ``start`` in an idle interval of ``capacity`` seconds."""
     if load <= 0:
         return
-    segments.append(Segment(s, "recompute", start, start + load, label))
+    if segments is not None:
+        segments.append(Segment(s, "recompute", start, start + load, label))
     busy[s] += load
     hidden[s] += min(load, capacity)
     exposed[s] += max(0.0, load - capacity)
@@ -350,3 +363,18 @@ def _in_flight(actions: list[list[Action]], virtual: int) -> list[int]:
                 live -= 1
         result.append(-(-peak // virtual))
     return result
+
+
+def _eligible_layers(pipe: Pipeline, s: int, upto_chunk: int, below_block: Optional[int]) -> tuple[int, ...]:
+    """Layers of device s not yet backpropagated: chunks up to ``upto_chunk``, and within it
+    the blocks before ``below_block``."""
+    layers: list[int] = []
+    for c in pipe.device_chunks(s):
+        if c.index > upto_chunk:
+            continue
+        for b in c.blocks:
+            if c.index == upto_chunk and below_block is not None and b >= below_block:
+                continue
+            if pipe.costs[b].layer is not None:
+                layers.append(pipe.costs[b].layer)
+    return tuple(sorted(layers))
