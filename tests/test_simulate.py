@@ -107,3 +107,11 @@ def test_fits_budget_and_invalid_assignment() -> None:
     bad = Assignment(recompute=frozenset({"l1_qkv"}), window_of={("l1_qkv", 0): "s0.recv_grad.mb3"})
     with pytest.raises(LynxPlanError):
         simulate_assignments(g, pipe, problems, [bad, keep[1]], static=static, budget_bytes=2**40)
+
+
+def test_public_names_are_callable_after_submodule_import() -> None:
+    import lynx
+    import lynx.compile  # noqa: F401 - importing the submodules rebinds lynx.compile / lynx.simulate
+    import lynx.simulate  # noqa: F401
+
+    assert callable(lynx.simulate) and callable(lynx.compile)
