@@ -1,0 +1,61 @@
+import json
+
+from typer.testing import CliRunner
+
+from lynx.cli import app, main
+
+runner = CliRunner()
+
+
+def test_inspect_json_schema():
+    result = runner.invoke(app, ["inspect", "gpt-tiny", "--json", "--target", "cpu", "--hardware", "cpu-local"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert set(record) == {"model", "target", "dims", "layers", "totals"}
+    assert record["target"] == "cpu"
+    assert record["dims"] == {"hidden": 64, "heads": 4, "layers": 4, "seq": 32, "microbatch": 1, "dtype": "float32"}
+    assert [layer["layer_class"] for layer in record["layers"]] == ["pre"] + ["GPTBlock"] * 4 + ["post"]
+    assert set(record["layers"][1]) == {"index", "layer_class", "flops", "saved_bytes", "forward_s", "backward_s"}
+    assert record["totals"]["saved_bytes"] == sum(layer["saved_bytes"] for layer in record["layers"])
+
+
+def test_inspect_table_names_the_target():
+    result = runner.invoke(app, ["inspect", "gpt-1.3b", "--microbatch", "2", "--hardware", "a100-80g"])
+    assert result.exit_code == 0, result.output
+    assert "target cuda" in result.output and "GPTBlock" in result.output and "24" in result.output
+
+
+def test_inspect_factory(tmp_path, monkeypatch):
+    (tmp_path / "factory_mod.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])\n"
+        "    return m, (torch.randn(4, 8),)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = runner.invoke(app, ["inspect", "factory_mod:build", "--json"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.output)
+    assert record["dims"]["hidden"] is None and record["dims"]["microbatch"] == 4
+
+
+def _run_main(monkeypatch, capsys, args):
+    monkeypatch.setattr("sys.argv", ["lynx", *args])
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code
+    else:
+        code = 0
+    return code, capsys.readouterr().err
+
+
+def test_bad_input_is_a_message_not_a_traceback(monkeypatch, capsys):
+    for args, needle in [
+        (["inspect", "gpt-99b"], "valid presets"),
+        (["inspect", "gpt-tiny", "--seq", "-4"], "positive integer"),
+        (["inspect", "gpt-tiny", "--hardware", "abacus"], "unknown hardware"),
+        (["inspect", "gpt-tiny", "--dtype", "fp8"], "unknown dtype"),
+    ]:
+        code, err = _run_main(monkeypatch, capsys, args)
+        assert code == 2 and needle in err and "Traceback" not in err

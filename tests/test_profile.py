@@ -1,0 +1,114 @@
+import pytest
+import torch
+
+from lynx.analyze import analyze
+from lynx.capture import capture
+from lynx.errors import LynxConfigError
+from lynx.models import build_preset, resolve_model
+from lynx.profile import CUDA_EMULATED_OPS, SaveTracker, profile, storage_key
+
+GPT_PRESETS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b"]
+
+
+def _layer_saved_bytes(name, attention, microbatch, target="cuda"):
+    m = resolve_model(name, attention=attention, microbatch=microbatch, seq=2048, dtype="fp16")
+    a = analyze(m.model, m.example_inputs, target=target, dims=m.dims)
+    G = a.graph
+    per_layer = [sum(G.nodes[n]["saved_bytes"] for n in b["nodes"]) for b in G.graph["blocks"] if b["kind"] == "layer"]
+    return m.dims, per_layer
+
+
+@pytest.mark.parametrize("microbatch", [1, 4])
+@pytest.mark.parametrize("name", GPT_PRESETS)
+def test_math_attention_matches_korthikanti(name, microbatch):
+    dims, per_layer = _layer_saved_bytes(name, "math", microbatch)
+    s, b, h, a = dims["seq"], microbatch, dims["hidden"], dims["heads"]
+    expected = s * b * h * (34 + 5 * a * s / h)
+    assert len(per_layer) == dims["layers"]
+    for got in per_layer:
+        assert abs(got / expected - 1) < 0.02
+
+
+@pytest.mark.parametrize("name", ["gpt-1.3b", "gpt-20b"])
+def test_sdpa_attention_drops_the_quadratic_term(name):
+    dims, per_layer = _layer_saved_bytes(name, "sdpa", 1)
+    s, h = dims["seq"], dims["hidden"]
+    for got in per_layer:
+        assert abs(got / (34 * s * h) - 1) < 0.02
+
+
+def _real_saved_bytes(model, inputs):
+    """Bytes autograd saves in a real forward, de-duplicated by storage, parameters and buffers out."""
+    excluded = {storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+    seen = {}
+
+    def pack(t):
+        key = storage_key(t)
+        if key not in excluded:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(*inputs)
+    return sum(seen.values()), loss
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("attention", ["math", "sdpa"])
+def test_cpu_profile_equals_real_cpu_forward_exactly(name, attention):
+    if name == "llama-tiny" and attention == "math":
+        pytest.skip("llama always uses sdpa")
+    model, inputs = build_preset(name, device="cpu", attention=attention if name == "gpt-tiny" else None)
+    real, loss = _real_saved_bytes(model, inputs)
+    prof = profile(capture(model, inputs), target="cpu")
+    assert prof.total_saved_bytes == real
+    assert prof.target == "cpu" and not prof.emulated_ops
+
+
+def test_cuda_target_dropout_saves_a_one_byte_mask():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    captured = capture(model, (x,))
+    cuda, cpu = profile(captured, target="cuda"), profile(captured, target="cpu")
+    drop = next(n for n, r in cuda.nodes.items() if "dropout" in r.op)
+    output = 8 * 16 * 4  # saved by the next linear, produced by the dropout
+    assert cuda.nodes[drop].saved_bytes == output + 8 * 16  # + bool mask
+    assert cpu.nodes[drop].saved_bytes == output + 8 * 16 * 4  # + fp32 noise tensor
+    assert cuda.emulated_ops == ["aten.dropout.default"]
+
+
+def test_cuda_target_flash_attention_saves_no_square_matrix():
+    model, inputs = build_preset("gpt-tiny", device="meta", attention="sdpa", seq=32)
+    prof = profile(capture(model, inputs), target="cuda")
+    sdpa = [r for r in prof.nodes.values() if "scaled_dot_product" in r.op]
+    B, T, H, C = 1, 32, 4, 64
+    for r in sdpa:
+        # output (B, T, C) fp32 + logsumexp (B, H, T) fp32 + philox seed/offset
+        assert r.saved_bytes == B * T * C * 4 + B * H * T * 4 + 16
+    assert set(CUDA_EMULATED_OPS) >= {torch.ops.aten.dropout.default, torch.ops.aten.scaled_dot_product_attention.default}
+
+
+def test_parameters_and_buffers_are_never_counted():
+    model = torch.nn.Linear(1000, 2)
+    x = torch.randn(1, 1000)
+    prof = profile(capture(model, (x,)), target="cpu")
+    assert prof.total_saved_bytes == 1000 * 4  # the input only; the weight is a parameter
+
+
+def test_save_tracker_attributes_to_producer_then_running_node():
+    a = torch.randn(4)
+    tracker = SaveTracker(exclude=[a])
+    tracker.begin("n1")
+    out = a * 2
+    tracker.produced("n1", out)
+    tracker.begin("n2")
+    internal = torch.empty(3)
+    assert tracker.owner(out[1:]) == "n1"  # a view of n1's output storage
+    assert tracker.owner(internal) == "n2"
+    assert tracker.owner(a) is None
+
+
+def test_unknown_target():
+    model, inputs = build_preset("gpt-tiny", device="meta")
+    with pytest.raises(LynxConfigError, match="target"):
+        profile(capture(model, inputs), target="tpu")
