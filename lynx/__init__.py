@@ -27,14 +27,20 @@ from lynx.errors import (
 
 __version__ = "0.1.0"
 
+# Functions that share their name with their module are bound eagerly: importing a submodule
+# sets the package attribute to the module, so a lazy binding would be overwritten by the
+# first `import lynx.compile` anywhere.
+from lynx.capture import capture  # noqa: E402
+from lynx.compile import compile  # noqa: E402,A004
+from lynx.profile import profile  # noqa: E402
+from lynx.simulate import simulate  # noqa: E402
+
 # Public names resolved on first use, so `import lynx` stays fast and each stage of the
 # data flow (capture → profile → graph → timeline → solve → plan → simulate → rewrite →
 # runtime) is imported only when needed.
 _LAZY = {
     "models": ("lynx.models", None),
-    "capture": ("lynx.capture", "capture"),
     "Captured": ("lynx.capture", "Captured"),
-    "profile": ("lynx.profile", "profile"),
     "Profile": ("lynx.profile", "Profile"),
     "build_graph": ("lynx.graph", "build_graph"),
     "HardwareSpec": ("lynx.hardware", "HardwareSpec"),
@@ -44,10 +50,8 @@ _LAZY = {
     "Analysis": ("lynx.analyze", "Analysis"),
     "inspect_model": ("lynx.inspect", "inspect_model"),
     "CompileConfig": ("lynx.config", "CompileConfig"),
-    "compile": ("lynx.compile", "compile"),
     "Compiled": ("lynx.compile", "Compiled"),
     "Plan": ("lynx.plan", "Plan"),
-    "simulate": ("lynx.simulate", "simulate"),
     "optim": ("lynx.optim", None),
     "runtime": ("lynx.runtime", None),
 }
@@ -61,6 +65,10 @@ __all__ = [
     "LynxBudgetError",
     "LynxFingerprintError",
     "LynxRuntimeError",
+    "capture",
+    "compile",
+    "profile",
+    "simulate",
     *_LAZY,
 ]
 
