@@ -206,6 +206,7 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
 
 def plot(rows: list[dict], names: list[str], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -214,10 +215,17 @@ def plot(rows: list[dict], names: list[str], path: Path) -> None:
     width = 0.8 / len(names)
     for i, n in enumerate(names):
         means = [statistics.mean(r["steps"][n]) for r in rows]
-        ax.bar([x + i * width for x in range(len(rows))], means, width, label=LABEL[n])
+        xs = [x + i * width for x in range(len(rows))]
+        ax.bar(xs, means, width, label=LABEL[n])
+        if n != "adamw" and "adamw" in names:
+            for x, r, m in zip(xs, rows, means):
+                ratio = m / statistics.mean(r["steps"]["adamw"])
+                ax.annotate(f"{ratio:.2f}×", (x, m), ha="center", va="bottom", fontsize=8)
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(rows))],
                   [f"{r['rate_mbit']:g} Mbit/s\n(measured {r['measured_mbit']:.0f})" for r in rows])
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_ylabel("mean step time (s, log)")
     ax.set_title(f"Step time per optimizer, {rows[0]['n_params'] / 1e6:.1f} M-param GPT, "
                  f"{args_world(rows)} ranks over tbf links")
@@ -241,9 +249,12 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--optimizers: unknown {sorted(unknown)}; choose from {ORDER}")
     rows = []
+    load_before = os.getloadavg()[0]
     for rate in [float(r) for r in args.rates.split(",")]:
         rows.append(run_rate(args, rate, names) | {"world_size": args.world_size})
     table = render(rows, names, args)
+    table += (f"\nMachine load (1-min load average) {load_before:.1f} at the start, "
+              f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.\n")
     print("\n" + table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
