@@ -3,13 +3,14 @@
 Each link rate gets a fresh :class:`lynx.testbed.NetBed` (one network namespace per rank, each
 rank's link limited by ``tc tbf`` in both directions); its throughput is measured with gloo
 send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains the same small
-GPT with every optimizer, interleaved step by step (AdamW, DeMo, Lion, AdamW, ...) so that
-background load hits all of them alike; a step is timed from a barrier to the end of
+GPT of ``benchmarks/convergence.py`` (byte vocabulary, 2 layers, hidden 128, seq 64, 4
+sequences per rank = its global batch of 16 over 4 ranks) with every optimizer, interleaved
+step by step (AdamW, DeMo, Lion, AdamW, ...) so that background load hits all alike; a step is timed from a barrier to the end of
 ``optimizer.step()`` and its time is the slowest rank's. AdamW runs under
 ``DistributedDataParallel`` (gloo, default 25 MB buckets, all-reduce overlapped with backward),
 exactly as DDP would; DeMo and DistributedLion communicate inside their ``step()``.
 
-    .venv/bin/python benchmarks/step_time.py                      # 10, 100, 1000 Mbit/s, 4 ranks
+    .venv/bin/python benchmarks/step_time.py                      # 3, 10, 100, 1000 Mbit/s, 4 ranks (~6 min)
     .venv/bin/python benchmarks/step_time.py --rates 100 --steps 4
 
 Writes ``benchmarks/results/step_time.{md,json,png}``. Needs root + iproute2 for real links;
@@ -34,17 +35,17 @@ LABEL = {"adamw": "AdamW + fp32 all-reduce (DDP)", "demo": "DeMo", "lion": "Dist
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rates", default="10,100,1000", help="link rates in Mbit/s, comma separated")
+    p.add_argument("--rates", default="3,10,100,1000", help="link rates in Mbit/s, comma separated")
     p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6, help="timed steps per optimizer and rate")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per optimizer first")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per optimizer and rate")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer first")
     p.add_argument("--optimizers", default="adamw,demo,lion")
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (convergence.py: global 16 / 4 ranks)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rate")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_time"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -90,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
         torch.manual_seed(0)  # the same initial model on every rank and for every optimizer
         model = GPT(cfg)
         net = DistributedDataParallel(model) if name == "adamw" else model
-        lr = {"adamw": 1e-3, "demo": 1e-3, "lion": 1e-4}[name]
+        lr = {"adamw": 3e-3, "demo": 3e-3, "lion": 1e-3}[name]  # convergence.py's peaks
         runs[name] = (net, build_optimizer(name, model, lr))
     n_params = sum(p.numel() for p in runs[names[0]][0].parameters())
     gen = torch.Generator().manual_seed(1000 + rank)
