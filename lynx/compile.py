@@ -20,9 +20,7 @@ Example::
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -255,13 +253,3 @@ def _budget_message(graph: nx.DiGraph, pipe: Pipeline, config: CompileConfig, pr
             f"the leanest plan found needs " + "; ".join(lines)
             + f". Raise memory_budget to at least {format_size(peaks[worst])}, or {advice}.")
 
-
-class _CallableModule(types.ModuleType):
-    """``lynx.compile`` is both this module and its function: importing the submodule makes
-    Python set the package attribute to the module, so the module forwards calls."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return compile(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -26,8 +26,6 @@ Example::
 
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -154,13 +152,3 @@ def simulate(plan: Any, graph: Optional[nx.DiGraph] = None) -> SimResult:
                                 f"{problem.stage}: the plan was made for another model or partition")
     return simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget)
 
-
-class _CallableModule(types.ModuleType):
-    """``lynx.simulate`` is both this module and its function: importing the submodule makes
-    Python set the package attribute to the module, so the module forwards calls."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return simulate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
