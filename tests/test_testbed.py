@@ -180,11 +180,14 @@ def test_netns_mode_refuses_to_fall_back() -> None:
 def test_loopback_mode_reports_failures_too() -> None:
     with NetBed(world_size=2, mode="loopback") as bed:
         assert not bed.rate_limited and bed.fallback_reason == "mode='loopback' requested"
-        code = "import os, sys; sys.exit(7 if os.environ['RANK'] == '0' else 0)"
+        # Rank 1 succeeds at once; rank 0 fails later (so rank 1 is not killed by the bed).
+        code = ("import os, sys, time\n"
+                "if os.environ['RANK'] == '0': time.sleep(1.0); sys.exit(7)\n")
         with pytest.raises(LynxTestbedError, match="rank 0 failed with exit code 7"):
             bed.run([sys.executable, "-c", code], timeout_s=30)
         results = bed.run([sys.executable, "-c", code], timeout_s=30, check=False)
         assert [r.returncode for r in results] == [7, 0]
+        assert not any(r.killed_by_bed for r in results)
         # A per-rank command: a callable rank -> argv.
         results = bed.run(lambda k: [sys.executable, "-c", f"print({k} * 10)"], timeout_s=30)
         assert [r.stdout.strip() for r in results] == ["0", "10"]
