@@ -16,6 +16,7 @@ Example::
 """
 
 from lynx.optim.demo import DeMo
-from lynx.optim.lion import DistributedLion
+from lynx.optim.demo_payload import demo_wire_bytes
+from lynx.optim.lion import DistributedLion, lion_wire_bytes
 
-__all__ = ["DeMo", "DistributedLion"]
+__all__ = ["DeMo", "DistributedLion", "demo_wire_bytes", "lion_wire_bytes"]

@@ -192,7 +192,7 @@ def _checksum(t: torch.Tensor) -> tuple[int, int]:
     step = 1 << 20
     for start in range(0, raw.numel(), step):
         piece = raw[start : start + step].to(torch.int64)
-        pos = torch.arange(start, start + piece.numel(), dtype=torch.int64) % 65521 + 1
+        pos = torch.arange(start, start + piece.numel(), dtype=torch.int64, device=piece.device) % 65521 + 1
         total += int(piece.sum())
         weighted += int((piece * pos).sum())
     return total, weighted
@@ -286,8 +286,10 @@ class BucketedOptimizer(torch.optim.Optimizer):
         """Parameters must start identical on every rank: compare exact checksums once."""
         if self.comm.world_size == 1 or not self._params:
             return
-        local = torch.tensor([_checksum(p) for p in self._params], dtype=torch.int64)  # (n, 2)
-        gathered = torch.empty((self.comm.world_size, *local.shape), dtype=torch.int64)
+        # On the parameters' device: NCCL gathers only device tensors, gloo either.
+        device = self._params[0].device
+        local = torch.tensor([_checksum(p) for p in self._params], dtype=torch.int64, device=device)  # (n, 2)
+        gathered = torch.empty((self.comm.world_size, *local.shape), dtype=torch.int64, device=device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         gather(gathered.view(-1), local.view(-1), group=self.comm.group)
         differs = (gathered != gathered[0:1]).any(dim=2).any(dim=0)  # (n,)
