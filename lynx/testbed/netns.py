@@ -14,11 +14,12 @@ outside their /24, so no packet can leave them.
 
 Example (root only)::
 
-    >>> from lynx.testbed.netns import TbfShape, create_topology, delete_namespaces
-    >>> topo = create_topology("lynx-doc-", world_size=2, shape=TbfShape.for_rate(100.0))
+    >>> from lynx.testbed.netns import TbfShape, bed_prefix, create_topology, delete_namespaces
+    >>> topo = create_topology(bed_prefix(999), world_size=2, shape=TbfShape.for_rate(100.0))
     >>> topo.addresses
     ['10.213.0.1', '10.213.0.2']
-    >>> delete_namespaces(topo.namespaces)
+    >>> delete_namespaces(topo.namespaces)   # returns what could not be deleted
+    []
 """
 
 from __future__ import annotations
