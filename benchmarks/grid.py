@@ -86,19 +86,20 @@ def retimed(graph: Any, hardware: str) -> Any:
 
 
 def record(outcome: Any) -> dict[str, Any]:
-    plan, sim = outcome.plan, outcome.sim
+    sim = outcome.sim
     capacity = [sum(w.capacity_s for w in p.windows) for p in outcome.problems]
     needed = [e + h for e, h in zip(sim.exposed_per_stage, sim.hidden_per_stage)]
     return {"step_time_s": sim.step_time_s, "exposed_s": sim.exposed_recompute_s, "hidden_s": sim.hidden_recompute_s,
-            "peak": max(sim.peak_memory_bytes), "peaks": sim.peak_memory_bytes, "status": plan.status,
-            "search_time_s": plan.search_time_s,
+            "peak": max(sim.peak_memory_bytes), "peaks": sim.peak_memory_bytes, "status": outcome.status,
+            "search_time_s": outcome.search_time_s,
             "windows_suffice": all(c >= n for c, n in zip(capacity, needed)) and sum(needed) > 0}
 
 
 def run_point(graph: Any, base: CompileConfig, levels: list[float], with_opt: bool, opt_limit: float) -> list[dict]:
     fixed = {}
     for solver in BASELINES:
-        out = plan_graph_outcome(graph, base.replace(solver=solver), check_budget=False, pipeline=fixed.get("_pipe"))
+        out = plan_graph_outcome(graph, base.replace(solver=solver), check_budget=False, pipeline=fixed.get("_pipe"),
+                                 assemble=False)
         fixed["_pipe"] = out.pipeline
         fixed[solver] = record(out)
     pipe = fixed.pop("_pipe")
@@ -115,7 +116,8 @@ def run_point(graph: Any, base: CompileConfig, levels: list[float], with_opt: bo
             if solver == "opt":
                 settings["time_limit_s"] = opt_limit
             try:
-                out = plan_graph_outcome(graph, cfg.replace(**settings), check_budget=False, pipeline=pipe)
+                out = plan_graph_outcome(graph, cfg.replace(**settings), check_budget=False, pipeline=pipe,
+                                         assemble=False)
                 row["results"][solver] = dict(record(out), fits=out.sim.fits_budget)
             except LynxError as err:
                 row["results"][solver] = {"error": str(err), "fits": False}

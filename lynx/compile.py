@@ -51,12 +51,21 @@ _STATUS_RANK = {"OPTIMAL": 0, "HEURISTIC": 1, "FEASIBLE": 2, "INFEASIBLE": 3}
 
 @dataclass
 class PlanOutcome:
-    """A plan with the objects it was made from (for benchmarks and the CLI)."""
+    """A plan with the objects it was made from (for benchmarks and the CLI).
 
-    plan: Plan
+    ``plan`` is None when planning was asked not to assemble one (``assemble=False``)."""
+
+    plan: Optional[Plan]
     sim: SimResult
     pipeline: Pipeline
     problems: list[StageProblem]
+    results: list[Any]
+    search_time_s: float
+    iterations: int
+
+    @property
+    def status(self) -> str:
+        return max((r.status for r in self.results), key=lambda st: _STATUS_RANK.get(st, 1))
 
 
 @dataclass
@@ -119,8 +128,10 @@ def plan_graph(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommM
 
 def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommModel] = None,
                        solve: Optional[Callable[..., Any]] = None, progress: Optional[Callable[[str], None]] = None,
-                       check_budget: bool = True, pipeline: Optional[Pipeline] = None) -> PlanOutcome:
-    """:func:`plan_graph` returning the pipeline, problems and simulation as well."""
+                       check_budget: bool = True, pipeline: Optional[Pipeline] = None,
+                       assemble: bool = True) -> PlanOutcome:
+    """:func:`plan_graph` returning the pipeline, problems and simulation as well
+    (``assemble=False``: no Plan object, for benchmarks that only need the figures)."""
     if solve is None:
         from lynx.solvers import solve as registry_solve
 
@@ -161,11 +172,13 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     _, sim, problems, results = best
     if check_budget and config.solver in BUDGET_CHECKED_SOLVERS and not sim.fits_budget:
         raise LynxBudgetError(_budget_message(graph, pipe, config, problems, sim, breakdown, solve))
-    # the chosen plan once more, with drawing segments for the plan's timeline picture
-    sim = simulate_assignments(graph, pipe, problems, [r.assignment for r in results], static=static,
-                               budget_bytes=budget, check=False)
-    plan = _assemble(graph, config, pipe, problems, results, sim, search_time, iterations)
-    return PlanOutcome(plan=plan, sim=sim, pipeline=pipe, problems=problems)
+    plan = None
+    if assemble:  # the chosen plan once more, with drawing segments for the plan's timeline picture
+        sim = simulate_assignments(graph, pipe, problems, [r.assignment for r in results], static=static,
+                                   budget_bytes=budget, check=False)
+        plan = _assemble(graph, config, pipe, problems, results, sim, search_time, iterations)
+    return PlanOutcome(plan=plan, sim=sim, pipeline=pipe, problems=problems, results=results,
+                       search_time_s=search_time, iterations=iterations)
 
 
 def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems: list[StageProblem],
@@ -189,8 +202,7 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems
     windows = [WindowRecord(id=w.id, stage=p.stage, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
                             eligible_layers=None if w.eligible_layers is None else list(w.eligible_layers))
                for p in problems for w in p.windows]
-    statuses = [r.status for r in results]
-    status = max(statuses, key=lambda st: _STATUS_RANK.get(st, 1))
+    status = max((r.status for r in results), key=lambda st: _STATUS_RANK.get(st, 1))
     gaps = [r.gap for r in results if r.gap is not None]
     return Plan(
         fingerprint=fingerprint_of(graph_fp, fields), graph_fingerprint=graph_fp, config=record,

@@ -65,7 +65,7 @@ def _run(fn: Any) -> Any:
     try:
         return fn()
     except LynxError as err:
-        console.print(f"[bold red]error:[/] {err}")
+        typer.echo(f"error: {err}", err=True)  # plain: a message must not be re-wrapped
         raise typer.Exit(2) from None
 
 
@@ -119,12 +119,12 @@ def plan_command(
 
 def _summary(plan: Any) -> None:
     p = plan.predicted
-    console.print(
+    console.print(soft_wrap=True, *[
         f"[bold]{plan.solver}[/] ({plan.status}{'' if plan.gap is None else f', gap {plan.gap:.2%}'}): "
         f"step {p.step_time_s * 1e3:.2f} ms, exposed recompute {p.exposed_recompute_s * 1e3:.2f} ms, "
         f"hidden {p.hidden_recompute_s * 1e3:.2f} ms, bubble {p.bubble_s * 1e3:.2f} ms, "
         f"peak {', '.join(format_size(b) for b in p.peak_memory_bytes)}, "
-        f"{'fits' if p.fits_budget else '[red]does NOT fit[/]'} the budget; search {plan.search_time_s:.3f} s")
+        f"{'fits' if p.fits_budget else '[red]does NOT fit[/]'} the budget; search {plan.search_time_s:.3f} s"])
 
 
 @app.command("show")
