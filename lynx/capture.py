@@ -19,17 +19,21 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import fx, nn
 
 from lynx.errors import LynxCaptureError
 
-__all__ = ["Captured", "FoldInfo", "capture", "is_op_node", "user_frame"]
+__all__ = ["Captured", "FoldInfo", "capture", "is_op_node", "quiet_torch", "user_frame"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
@@ -61,6 +65,24 @@ class Captured:
     def op_nodes(self) -> list[fx.Node]:
         """The ``call_function`` / ``call_module`` / ``call_method`` nodes, in execution order."""
         return [n for n in self.gm.graph.nodes if is_op_node(n)]
+
+
+@contextlib.contextmanager
+def quiet_torch() -> Iterator[None]:
+    """Silence torch's tracing warnings and log dumps; failures surface as Lynx errors instead."""
+    names = ("torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor", "torch._export",
+             "torch.export", "torch._dynamo")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def is_op_node(node: fx.Node) -> bool:
@@ -158,8 +180,8 @@ def _capture(model: nn.Module, example_inputs: tuple | list | torch.Tensor) -> C
     was_training = model.training
     model.train()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        # export prints the partial graph when it fails; the LynxCaptureError says what matters
+        with quiet_torch(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             exported = torch.export.export(model, inputs, strict=False)
         gm = exported.module()
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -167,7 +189,8 @@ def _capture(model: nn.Module, example_inputs: tuple | list | torch.Tensor) -> C
         return Captured(gm, inputs, "export", names)
     except Exception as export_err:  # noqa: BLE001 - every export failure falls back
         try:
-            gm = fx.symbolic_trace(model)
+            with quiet_torch():
+                gm = fx.symbolic_trace(model)
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             gm.train()
             return Captured(gm, inputs, "symbolic_trace", names, export_error=_describe(export_err))

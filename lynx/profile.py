@@ -29,9 +29,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
@@ -40,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from lynx.capture import Captured, is_op_node
+from lynx.capture import Captured, is_op_node, quiet_torch
 from lynx.errors import LynxConfigError, LynxProfileError
 
 __all__ = [
@@ -300,24 +299,6 @@ def _named_attrs(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     return attrs
 
 
-@contextlib.contextmanager
-def _quiet_torch() -> Iterator[None]:
-    import logging
-    import warnings
-
-    loggers = [logging.getLogger(n) for n in ("torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
-
-
 def profile(captured: Captured, target: str = "cuda") -> Profile:
     """Measure every op node of ``captured`` for the ``target`` device (``"cuda"`` or ``"cpu"``)."""
     if target not in TARGETS:
@@ -329,7 +310,7 @@ def profile(captured: Captured, target: str = "cuda") -> Profile:
     inputs = [_fake_like(mode, t, cpu) for t in captured.example_inputs]
     interp = _ProfilingInterpreter(gm, target, attrs)
     try:
-        with _quiet_torch(), mode, torch.enable_grad():
+        with quiet_torch(), mode, torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t):
                 out = interp.run(*inputs)
     except Exception as err:  # noqa: BLE001 - re-raised with the failing node named
