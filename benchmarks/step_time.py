@@ -153,7 +153,8 @@ def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
         for key in ("steps", "warmup", "vocab", "seq", "hidden", "heads", "layers", "batch"):
             cmd += [f"--{key}", str(getattr(args, key))]
         started = time.perf_counter()
-        results = bed.run(cmd, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        results = bed.run(cmd, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
                           timeout_s=args.timeout)
         wall = time.perf_counter() - started
         limited = bed.rate_limited
@@ -205,6 +206,19 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
                                       else "\n")
 
 
+def bar_check(rows: list[dict], names: list[str], rate: float = 100.0,
+              bar: float = 0.25) -> str:
+    """The issue's bar: at 100 Mbit/s with 4 ranks, DeMo and Lion step <= 0.25x AdamW's."""
+    row = next((r for r in rows if r["rate_mbit"] == rate and r["rate_limited"]), None)
+    if row is None or "adamw" not in names or len(names) < 2:
+        return ""
+    adamw = statistics.mean(row["steps"]["adamw"])
+    ratios = {n: statistics.mean(row["steps"][n]) / adamw for n in names if n != "adamw"}
+    verdict = "met" if all(v <= bar for v in ratios.values()) else "NOT met"
+    return (f"\nBar at {rate:g} Mbit/s, {row['world_size']} ranks (step <= {bar}x AdamW's): "
+            + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in ratios.items()) + f" -> {verdict}.\n")
+
+
 def plot(rows: list[dict], names: list[str], path: Path) -> None:
     import matplotlib
     import matplotlib.ticker
@@ -229,15 +243,11 @@ def plot(rows: list[dict], names: list[str], path: Path) -> None:
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_ylabel("mean step time (s, log)")
     ax.set_title(f"Step time per optimizer, {rows[0]['n_params'] / 1e6:.1f} M-param GPT, "
-                 f"{args_world(rows)} ranks over tbf links")
+                 f"{rows[0]['world_size']} ranks over tbf links")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def args_world(rows: list[dict]) -> int:
-    return int(rows[0].get("world_size", 0))
 
 
 def main() -> None:
@@ -254,6 +264,7 @@ def main() -> None:
     for rate in [float(r) for r in args.rates.split(",")]:
         rows.append(run_rate(args, rate, names) | {"world_size": args.world_size})
     table = render(rows, names, args)
+    table += bar_check(rows, names)
     table += (f"\nMachine load (1-min load average) {load_before:.1f} at the start, "
               f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.\n")
     print("\n" + table)
