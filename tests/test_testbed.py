@@ -201,3 +201,11 @@ def test_loopback_mode_reports_failures_too() -> None:
 def test_bad_settings_are_refused(kwargs, match) -> None:
     with pytest.raises(LynxConfigError, match=match):
         NetBed(**kwargs)
+
+
+def test_not_root_falls_back_with_the_reason(monkeypatch) -> None:
+    monkeypatch.setattr("lynx.testbed.netbed.os.geteuid", lambda: 1000)
+    with NetBed(world_size=2, rate_mbit=10.0) as bed:
+        assert not bed.rate_limited and "not running as root" in bed.fallback_reason
+        assert bed.addresses == ["127.0.0.1", "127.0.0.1"] and bed.ifname == "lo"
+        assert bed.exec_prefix(1) == []
