@@ -353,6 +353,7 @@ def make_uniform_problem(
     post: bool = False,
     stage: int = 0,
     layer_class: str = "GPTBlock",
+    views: bool = False,
 ) -> StageProblem:
     """A synthetic stage of ``layers`` identical Megatron-style GPT layers.
 
@@ -361,6 +362,9 @@ def make_uniform_problem(
     up to Korthikanti et al.'s ``s·b·h·(34 + 5·a·s/h)`` per layer and recompute times from
     FLOPs (matmuls) or bytes moved (elementwise). Budget: ``budget_bytes`` if given, else
     ``budget_fraction`` of the keep-all peak (``in_flight`` × everything).
+
+    ``views=True`` adds the zero-byte reshapes, transposes and weight transposes an aten
+    graph has (29 nodes per layer), as real captured graphs do.
 
     Windows: one ``recv_grad`` window per microbatch (capacity a scalar or one per
     microbatch; zero-capacity windows are left out), optionally one ``tp_allreduce`` window
@@ -391,6 +395,8 @@ def make_uniform_problem(
         ("drop2", 1 * sbh, False, ew(2 * sbh), ("fc2",), False),
         ("add2", 2 * sbh, True, ew(3 * sbh), ("drop2", "add1"), False),
     ]
+    if views:
+        chain = _with_views(chain, ew(0), mm(0))
     nodes: list[ProblemNode] = []
     layer_input: str | None = None
     if pre:
@@ -435,3 +441,32 @@ def make_uniform_problem(
         in_flight=in_flight,
         activation_budget_bytes=budget,
     )
+
+
+def _with_views(chain: list[tuple], view_s: float, _zero: float) -> list[tuple]:
+    """Insert aten-style view/transpose nodes (no bytes of their own) into the layer chain."""
+    out: list[tuple] = []
+    tiny = 1e-7  # launch overhead of a view
+    for name, saved, out_saved, cost, ins, core in chain:
+        if name in ("qkv", "proj", "fc1", "fc2"):
+            out.append((f"{name}_wt", 0, False, tiny, (), False))  # weight transpose
+            ins = ins + (f"{name}_wt",)
+        if name == "scores":
+            ins = ("q_t", "k_t")
+        if name == "attn_v":
+            ins = ("attn_dropout", "v_t")
+        if name == "proj":
+            ins = ("ctx_view", f"{name}_wt")
+        if name == "softmax":
+            out.append(("scale", 0, False, cost / 4, ("scores",), True))
+            out.append(("causal_mask", 0, False, cost / 4, ("scale",), True))
+            ins = ("causal_mask",)
+        out.append((name, saved, out_saved, cost, ins, core))
+        if name == "qkv":
+            out.append(("qkv_view", 0, False, tiny, ("qkv",), False))
+            for t in ("q_t", "k_t", "v_t"):
+                out.append((t, 0, False, tiny, ("qkv_view",), False))
+        if name == "attn_v":
+            out.append(("ctx_t", 0, False, tiny, ("attn_v",), False))
+            out.append(("ctx_view", 0, False, tiny, ("ctx_t",), False))
+    return out
