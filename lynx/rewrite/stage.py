@@ -341,6 +341,11 @@ class StageModule(nn.Module):
             raise LynxRuntimeError(f"stage {self.index}: microbatch {microbatch} is not in flight")
         return state.stats
 
+    def forward_done(self, microbatch: int) -> bool:
+        """Whether ``microbatch``'s forward ran and its backward has not been released."""
+        state = self._states.get(microbatch)
+        return state is not None and state.forward_done
+
     def in_flight(self) -> list[int]:
         return sorted(self._states)
 

@@ -1,0 +1,136 @@
+"""Data-parallel gradient synchronisation per bucket, launched while backward still runs.
+
+During the last microbatch's backward a post-accumulate-grad hook counts, per bucket, the
+parameters whose gradient is final; when a bucket is complete its collective is launched
+asynchronously, so the backward of earlier layers — and the on-demand recomputation it
+triggers — overlaps the communication. The sync object is either :class:`AllReduceSync`
+(mean of gradients over the data-parallel group, for AdamW or any local optimizer) or one of
+Lynx's compressed optimizers (:class:`lynx.optim.DeMo`, :class:`lynx.optim.DistributedLion`),
+which expose the same ``buckets`` / ``bucket_of`` / ``launch`` / ``finish`` interface.
+
+Example::
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(4, 4)
+    >>> sync = AllReduceSync(list(lin.parameters()), group=None, bucket_bytes=64)
+    >>> len(sync.buckets)
+    2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from lynx.errors import LynxConfigError
+
+__all__ = ["AllReduceSync", "BucketLauncher"]
+
+
+class AllReduceSync:
+    """Average gradients over ``group`` with one asynchronous all-reduce per bucket."""
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Any, bucket_bytes: int = 1 << 20) -> None:
+        if bucket_bytes <= 0:
+            raise LynxConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.params = list(params)
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() and group is not None else 1
+        self.buckets: list[list[int]] = []
+        size = bucket_bytes
+        for i, p in enumerate(self.params):  # params in backward order: first ready first
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or (size + nbytes > bucket_bytes and self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(i)
+            size += nbytes
+        self._bucket_of = {id(self.params[i]): b for b, members in enumerate(self.buckets) for i in members}
+        self._pending: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.sent_bytes = 0
+
+    def bucket_of(self, param: torch.Tensor) -> int:
+        return self._bucket_of[id(param)]
+
+    def launch(self, bucket: int) -> Any:
+        if bucket in self._pending:
+            return self._pending[bucket][0]
+        grads = [self._grad(i) for i in self.buckets[bucket]]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # (n,)
+        work = dist.all_reduce(flat, group=self.group, async_op=True) if self.world > 1 else None
+        self.sent_bytes += flat.numel() * flat.element_size()
+        self._pending[bucket] = (work, flat)
+        return work
+
+    def pending(self) -> list[tuple[int, Any]]:
+        return [(b, w) for b, (w, _) in self._pending.items()]
+
+    def finish(self, wait: Any = None) -> None:
+        """Launch what is left, wait (through ``wait(work, what)`` when given), write back means."""
+        for b in range(len(self.buckets)):
+            self.launch(b)
+        for b in range(len(self.buckets)):
+            work, flat = self._pending.pop(b)
+            if work is not None:
+                wait(work, f"data-parallel all-reduce of bucket {b}") if wait else work.wait()
+            if self.world > 1:
+                flat.div_(self.world)
+            offset = 0
+            for i in self.buckets[b]:
+                p = self.params[i]
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone() if p.grad is None else p.grad.copy_(
+                    flat[offset:offset + n].view_as(p))
+                offset += n
+
+    def _grad(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+class BucketLauncher:
+    """Launches ``sync``'s buckets as their gradients become final in the last backward."""
+
+    def __init__(self, sync: Any, params: Sequence[torch.Tensor], hold_buckets: set[int] = frozenset()) -> None:
+        self.sync = sync
+        self.armed = False
+        members: dict[int, int] = {}
+        self._bucket: dict[int, int] = {}
+        for p in params:
+            if not p.requires_grad:
+                continue
+            b = sync.bucket_of(p)
+            self._bucket[id(p)] = b
+            members[b] = members.get(b, 0) + 1
+        for b in hold_buckets:  # never complete here: the caller launches them itself
+            members[b] = members.get(b, 0) + (1 << 30)
+        self._members = members
+        self._remaining: dict[int, int] = {}
+        self.launch_times: list[float] = []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
+
+    def arm(self) -> None:
+        """The next backward is the last one of the step: launch buckets as they complete."""
+        self.armed = True
+        self._remaining = dict(self._members)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        b = self._bucket[id(param)]
+        self._remaining[b] -= 1
+        if self._remaining[b] == 0:
+            self.launch_times.append(time.perf_counter())
+            self.sync.launch(b)
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

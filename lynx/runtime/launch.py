@@ -1,0 +1,265 @@
+"""Start a pipeline (× data-parallel) run: ``torch.multiprocessing`` spawn here, or ``torchrun``.
+
+:class:`WorkerSpec` says what every rank builds: the model (a picklable factory giving the
+same model on every rank), how the graph is split and what each stage drops — from a
+:class:`lynx.Plan` (checked against the model's fingerprint before anything runs, and across
+ranks) or from plain stage node lists and :class:`~lynx.plan.StageSchedule` objects — and the
+microbatches of each step. :func:`run_rank` is the body of one rank; :func:`spawn` runs all
+ranks on this machine (gloo over 127.0.0.1) and returns each rank's :class:`RankResult`, or
+raises :class:`~lynx.errors.LynxRuntimeError` naming the failed rank. Under ``torchrun`` call
+:func:`run_rank` with ``init="env://"`` (see ``python -m lynx.runtime.torchrun``).
+
+Example::
+
+    results = spawn(WorkerSpec(build=my_factory, stage_nodes=nodes, pp=2, dp=2,
+                               runtime=RuntimeConfig(microbatches=4)), timeout_s=120)
+    results[0].stats[-1].step_s
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import io
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lynx.errors import LynxConfigError, LynxFingerprintError, LynxRuntimeError
+from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig
+from lynx.runtime.stats import StepStats
+from lynx.runtime.topology import make_topology, tied_groups
+
+__all__ = ["WorkerSpec", "RankResult", "TokenBatches", "run_rank", "spawn", "free_port", "rank_seed"]
+
+Batches = Callable[[int, int, int], Sequence[dict[str, torch.Tensor]]]  # (step, dp_rank, microbatches)
+
+
+@dataclass
+class WorkerSpec:
+    build: Callable[[], tuple[torch.nn.Module, tuple]]   # same model on every rank (seed inside)
+    pp: int
+    dp: int = 1
+    runtime: RuntimeConfig | list[RuntimeConfig] = field(default_factory=RuntimeConfig)  # several: run each in turn
+    plan: Any = None                      # lynx.Plan or path: stages, drops and windows
+    stage_nodes: list[list[str]] | None = None   # without a plan: the split ...
+    schedules: list[Any] | None = None    # ... and per stage a StageSchedule (dropped, prefetch) or None
+    batches: Batches | None = None        # microbatches of (step, dp_rank); default: the example inputs
+    steps: int = 1
+    seed: int = 0
+    threads: int = 1
+    optimizer: Callable[[list, Any], Any] | None = None  # (stage params, dp group) -> optimizer
+    return_grads: bool = False
+    fail_rank: int | None = None          # fault injection for tests: this rank raises in step 0
+    fingerprint: str | dict[int, str] | None = None  # plan fingerprint per rank (default: the plan's)
+    compile_settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RankResult:
+    rank: int
+    stage: int
+    dp_rank: int
+    stats: list[StepStats]                       # every step of every runtime config, in order
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)   # after the last step
+    runs: list[tuple[list[StepStats], dict[str, torch.Tensor]]] = field(default_factory=list)  # per config
+
+
+@dataclass(frozen=True)
+class TokenBatches:
+    """Picklable microbatch source: random tokens, next-token targets, per (step, replica, mb)."""
+
+    names: tuple[str, str]
+    vocab: int
+    batch: int
+    seq: int
+    seed: int = 0
+
+    def __call__(self, step: int, dp_rank: int, microbatches: int) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for j in range(microbatches):
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 10_007 + dp_rank * 101 + j)
+            idx = torch.randint(0, self.vocab, (self.batch, self.seq), generator=gen)  # (B, T)
+            out.append({self.names[0]: idx, self.names[1]: idx.roll(-1, dims=1)})
+        return out
+
+
+def rank_seed(seed: int, stage: int, dp_rank: int) -> int:
+    """The RNG seed of the rank running ``stage`` of replica ``dp_rank`` (dropout draws)."""
+    return seed + 1009 * dp_rank + stage
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple, stage: int) -> tuple[Any, Any, list[set[str]]]:
+    """The stage module, its schedule and every stage's parameter names."""
+    from lynx.capture import capture
+    from lynx.rewrite.build import build_stages, split_cached, stage_node_lists
+
+    if spec.plan is not None:
+        import lynx
+        from lynx.plan import Plan
+
+        plan = spec.plan if isinstance(spec.plan, Plan) else Plan.load(spec.plan)
+        # refuses a plan made for another model or settings, before anything runs
+        compiled = lynx.compile(model, inputs, plan=plan, **spec.compile_settings)
+        gm = compiled.analysis.captured.gm
+        nodes = stage_node_lists(plan, compiled.analysis.graph)
+        schedule = plan.stage_schedule(stage)
+        dropped = schedule.dropped
+    else:
+        if spec.stage_nodes is None:
+            raise LynxConfigError("WorkerSpec needs a plan or stage_nodes")
+        gm = capture(model, inputs).gm
+        nodes = spec.stage_nodes
+        schedule = spec.schedules[stage] if spec.schedules else None
+        dropped = schedule.dropped if schedule is not None else frozenset()
+    if len(nodes) != spec.pp:
+        raise LynxConfigError(f"the split has {len(nodes)} stages but pp={spec.pp}")
+    parts = split_cached(gm, nodes)
+    names = [{str(n.target) for n in part.gm.graph.nodes if n.op == "get_attr"} for part in parts]
+    stage_module = build_stages(gm, nodes, [frozenset() if s != stage else dropped for s in range(spec.pp)])[stage]
+    return stage_module, schedule, names
+
+
+def _check_fingerprints(spec: WorkerSpec, store: Any, rank: int, world: int) -> None:
+    given = spec.fingerprint.get(rank) if isinstance(spec.fingerprint, dict) else spec.fingerprint
+    mine = given or (getattr(spec.plan, "fingerprint", None) if spec.plan is not None else None) or ""
+    store.set(f"lynx/fingerprint/{rank}", mine)
+    theirs = store.get("lynx/fingerprint/0").decode()
+    if theirs != mine:
+        raise LynxFingerprintError(f"rank {rank} has plan fingerprint {mine or '(none)'} but rank 0 has "
+                                   f"{theirs or '(none)'}: every rank must run the same plan")
+
+
+def run_rank(spec: WorkerSpec, rank: int, world: int, init: str = "env://") -> RankResult:
+    """Everything one rank does; ``init`` is the process-group init method."""
+    torch.set_num_threads(spec.threads)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=max(30.0, _first(spec).timeout_s)))
+    topo = make_topology(spec.pp, spec.dp)
+    runner = None
+    try:
+        _check_fingerprints(spec, topo.store, rank, world)
+        torch.manual_seed(spec.seed)
+        model, inputs = spec.build()
+        model.train()
+        stage, schedule, names = _stage_setup(spec, model, inputs, topo.stage)
+        tied = tied_groups(topo, names)
+        params = [p for p in stage.parameters() if p.requires_grad]
+        runtimes = spec.runtime if isinstance(spec.runtime, list) else [spec.runtime]
+        result = RankResult(rank, topo.stage, topo.dp_rank, [])
+        for runtime in runtimes:
+            optimizer = spec.optimizer(params, topo.dp_group) if spec.optimizer else None
+            runner = PipelineRunner(stage, topo, runtime, schedule=schedule, optimizer=optimizer, tied=tied)
+            torch.manual_seed(rank_seed(spec.seed, topo.stage, topo.dp_rank))
+            stats = []
+            for step in range(spec.steps):
+                if spec.fail_rank == rank and step == 0:
+                    raise RuntimeError(f"injected failure on rank {rank}")
+                batches = (spec.batches(step, topo.dp_rank, runtime.microbatches) if spec.batches
+                           else [dict(zip(_input_names(stage, inputs), inputs))] * runtime.microbatches)
+                stats.append(runner.step(batches))
+            grads = {}
+            if spec.return_grads:
+                grads = {n: p.grad.clone() for n, p in stage.gm.named_parameters() if p.grad is not None}
+            runner.close()
+            result.runs.append((stats, grads))
+            result.stats += stats
+            result.grads = grads
+        return result
+    except BaseException as err:
+        (runner.monitor if runner else _monitor(topo, spec)).report(err)
+        raise
+
+
+def _monitor(topo: Any, spec: WorkerSpec) -> Any:
+    from lynx.runtime.faults import FaultMonitor
+
+    return FaultMonitor(topo.store, rank=topo.rank, world_size=topo.world, timeout_s=_first(spec).timeout_s)
+
+
+def _first(spec: WorkerSpec) -> RuntimeConfig:
+    return spec.runtime[0] if isinstance(spec.runtime, list) else spec.runtime
+
+
+def _input_names(stage: Any, inputs: tuple) -> list[str]:
+    placeholders = [n.name for n in stage.gm.graph.nodes if n.op == "placeholder"]
+    return placeholders[: len(inputs)] if len(stage.spec.inputs) == len(inputs) else stage.spec.inputs
+
+
+def _worker(rank: int, spec: WorkerSpec, world: int, port: int, queue: Any) -> None:
+    try:
+        result = run_rank(spec, rank, world, init=f"tcp://127.0.0.1:{port}")
+        # bytes, not tensors: a queue would share tensors through memory this process frees on exit
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put(("ok", rank, buffer.getvalue()))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        kind = type(err).__name__
+        queue.put(("error", rank, f"{kind}: {err}", not _caused_by_peer(err),
+                   traceback.format_exc(limit=6)))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _caused_by_peer(err: BaseException) -> bool:
+    from lynx.runtime.faults import PeerTimeoutError, RankFailedError
+
+    return isinstance(err, (RankFailedError, PeerTimeoutError))
+
+
+def spawn(spec: WorkerSpec, timeout_s: float = 300.0) -> list[RankResult]:
+    """Run ``spec`` on ``pp × dp`` local processes; results by rank, or LynxRuntimeError."""
+    world = spec.pp * spec.dp
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, spec, world, port, queue), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LynxRuntimeError(f"run did not finish within {timeout_s:g} s; ranks without a result: "
+                                       f"{sorted(set(range(world)) - set(results))}")
+            try:
+                item = queue.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode]
+                if dead:
+                    raise LynxRuntimeError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without a result")
+                continue
+            results[item[1]] = item
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    errors = {r: item for r, item in results.items() if item[0] == "error"}
+    if errors:
+        own = [r for r, item in errors.items() if item[3]] or sorted(errors)
+        first = errors[own[0]]
+        detail = "\n".join(f"  rank {r}: {item[2].splitlines()[0]}" for r, item in sorted(errors.items()))
+        err = LynxRuntimeError(f"rank {own[0]} failed: {first[2]}\n{detail}")
+        err.rank_errors = {r: item[2] for r, item in errors.items()}  # type: ignore[attr-defined]
+        raise err
+    return [torch.load(io.BytesIO(results[r][2]), weights_only=False) for r in range(world)]

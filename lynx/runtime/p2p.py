@@ -1,0 +1,116 @@
+"""Point-to-point transfer of stage boundary values (activations forward, gradients back).
+
+Shapes and dtypes of what crosses a boundary come from the captured graph (``meta["val"]`` of
+each boundary node, one microbatch), so receive buffers are allocated before anything
+arrives. Which boundary values need a gradient is learnt once: the sender's first activation
+message is preceded by a one-byte-per-value flag tensor. Every message carries a tag
+``(microbatch, direction)`` so out-of-order posting (receives posted early to open windows)
+cannot mismatch on gloo; NCCL matches in order, which this posting order also respects (each
+direction of each link carries one kind of message in microbatch order). Plain ``isend`` /
+``irecv`` per tensor are used rather than ``batch_isend_irecv``: each boundary carries one or
+a few tensors, and gloo runs them as separate operations either way.
+
+Example::
+
+    >>> tag(3, GRAD)
+    7
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from lynx.errors import LynxRuntimeError
+
+__all__ = ["ACT", "GRAD", "FLAGS", "tag", "BoundaryMeta", "boundary_meta", "post_recv", "post_send", "Pollable"]
+
+ACT, GRAD, FLAGS = 0, 1, 2
+_KINDS = 3
+
+
+def tag(microbatch: int, kind: int) -> int:
+    """Message tag: microbatch and kind (ACT, GRAD or FLAGS)."""
+    return microbatch * 2 + kind if kind != FLAGS else (1 << 30)
+
+
+class Pollable:
+    """A ``dist.Work`` whose completion can be polled.
+
+    gloo's send/receive works only learn they are complete inside ``wait()``
+    (``is_completed()`` stays False until then), so a daemon thread waits (the GIL is released
+    while it blocks) and sets an event; the runtime polls the event while it recomputes.
+    """
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        threading.Thread(target=self._wait, daemon=True).start()
+
+    def _wait(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException as err:  # noqa: BLE001 - re-raised by wait()
+            self._error = err
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        finished = self._done.wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return finished
+
+
+@dataclass(frozen=True)
+class BoundaryMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def boundary_meta(stage_gm: Any, names: Sequence[str]) -> list[BoundaryMeta]:
+    """Shape and dtype of each boundary value ``names`` of a stage graph (from ``meta['val']``)."""
+    vals = {}
+    for node in stage_gm.graph.nodes:
+        name = node.meta.get("lynx_name", node.name)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            vals[name] = val
+    missing = [n for n in names if n not in vals]
+    if missing:
+        raise LynxRuntimeError(f"no shape known for boundary values {missing}: capture with torch.export "
+                               "(symbolic_trace graphs carry no shapes) to run stages across ranks")
+    return [BoundaryMeta(n, tuple(int(d) for d in vals[n].shape), vals[n].dtype) for n in names]
+
+
+def post_recv(metas: Sequence[BoundaryMeta], peer: int, microbatch: int, kind: int,
+              device: torch.device, only: Sequence[bool] | None = None) -> tuple[list[torch.Tensor | None], list[Any]]:
+    """Post receives for ``metas`` from ``peer`` (``only`` selects which); returns buffers and works."""
+    buffers: list[torch.Tensor | None] = []
+    works = []
+    for i, meta in enumerate(metas):
+        if only is not None and not only[i]:
+            buffers.append(None)
+            continue
+        buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+        buffers.append(buf)
+        works.append(Pollable(dist.irecv(buf, peer, tag=tag(microbatch, kind))))
+    return buffers, works
+
+
+def post_send(tensors: Sequence[torch.Tensor | None], peer: int, microbatch: int,
+              kind: int) -> tuple[list[Any], list[torch.Tensor]]:
+    """Post sends of the non-None ``tensors`` to ``peer``; returns the works and the tensors to
+    keep alive until they complete."""
+    payload = [t.detach().contiguous() for t in tensors if t is not None]
+    return [Pollable(dist.isend(t, peer, tag=tag(microbatch, kind))) for t in payload], payload

@@ -1,0 +1,256 @@
+"""One pipeline stage per rank: 1F1B / GPipe over ``torch.distributed`` with window recompute.
+
+For every backward B(j) the gradient receive is posted as soon as F(j)'s activations are sent;
+when B(j) comes up the runner first runs the recomputation the plan put in that window
+(``s{stage}.recv_grad.mb{j}``) while the gradient is still in flight, then waits, then runs
+backward. Recomputation planned for a forward's wait (``s{stage}.recv_act.mb{k}``) runs before
+waiting for that activation. Windows of data-parallel collectives are served by on-demand
+recomputation in the last backward, which runs while the per-bucket collectives launched by
+:class:`~lynx.runtime.data_parallel.BucketLauncher` are in flight. Every wait goes through the
+:class:`~lynx.runtime.faults.FaultMonitor`, so a failed peer is named instead of hanging.
+
+This is a loop of its own over ``isend``/``irecv`` rather than
+``torch.distributed.pipelining``'s ``_PipelineScheduleRuntime``: that runtime waits for the
+gradient inside its ``B`` handler, drives its own ``PipelineStage`` objects (own buffers, own
+backward), and has no step between posting ``RECV_B`` and waiting on it where a per-node
+recompute that polls the receive could run (see ``docs/runtime.md``). The action orders are
+those of its ``Schedule1F1B`` / ``ScheduleGPipe`` (:mod:`lynx.runtime.schedule`).
+
+Example (two ranks; see ``tests/runtime/test_runtime_pipeline.py``)::
+
+    runner = PipelineRunner(stage, topology, RuntimeConfig(schedule="1f1b", microbatches=4),
+                            schedule=plan.stage_schedule(topology.stage))
+    stats = runner.step(microbatches)     # grads are in the stage's parameters' .grad
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from lynx.errors import LynxConfigError
+from lynx.runtime.data_parallel import AllReduceSync, BucketLauncher
+from lynx.runtime.faults import FaultMonitor
+from lynx.runtime.p2p import ACT, FLAGS, GRAD, boundary_meta, post_recv, post_send
+from lynx.runtime.schedule import stage_actions
+from lynx.runtime.stats import StepStats
+from lynx.runtime.step import InFlight, as_received, backward_step, forward_step, needs_grad
+from lynx.runtime.topology import Topology
+
+__all__ = ["RuntimeConfig", "PipelineRunner"]
+
+
+class RuntimeConfig(BaseModel):
+    """How the runtime executes a step (validated at the boundary)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schedule: str = Field("1f1b", pattern="^(1f1b|gpipe)$")
+    microbatches: int = Field(4, ge=1)
+    timeout_s: float = Field(60.0, gt=0)
+    loss_scale: float = 1.0
+    bucket_bytes: int = Field(1 << 20, gt=0)
+    prefetch: bool = True          # False: ignore the plan's windows (everything on demand)
+
+
+class PipelineRunner:
+    """Runs one stage of the pipeline on this rank (see module docstring)."""
+
+    def __init__(self, stage: Any, topology: Topology, config: RuntimeConfig, *, schedule: Any = None,
+                 optimizer: Any = None, tied: Mapping[str, Any] | None = None) -> None:
+        if stage.index != topology.stage:
+            raise LynxConfigError(f"rank {topology.rank} runs stage {topology.stage} but was given stage {stage.index}")
+        self.stage, self.topo, self.config = stage, topology, config
+        self.monitor = FaultMonitor(topology.store, rank=topology.rank, world_size=topology.world,
+                                    timeout_s=config.timeout_s)
+        self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+        self.recv_meta = boundary_meta(stage.gm, stage.spec.recv)
+        self.send_meta = boundary_meta(stage.gm, stage.spec.send)
+        self.send_flags: list[bool] | None = None   # which sent values need a gradient back
+        self.recv_flags: list[bool] | None = None
+        self._windows = self._index_windows(schedule)
+        self.optimizer = optimizer
+        params = [p for p in stage.parameters() if p.requires_grad]
+        # parameters in the order their final gradients appear (last used in forward first)
+        self.params = list(reversed(params))
+        self.tied = dict(tied or {})  # param name -> process group of the stages sharing it
+        tied_ids = {id(p) for n, p in stage.gm.named_parameters() if n in self.tied}
+        self.sync = None
+        self.launcher = None
+        if topology.dp > 1:
+            is_bucketed = optimizer is not None and all(hasattr(optimizer, a) for a in ("launch", "finish", "bucket_of"))
+            self.sync = optimizer if is_bucketed else AllReduceSync(self.params, topology.dp_group,
+                                                                      config.bucket_bytes)
+            # buckets holding tied weights wait for the tied sum at the end (launched by finish)
+            held = {self.sync.bucket_of(p) for p in self.params if id(p) in tied_ids}
+            self.launcher = BucketLauncher(self.sync, self.params, hold_buckets=held)
+
+    # ------------------------------------------------------------------ windows
+    def _index_windows(self, schedule: Any) -> dict[str, list[tuple[int, list[str]]]]:
+        """window id -> [(microbatch served, nodes)] for windows this runner anchors."""
+        if schedule is None or not self.config.prefetch:
+            return {}
+        windows: dict[str, list[tuple[int, list[str]]]] = {}
+        s = self.topo.stage
+        for j, entries in schedule.prefetch.items():
+            for wid, nodes in entries:
+                if ".dp." in wid or ".tp." in wid:
+                    continue  # served on demand while those collectives run
+                if not (wid.startswith(f"s{s}.recv_act.mb") or wid.startswith(f"s{s}.recv_grad.mb")):
+                    wid = f"s{s}.recv_grad.mb{j}"  # unknown anchor: just before B(j)
+                windows.setdefault(wid, []).append((int(j), list(nodes)))
+        return windows
+
+    def _run_window(self, wid: str, works: Sequence[Any], stats: StepStats) -> None:
+        for j, nodes in self._windows.get(wid, ()):
+            if not self.stage.forward_done(j):
+                continue  # its forward has not run here (another schedule's window): on demand instead
+            for node in nodes:
+                arrived = all(w.is_completed() for w in works)
+                start = time.perf_counter()
+                self.stage.recompute(j, [node])
+                elapsed = time.perf_counter() - start
+                if arrived or not works:
+                    stats.recompute_window_exposed_s += elapsed
+                else:
+                    stats.recompute_hidden_s += elapsed
+
+    # --------------------------------------------------------------------- step
+    def step(self, microbatches: Sequence[Mapping[str, torch.Tensor]]) -> StepStats:
+        """Forward and backward all ``microbatches`` of this data-parallel replica."""
+        try:
+            return self._step(microbatches)
+        except BaseException as err:
+            self.monitor.report(err)
+            raise
+
+    def _step(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> StepStats:
+        m, topo, stage = self.config.microbatches, self.topo, self.stage
+        if len(batches) != m:
+            raise LynxConfigError(f"step() got {len(batches)} microbatches, the runtime is configured for {m}")
+        self.monitor.check()
+        stats = StepStats(rank=topo.rank, stage=topo.stage, dp_rank=topo.dp_rank)
+        for p in self.params:
+            p.grad = None
+        stage.meter.reset_peak()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        first, last = topo.stage == 0, topo.stage == topo.pp - 1
+        act_recv: dict[int, tuple[list, list]] = {}
+        grad_recv: dict[int, tuple[list, list]] = {}
+        flights: dict[int, InFlight] = {}
+        sends: list[tuple[list, list]] = []
+        flag_recv = None
+        if not first and self.recv_flags is None:
+            flag_buf, flag_works = _recv_flags(len(self.recv_meta), topo.prev_rank)
+            flag_recv = (flag_buf, flag_works)
+        if not first:
+            act_recv[0] = post_recv(self.recv_meta, topo.prev_rank, 0, ACT, self.device)
+
+        for action in stage_actions(self.config.schedule, stage=topo.stage, stages=topo.pp, microbatches=m):
+            j = action.microbatch
+            if action.kind == "F":
+                received: list[torch.Tensor] = []
+                if not first:
+                    buffers, works = act_recv.pop(j)
+                    self._run_window(f"s{topo.stage}.recv_act.mb{j}", works, stats)
+                    for w in works:
+                        stats.wait_act_s += self.monitor.wait(w, f"activation receive of microbatch {j}",
+                                                              topo.prev_rank)
+                    if flag_recv is not None:
+                        for w in flag_recv[1]:
+                            self.monitor.wait(w, "boundary flags receive", topo.prev_rank)
+                        self.recv_flags = [bool(v) for v in flag_recv[0].tolist()]
+                        flag_recv = None
+                    received = as_received(buffers, self.recv_flags)
+                    if j + 1 < m:
+                        act_recv[j + 1] = post_recv(self.recv_meta, topo.prev_rank, j + 1, ACT, self.device)
+                t0 = time.perf_counter()
+                flight = forward_step(stage, j, batches[j], received)
+                stats.forward_s += time.perf_counter() - t0
+                flights[j] = flight
+                if last:
+                    stats.losses.append(float(flight.output.detach()))
+                else:
+                    if self.send_flags is None:
+                        self.send_flags = [needs_grad(o) for o in flight.output]
+                        flags = torch.tensor(self.send_flags, dtype=torch.uint8)
+                        sends.append(post_send([flags], topo.next_rank, 0, FLAGS))
+                    sends.append(post_send(list(flight.output), topo.next_rank, j, ACT))
+                    grad_recv[j] = post_recv(self.send_meta, topo.next_rank, j, GRAD, self.device,
+                                             only=self.send_flags)
+            else:
+                buffers, works = grad_recv.pop(j) if not last else ([], [])
+                self._run_window(f"s{topo.stage}.recv_grad.mb{j}", works, stats)
+                for w in works:
+                    stats.wait_grad_s += self.monitor.wait(w, f"gradient receive of microbatch {j}", topo.next_rank)
+                is_last_backward = j == m - 1
+                if is_last_backward and self.launcher is not None:
+                    self.launcher.arm()
+                t0 = time.perf_counter()
+                in_grads = backward_step(stage, j, flights.pop(j), buffers, self.config.loss_scale)
+                stats.backward_s += time.perf_counter() - t0
+                if self.launcher is not None:
+                    self.launcher.disarm()
+                mb = stage.release(j)
+                stats.recompute_on_demand_s += mb.on_demand_s
+                if is_last_backward and self.sync is not None:
+                    stats.recompute_on_demand_dp_s += mb.on_demand_s
+                if not first:
+                    payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype)) if flag else None
+                               for g, flag, meta in zip(in_grads, self.recv_flags or [], self.recv_meta)]
+                    sends.append(post_send(payload, topo.prev_rank, j, GRAD))
+
+        t0 = time.perf_counter()
+        for works, _payload in sends:
+            for w in works:
+                self.monitor.wait(w, "send", None)
+        self._sync_tied()
+        if self.sync is not None:
+            wait = self.monitor.wait
+            if isinstance(self.sync, AllReduceSync):
+                self.sync.finish(wait)
+                if self.optimizer is not None:
+                    self.optimizer.step()
+            else:
+                self.optimizer.step()  # the compressed optimizer finishes its collectives and updates
+        elif self.optimizer is not None:
+            self.optimizer.step()
+        stats.wait_sync_s += time.perf_counter() - t0
+        stats.step_s = time.perf_counter() - start
+        stats.peak_saved_bytes = stage.meter.peak_by.get("stage", 0)
+        stats.peak_held_bytes = stage.meter.peak_bytes
+        if self.device.type == "cuda":
+            stats.cuda_max_memory_allocated = int(torch.cuda.max_memory_allocated(self.device))
+        return stats
+
+    def close(self) -> None:
+        """Remove the gradient hooks this runner installed."""
+        if self.launcher is not None:
+            self.launcher.remove()
+            self.launcher = None
+
+    def _sync_tied(self) -> None:
+        import torch.distributed as dist
+
+        for name, p in self.stage.gm.named_parameters():
+            group = self.tied.get(name)
+            if group is None:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.monitor.wait(dist.all_reduce(p.grad, group=group, async_op=True), f"tied-weight sum of {name}")
+
+
+def _recv_flags(n: int, peer: int) -> tuple[torch.Tensor, list[Any]]:
+    import torch.distributed as dist
+
+    from lynx.runtime.p2p import Pollable, tag
+
+    buf = torch.empty(n, dtype=torch.uint8)
+    return buf, [Pollable(dist.irecv(buf, peer, tag=tag(0, FLAGS)))]

@@ -1,0 +1,76 @@
+"""Measured statistics of a training step, per stage, and how to print them beside a plan.
+
+Example::
+
+    >>> s = StepStats(rank=0, stage=0, dp_rank=0, step_s=1.0)
+    >>> s.exposed_recompute_s
+    0.0
+    >>> print(format_stats([s]).splitlines()[0].split()[:3])
+    ['stage', 'dp', 'step']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["StepStats", "format_stats"]
+
+
+@dataclass
+class StepStats:
+    """What one rank measured in one step (seconds and bytes)."""
+
+    rank: int
+    stage: int
+    dp_rank: int
+    step_s: float = 0.0
+    forward_s: float = 0.0
+    backward_s: float = 0.0                # backward compute incl. on-demand recompute
+    wait_act_s: float = 0.0                # blocked on activation receives
+    wait_grad_s: float = 0.0               # blocked on gradient receives
+    wait_sync_s: float = 0.0               # blocked on data-parallel / tied-weight collectives
+    recompute_hidden_s: float = 0.0        # window recompute finished before the awaited message arrived
+    recompute_window_exposed_s: float = 0.0  # window recompute after it had arrived
+    recompute_on_demand_s: float = 0.0     # recompute from the unpack hook, on the critical path
+    recompute_on_demand_dp_s: float = 0.0  # part of it run while data-parallel collectives were in flight
+    peak_saved_bytes: int = 0              # saved tensors owned by the stage's nodes (what plans predict)
+    peak_held_bytes: int = 0               # + received boundary values and recompute inputs held
+    cuda_max_memory_allocated: int | None = None
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def wait_s(self) -> float:
+        return self.wait_act_s + self.wait_grad_s + self.wait_sync_s
+
+    @property
+    def exposed_recompute_s(self) -> float:
+        return self.recompute_window_exposed_s + self.recompute_on_demand_s
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["wait_s"], d["exposed_recompute_s"] = self.wait_s, self.exposed_recompute_s
+        return d
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def format_stats(stats: Sequence[StepStats], plan: Any = None) -> str:
+    """A table of ``stats`` (one row per rank), with the plan's predictions when given."""
+    head = (f"{'stage':>5} {'dp':>3} {'step s':>8} {'wait s':>8} {'hidden s':>9} {'exposed s':>10} "
+            f"{'peak MiB':>9}")
+    if plan is not None:
+        head += f" | {'pred step s':>11} {'pred exposed':>12} {'pred hidden':>11} {'pred act MiB':>12} {'budget MiB':>10}"
+    rows = [head]
+    for s in sorted(stats, key=lambda x: (x.stage, x.dp_rank)):
+        row = (f"{s.stage:>5} {s.dp_rank:>3} {s.step_s:>8.3f} {s.wait_s:>8.3f} {s.recompute_hidden_s:>9.3f} "
+               f"{s.exposed_recompute_s:>10.3f} {_mib(s.peak_saved_bytes):>9}")
+        if plan is not None:
+            sp = plan.stage(s.stage)
+            row += (f" | {plan.predicted.step_time_s:>11.3f} {sp.exposed_recompute_s:>12.3f} "
+                    f"{sp.hidden_recompute_s:>11.3f} {_mib(sp.activation_bytes):>12} {_mib(sp.budget_bytes):>10}")
+        rows.append(row)
+    return "\n".join(rows)

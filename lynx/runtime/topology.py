@@ -1,0 +1,81 @@
+"""Where this rank sits: pipeline stage and data-parallel replica on a ``(pp, dp)`` device mesh.
+
+Ranks are laid out as ``torch.distributed.device_mesh.init_device_mesh(device, (pp, dp),
+mesh_dim_names=("pp", "dp"))`` does: rank ``s * dp + d`` runs stage ``s`` of replica ``d``.
+Weights used by several stages (tied embeddings) get one process group per replica joining
+those stages, so their gradient contributions can be summed.
+
+Example (inside an initialised process group)::
+
+    topo = make_topology(pp=2, dp=2)
+    topo.stage, topo.dp_rank, topo.prev_rank, topo.next_rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from lynx.errors import LynxConfigError
+
+__all__ = ["Topology", "make_topology", "tied_groups"]
+
+
+@dataclass
+class Topology:
+    rank: int
+    world: int
+    pp: int
+    dp: int
+    stage: int
+    dp_rank: int
+    prev_rank: int | None
+    next_rank: int | None
+    dp_group: Any
+    store: Any
+    mesh: Any = None
+
+    def rank_of(self, stage: int, dp_rank: int) -> int:
+        return stage * self.dp + dp_rank
+
+
+def make_topology(pp: int, dp: int = 1, device_type: str = "cpu") -> Topology:
+    """This rank's place on a ``(pp, dp)`` mesh over the default process group."""
+    if not dist.is_initialized():
+        raise LynxConfigError("torch.distributed is not initialised; launch with torchrun or lynx.runtime.launch")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if pp < 1 or dp < 1 or pp * dp != world:
+        raise LynxConfigError(f"pp={pp} × dp={dp} must equal the world size {world}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    if rank != stage * dp + dp_rank:  # the layout the peers below assume
+        raise LynxConfigError(f"unexpected device-mesh layout: rank {rank} at (pp {stage}, dp {dp_rank})")
+    store = dist.distributed_c10d._get_default_store()
+    return Topology(rank=rank, world=world, pp=pp, dp=dp, stage=stage, dp_rank=dp_rank,
+                    prev_rank=(stage - 1) * dp + dp_rank if stage > 0 else None,
+                    next_rank=(stage + 1) * dp + dp_rank if stage < pp - 1 else None,
+                    dp_group=mesh.get_group("dp") if dp > 1 else None, store=store, mesh=mesh)
+
+
+def tied_groups(topo: Topology, stage_param_names: Sequence[set[str]]) -> dict[str, Any]:
+    """For each parameter name this rank's stage shares with other stages, its sum group.
+
+    Every rank must call this with the same ``stage_param_names`` (it creates process groups).
+    """
+    users: dict[str, tuple[int, ...]] = {}
+    for s, names in enumerate(stage_param_names):
+        for name in names:
+            users[name] = users.get(name, ()) + (s,)
+    shared = sorted({stages for stages in users.values() if len(stages) > 1})
+    groups: dict[tuple[int, ...], Any] = {}
+    for stages in shared:
+        for d in range(topo.dp):
+            group = dist.new_group([topo.rank_of(s, d) for s in stages])
+            if d == topo.dp_rank and topo.stage in stages:
+                groups[stages] = group
+    return {name: groups[stages] for name, stages in users.items() if stages in groups}
