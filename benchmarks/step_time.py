@@ -1,20 +1,20 @@
-"""Step time per optimizer over rate-limited links: AdamW + fp32 all-reduce vs DeMo vs DistributedLion.
+"""Step time per optimizer over rate-limited links: AdamW + all-reduce vs DeMo vs DistributedLion.
 
 Each link rate gets a fresh :class:`lynx.testbed.NetBed` (one network namespace per rank, each
 rank's link limited by ``tc tbf`` in both directions); its throughput is measured with gloo
-send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains the same small
-GPT of ``benchmarks/convergence.py`` (byte vocabulary, 2 layers, hidden 128, seq 64, 4
-sequences per rank = its global batch of 16 over 4 ranks) with every optimizer, interleaved
-step by step (AdamW, DeMo, Lion, AdamW, ...) so that background load hits all alike; a step is timed from a barrier to the end of
-``optimizer.step()`` and its time is the slowest rank's. AdamW runs under
-``DistributedDataParallel`` (gloo, default 25 MB buckets, all-reduce overlapped with backward),
+send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains the small GPT
+of ``benchmarks/convergence.py`` (byte vocabulary, 2 layers, hidden 128, seq 64, 4 sequences
+per rank = its global batch of 16 over 4 ranks) with every optimizer, interleaved step by step
+(AdamW, DeMo, Lion, AdamW, ...) so that background load hits all alike. A step is timed from a
+barrier to the end of ``optimizer.step()``; its time is the slowest rank's. AdamW runs under
+``DistributedDataParallel`` (gloo, default buckets, fp32 all-reduce overlapped with backward),
 exactly as DDP would; DeMo and DistributedLion communicate inside their ``step()``.
 
-    .venv/bin/python benchmarks/step_time.py                      # 3, 10, 100, 1000 Mbit/s, 4 ranks (~6 min)
+    .venv/bin/python benchmarks/step_time.py          # 3, 10, 100, 1000 Mbit/s, 4 ranks (~8 min)
     .venv/bin/python benchmarks/step_time.py --rates 100 --steps 4
 
 Writes ``benchmarks/results/step_time.{md,json,png}``. Needs root + iproute2 for real links;
-otherwise the bed falls back to loopback and the table says "unlimited".
+otherwise the bed falls back to loopback and the table says "unlimited (loopback)".
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (convergence.py: global 16 / 4 ranks)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="sequences per rank per step (convergence.py: global 16 / 4 ranks)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rate")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "step_time"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
