@@ -144,6 +144,8 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     budget = config.budget_bytes()
     breakdown = static_breakdown(graph, pipe, optimizer=config.optimizer)
     static = [sum(parts.values()) for parts in breakdown]
+    if check_budget and config.solver in BUDGET_CHECKED_SOLVERS and max(static) > budget:
+        raise LynxBudgetError(_static_message(config, budget, breakdown))
     timeline = run_timeline(pipe, record=False)
     best: Optional[tuple[tuple, SimResult, list[StageProblem], list[Any]]] = None
     previous = None
@@ -152,12 +154,22 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
         iterations = iteration + 1
         problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp)
         results = []
-        for problem in problems:
-            say(f"iteration {iterations}: solving stage {problem.stage} with {config.solver} "
-                f"({len(problem.nodes)} nodes, {len(problem.windows)} windows)")
-            started = time.perf_counter()
-            results.append(solve(config.solver, problem, time_limit_s=config.time_limit_s))
-            search_time += time.perf_counter() - started
+        try:
+            for problem in problems:
+                say(f"iteration {iterations}: solving stage {problem.stage} with {config.solver} "
+                    f"({len(problem.nodes)} nodes, {len(problem.windows)} windows)")
+                started = time.perf_counter()
+                try:
+                    results.append(solve(config.solver, problem, time_limit_s=config.time_limit_s))
+                finally:
+                    search_time += time.perf_counter() - started
+        except LynxBudgetError as err:
+            if best is not None:  # a later iteration's windows cannot make memory worse; keep the best
+                break
+            raise LynxBudgetError(
+                f"no {config.solver} plan fits memory_budget {format_size(budget)} per device: "
+                f"{_static_line(breakdown, problem.stage)} leave {format_size(problem.activation_budget_bytes)} "
+                f"for activations; {err}") from None
         assignments = [r.assignment for r in results]
         sim = simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget,
                                    record=False)
@@ -233,6 +245,20 @@ def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
             last[seg.device] = len(bars)
             bars.append((seg.device, kind, seg.start, seg.end))
     return bars
+
+
+def _static_line(breakdown: list[dict[str, int]], stage: int) -> str:
+    parts = breakdown[stage]
+    return (f"stage {stage}'s weights {format_size(parts['weights'])}, gradients {format_size(parts['gradients'])} "
+            f"and optimizer state {format_size(parts['optimizer'])}")
+
+
+def _static_message(config: CompileConfig, budget: int, breakdown: list[dict[str, int]]) -> str:
+    worst = max(range(len(breakdown)), key=lambda s: sum(breakdown[s].values()))
+    need = sum(breakdown[worst].values())
+    return (f"memory_budget {format_size(budget)} per device is below the static memory alone: "
+            f"{_static_line(breakdown, worst)} need {format_size(need)} before any activation. Raise "
+            f"memory_budget above {format_size(need)}, raise pp or tp, or use optimizer='demo' or 'lion'.")
 
 
 def _budget_message(graph: nx.DiGraph, pipe: Pipeline, config: CompileConfig, problems: list[StageProblem],
