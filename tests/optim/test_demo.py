@@ -202,3 +202,15 @@ def test_bad_input(kwargs, match):
 def test_process_group_without_init():
     with pytest.raises(LynxConfigError, match="init_process_group"):
         DeMo(make_params(), lr=1e-3, process_group=object())
+
+
+def gpt13b_shapes(h: int = 2048, layers: int = 24, vocab: int = 51200, seq: int = 2048) -> list[tuple[int, ...]]:
+    per_layer = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (4 * h, h), (4 * h,), (h, 4 * h), (h,)]
+    return [(vocab, h), (seq, h)] + per_layer * layers + [(h,), (h,), (vocab, h)]
+
+
+def test_wire_bytes_bar_gpt13b():
+    shapes = gpt13b_shapes()
+    n = sum(torch.Size(s).numel() for s in shapes)
+    allreduce = 2 * 7 / 8 * 4 * n
+    assert allreduce / demo_wire_bytes(shapes, 8)["sent"] >= 32
