@@ -1,0 +1,62 @@
+"""Stage solvers: decide, per pipeline stage, what to keep, what to recompute and where.
+
+``solve(name, problem)`` runs one of :data:`SOLVERS` on a
+:class:`~lynx.solvers.problem.StageProblem` and returns a
+:class:`~lynx.solvers.problem.SolveResult`:
+
+* ``opt`` — exact CP-SAT over the whole stage (:mod:`lynx.solvers.opt`)
+* ``heu`` — representative layer, replicated, greedy fill (:mod:`lynx.solvers.heu`)
+* ``none``, ``full``, ``full-block``, ``selective`` — fixed policies (:mod:`lynx.solvers.baselines`)
+* ``checkmate`` — ILP minimising on-demand recompute, no overlap (:mod:`lynx.solvers.checkmate`)
+
+``progress``, when given, is called as ``progress(elapsed_s, objective_s, bound_s)`` on each
+improving solution of the CP-SAT based solvers.
+
+Example::
+
+    >>> from lynx.solvers import solve
+    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=1.0)
+    >>> solve("opt", p, time_limit_s=10.0).objective_s
+    0.0
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from lynx.errors import LynxConfigError
+from lynx.solvers.problem import SolveResult, StageProblem
+
+__all__ = ["solve", "SOLVERS"]
+
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "opt": ("lynx.solvers.opt", "solve_opt"),
+    "heu": ("lynx.solvers.heu", "solve_heu"),
+    "none": ("lynx.solvers.baselines", "solve_none"),
+    "full": ("lynx.solvers.baselines", "solve_full"),
+    "full-block": ("lynx.solvers.baselines", "solve_full_block"),
+    "selective": ("lynx.solvers.baselines", "solve_selective"),
+    "checkmate": ("lynx.solvers.checkmate", "solve_checkmate"),
+}
+
+SOLVERS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def solve(
+    name: str,
+    problem: StageProblem,
+    *,
+    time_limit_s: float = 10.0,
+    progress: Callable[[float, float, float], None] | None = None,
+) -> SolveResult:
+    """Run solver ``name`` on one stage problem."""
+    if name not in _REGISTRY:
+        raise LynxConfigError(f"unknown solver {name!r}; valid solvers: {', '.join(SOLVERS)}")
+    from lynx.solvers.opt import check_time_limit
+
+    check_time_limit(time_limit_s)
+    module, attr = _REGISTRY[name]
+    fn = getattr(importlib.import_module(module), attr)
+    return fn(problem, time_limit_s=time_limit_s, progress=progress)
