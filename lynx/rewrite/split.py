@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from torch import fx
 
@@ -53,6 +54,7 @@ class StageSpec:
 class StageGraph:
     gm: fx.GraphModule        # placeholders: inputs + recv; output: tuple(send) or the model's output
     spec: StageSpec
+    out_spec: Any = None      # the captured module's output pytree (last stage returns it unflattened)
 
 
 def split_graph(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> list[StageGraph]:
@@ -103,7 +105,9 @@ def split_graph(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> lis
         members = [n for n in ops if stage_of[n.name] == s]
         is_last = s == n_stages - 1
         send = [] if is_last else boundary[s + 1]
-        result.append(_build_stage(gm, s, members, boundary[s], send, is_last, output_node))
+        part = _build_stage(gm, s, members, boundary[s], send, is_last, output_node)
+        part.out_spec = getattr(gm, "_out_spec", None)
+        result.append(part)
     return result
 
 

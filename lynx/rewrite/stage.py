@@ -136,7 +136,7 @@ class StageModule(nn.Module):
         unknown = sorted(self.dropped - set(self.spec.nodes))
         if unknown:
             raise LynxPlanError(f"stage {self.index}: plan drops nodes that are not in this stage: {unknown[:5]}")
-        self._out_spec = out_spec
+        self._out_spec = out_spec if out_spec is not None else part.out_spec
         self._nodes = {n.meta.get("lynx_name", n.name): n for n in self.gm.graph.nodes if n.op != "output"}
         self._random = frozenset(name for name in self.dropped if _is_random(self._nodes[name]))
         # values a dropped node reads that are not themselves dropped: held by reference
