@@ -50,7 +50,12 @@ class _Family:
 
 
 def _families(problem: StageProblem, model: StageModel) -> _Family:
-    """Layers whose contracted items have the same signature as the most common one."""
+    """Layers whose contracted items match the most common layer structure.
+
+    Membership compares items and their wiring inside the layer; the representative (first
+    of ``layers``) is a member whose wiring to the previous layer is the most common one,
+    so the first layer of a stage (whose inputs come from outside) still joins the family.
+    """
     by_name = {n.name: n for n in problem.nodes}
     layer_of = [by_name[it.nodes[-1]].layer for it in model.items]
     per_layer: dict[int, list[int]] = {}
@@ -58,25 +63,30 @@ def _families(problem: StageProblem, model: StageModel) -> _Family:
         if layer is not None:
             per_layer.setdefault(layer, []).append(i)
     pos = {i: p for items in per_layer.values() for p, i in enumerate(items)}
-    signature = {}
+    inner, full = {}, {}
     for layer, idx in per_layer.items():
-        sig = []
+        sig_in, sig_full = [], []
         for i in idx:
             it = model.items[i]
-            ins = []
-            for u, cross in it.inputs:
+            ins, outs = [], []
+            for u, _ in it.inputs:
                 if layer_of[u] == layer:
-                    ins.append(("in", pos[u]))
+                    ins.append(pos[u])
                 elif layer_of[u] is not None and layer_of[u] == layer - 1:
-                    ins.append(("prev", pos[u]))
+                    outs.append(("prev", pos[u]))
                 else:
-                    ins.append(("ext", u))
-            sig.append((it.saved_bytes, round(it.recompute_s, 15), it.output_saved, tuple(sorted(ins))))
-        signature[layer] = tuple(sig)
-    if not signature:
+                    outs.append(("ext", by_name[model.items[u].nodes[-1]].layer_class))
+            head = (it.saved_bytes, round(it.recompute_s, 15), it.output_saved, tuple(sorted(ins)))
+            sig_in.append(head)
+            sig_full.append((head, tuple(sorted(outs))))
+        inner[layer], full[layer] = tuple(sig_in), tuple(sig_full)
+    if not inner:
         return _Family([], {})
-    common, _ = Counter(signature.values()).most_common(1)[0]
-    layers = [per_layer[layer] for layer in sorted(per_layer) if signature[layer] == common]
+    common, _ = Counter(inner.values()).most_common(1)[0]
+    members = [layer for layer in sorted(per_layer) if inner[layer] == common]
+    rep_sig, _ = Counter(full[layer] for layer in members).most_common(1)[0]
+    rep = next(layer for layer in members if full[layer] == rep_sig)
+    layers = [per_layer[rep]] + [per_layer[layer] for layer in members if layer != rep]
     return _Family(layers, {i: p for items in layers for p, i in enumerate(items)})
 
 
@@ -127,7 +137,7 @@ class _Books:
     def __init__(self, model: StageModel, rec: list[bool]) -> None:
         self.m = model
         self.rec = rec
-        self.where = [[None] * len(model.items) for _ in model.classes]
+        self.where: list[list[int | None]] = [[None] * len(model.items) for _ in model.classes]
         self.kept = sum(it.mult * it.saved_bytes for it, r in zip(model.items, rec) if not r)
         self.P = [0] * len(model.classes)
         self.T = [dict() for _ in model.classes]
@@ -142,7 +152,7 @@ class _Books:
         return self.m.in_flight * self.kept + max(self.P, default=0) + t
 
     def peak_if_placed(self, c: int, cluster: list[int]) -> int:
-        b = sum(self.m.items[i].saved_bytes for i in cluster)
+        b = sum(self.m.items[i].mult * self.m.items[i].saved_bytes for i in cluster)
         p = max(max((v for k, v in enumerate(self.P) if k != c), default=0), self.P[c] + b)
         tc = dict(self.T[c])
         for i in cluster:
@@ -154,7 +164,7 @@ class _Books:
         for i in cluster:
             it = self.m.items[i]
             self.where[c][i] = k
-            self.P[c] += it.saved_bytes
+            self.P[c] += it.mult * it.saved_bytes
             self.T[c][it.group] -= it.saved_bytes
             self.load[c][k] += it.mult * it.recompute_s
 
@@ -183,7 +193,7 @@ def _clusters(model: StageModel, rec: list[bool]) -> list[list[int]]:
 
 def _fill(model: StageModel, books: _Books, clusters: list[list[int]], budget: int, *, wanted) -> None:
     """Place clusters into windows in time order: inputs first, capacity and budget respected."""
-    rec = books.rec
+    cluster_of = {i: cl for cl in clusters for i in cl}
     for c, cls in enumerate(model.classes):
         where = books.where[c]
         for k, cap in enumerate(cls.capacities):
@@ -191,18 +201,14 @@ def _fill(model: StageModel, books: _Books, clusters: list[list[int]], budget: i
             for cl in clusters:
                 if where[cl[0]] is not None or not wanted(c, cl):
                     continue
-                if elig is not None and any(i not in elig for i in cl):
+                unit = _with_prereqs(model, books, c, cl, cluster_of)
+                if elig is not None and any(i not in elig for i in unit):
                     continue
-                members = set(cl)
-                ok = all(
-                    not rec[u] or u in members or where[u] is not None
-                    for i in cl for u, _ in model.items[i].inputs
-                )
-                cost = sum(model.items[i].mult * model.items[i].recompute_s for i in cl)
-                if not ok or books.load[c][k] + cost > cap * (1 + 1e-9):
+                cost = sum(model.items[i].mult * model.items[i].recompute_s for i in unit)
+                if books.load[c][k] + cost > cap * (1 + 1e-9):
                     continue
-                if books.peak_if_placed(c, cl) <= budget:
-                    books.place(c, k, cl)
+                if books.peak_if_placed(c, unit) <= budget:
+                    books.place(c, k, unit)
 
 
 def _prefetch_needed(model: StageModel, books: _Books, clusters: list[list[int]], budget: int) -> bool:
@@ -238,7 +244,7 @@ def _prefetch_needed(model: StageModel, books: _Books, clusters: list[list[int]]
                 for i in cl:
                     it = model.items[i]
                     if books.where[c2][i] is not None:
-                        books.P[c2] -= it.saved_bytes
+                        books.P[c2] -= it.mult * it.saved_bytes
                         books.load[c2][books.where[c2][i]] -= it.mult * it.recompute_s
                         books.where[c2][i] = None
                     else:
@@ -252,19 +258,229 @@ def _prefetch_needed(model: StageModel, books: _Books, clusters: list[list[int]]
     return True
 
 
+def _boundary_kept(model: StageModel) -> list[bool]:
+    """Drop every item that can be dropped, except outputs read across groups (kept)."""
+    rec = [it.saved_bytes > 0 or not it.output_saved for it in model.items]
+    changed = True
+    while changed:
+        changed = False
+        for i, it in enumerate(model.items):
+            if not rec[i]:
+                continue
+            for u, cross in it.inputs:
+                if cross and rec[u] and model.items[u].output_saved:
+                    rec[u] = False
+                    changed = True
+                elif (cross and rec[u]) or (not rec[u] and not model.items[u].output_saved):
+                    rec[i] = False
+                    changed = True
+                    break
+    return rec
+
+
+def _cost(model: StageModel, cl: list[int]) -> float:
+    return sum(model.items[i].mult * model.items[i].recompute_s for i in cl)
+
+
+def _greedy(model: StageModel, budget: int) -> _Books | None:
+    """Best-ratio greedy from "drop all but layer boundaries": keep a cluster, or prefetch it.
+
+    Each step takes the move with the most exposed time saved per byte of peak added (moves
+    that add no memory first). None when even the starting point does not fit.
+    """
+    books = _Books(model, _boundary_kept(model))
+    if books.peak() > budget:
+        return None
+    rec = books.rec
+    consumers: list[list[int]] = [[] for _ in model.items]
+    for i, it in enumerate(model.items):
+        for u, _ in it.inputs:
+            consumers[u].append(i)
+    while True:
+        now = books.peak()
+        best, best_key = None, (0.0, 0.0)
+        clusters = _clusters(model, rec)
+        cluster_of = {i: cl for cl in clusters for i in cl}
+        for i in range(len(model.items)):
+            if not rec[i]:
+                continue
+            unit = _keep_unit(model, rec, consumers, i)
+            cost = _cost(model, unit)
+            gain = sum(
+                cls.count * sum(model.items[j].mult * model.items[j].recompute_s for j in unit if books.where[c][j] is None)
+                for c, cls in enumerate(model.classes)
+            )
+            if gain <= 0:
+                continue
+            after = _peak_if_kept(model, books, unit)
+            if after <= budget:
+                key = _ratio(gain, after - now)
+                if key > best_key:
+                    best, best_key = ("keep", unit, None, None), key
+        for cl in clusters:
+            on_demand = [c for c in range(len(model.classes)) if books.where[c][cl[0]] is None]
+            spots = []  # (class, window, items) where the cluster could go now, with its prerequisites
+            for c in on_demand:
+                unit = _with_prereqs(model, books, c, cl, cluster_of)
+                cost = _cost(model, unit)
+                k = _first_window(model, books, c, unit, cost)
+                if k is None or cost <= 0:
+                    continue
+                spots.append((c, k, unit))
+                after = books.peak_if_placed(c, unit)
+                if after <= budget:
+                    key = _ratio(model.classes[c].count * cost, after - now)
+                    if key > best_key:
+                        best, best_key = ("place", None, [(c, k, unit)], None), key
+            if len(spots) > 1:  # prefetching in every class at once: P is a max over classes
+                after = _peak_if_placed_all(model, books, spots)
+                gain_all = sum(model.classes[c].count * _cost(model, unit) for c, _, unit in spots)
+                if after <= budget:
+                    key = _ratio(gain_all, after - now)
+                    if key > best_key:
+                        best, best_key = ("place", None, spots, None), key
+        if best is None:
+            return books
+        kind, unit, spots, _ = best
+        if kind == "keep":
+            _apply_keep(model, books, unit)
+            _drop_unneeded(model, books, consumers)
+        else:
+            for c, k, unit in spots:
+                books.place(c, k, unit)
+
+
+def _keep_unit(model: StageModel, rec: list[bool], consumers: list[list[int]], i: int) -> list[int]:
+    """Item i and, if its output is not saved, the recomputed consumers that read it."""
+    unit, stack = {i}, [i]
+    while stack:
+        j = stack.pop()
+        if model.items[j].output_saved:
+            continue
+        for c in consumers[j]:
+            if rec[c] and c not in unit:
+                unit.add(c)
+                stack.append(c)
+    return sorted(unit)
+
+
+def _drop_unneeded(model: StageModel, books: _Books, consumers: list[list[int]]) -> None:
+    """Zero-byte helpers no recomputed consumer needs any more are simply kept (free)."""
+    for j in reversed(range(len(model.items))):
+        it = model.items[j]
+        if books.rec[j] and it.saved_bytes == 0 and not any(books.rec[c] for c in consumers[j]):
+            _apply_keep(model, books, [j])
+
+
+def _with_prereqs(model: StageModel, books: _Books, c: int, cl: list[int], cluster_of: dict[int, list[int]]) -> list[int]:
+    """The cluster plus every recomputed, not yet placed ancestor (with their clusters)."""
+    unit, stack = set(cl), list(cl)
+    where, rec = books.where[c], books.rec
+    while stack:
+        j = stack.pop()
+        for u, _ in model.items[j].inputs:
+            if rec[u] and where[u] is None and u not in unit:
+                for v in cluster_of.get(u, [u]):
+                    if v not in unit:
+                        unit.add(v)
+                        stack.append(v)
+    return sorted(unit)
+
+
+def _first_window(model: StageModel, books: _Books, c: int, cl: list[int], cost: float) -> int | None:
+    """Earliest window of class c with room, eligibility and the cluster's inputs ready."""
+    cls = model.classes[c]
+    where, rec = books.where[c], books.rec
+    for k, cap in enumerate(cls.capacities):
+        elig = cls.eligible[k]
+        if books.load[c][k] + cost > cap * (1 + 1e-9) or (elig is not None and any(i not in elig for i in cl)):
+            continue
+        if all(not rec[u] or u in cl or (where[u] is not None and where[u] <= k) for i in cl for u, _ in model.items[i].inputs):
+            return k
+    return None
+
+
+def _peak_if_placed_all(model: StageModel, books: _Books, spots: list[tuple[int, int, list[int]]]) -> int:
+    P = list(books.P)
+    T = [dict(t) for t in books.T]
+    for c, _, unit in spots:
+        P[c] += sum(model.items[i].mult * model.items[i].saved_bytes for i in unit)
+        for i in unit:
+            T[c][model.items[i].group] -= model.items[i].saved_bytes
+    t = max((v for tc in T for v in tc.values()), default=0)
+    return model.in_flight * books.kept + max(P, default=0) + t
+
+
+def _ratio(gain: float, added: float) -> tuple[float, float]:
+    """Sort key: moves adding no memory first (by gain), then by gain per byte."""
+    return (1.0, gain) if added <= 0 else (0.0, gain / added)
+
+
+def _peak_if_kept(model: StageModel, books: _Books, cl: list[int]) -> int:
+    nbytes = sum(model.items[i].mult * model.items[i].saved_bytes for i in cl)
+    P = list(books.P)
+    T = [dict(t) for t in books.T]
+    for c in range(len(model.classes)):
+        for i in cl:
+            it = model.items[i]
+            if books.where[c][i] is not None:
+                P[c] -= it.mult * it.saved_bytes
+            else:
+                T[c][it.group] -= it.saved_bytes
+    t = max((v for tc in T for v in tc.values()), default=0)
+    return model.in_flight * (books.kept + nbytes) + max(P, default=0) + t
+
+
+def _apply_keep(model: StageModel, books: _Books, cl: list[int]) -> None:
+    for c in range(len(model.classes)):
+        for i in cl:
+            it = model.items[i]
+            k = books.where[c][i]
+            if k is not None:
+                books.P[c] -= it.mult * it.saved_bytes
+                books.load[c][k] -= it.mult * it.recompute_s
+                books.where[c][i] = None
+            else:
+                books.T[c][it.group] -= it.saved_bytes
+    books.kept += sum(model.items[i].mult * model.items[i].saved_bytes for i in cl)
+    for i in cl:
+        books.rec[i] = False
+
+
 def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=None) -> SolveResult:
     """HEU plan for one stage (see module docstring); raises LynxBudgetError when none fits."""
     start = time.perf_counter()
     model = model_from_problem(problem)
     fam = _families(problem, model)
     reduced, to_red = _reduced(model, fam)
-    sol = solve_model(reduced, time_limit_s=min(time_limit_s, 5.0))
-    if sol.status not in ("OPTIMAL", "FEASIBLE"):
+    budget = problem.activation_budget_bytes
+    rep = _greedy(reduced, budget)
+    if rep is None:
         return _fallback(problem, model, time_limit_s, start)
-    rec = [sol.recompute[to_red[i]] for i in range(len(model.items))]
-    # cross-layer inputs that do not keep their output must be recomputed with their consumer
+    base = [rep.rec[to_red[i]] for i in range(len(model.items))]
+    designated = lambda c, cl: rep.where[c][to_red[cl[0]]] is not None  # noqa: E731
+    best = None
+    for keep_first in (False, True):
+        books = _realise(model, list(base), budget, designated, keep_first)
+        if books is None:
+            continue
+        msol = ModelSolution("HEURISTIC", tuple(books.rec), tuple(tuple(w) for w in books.where), 0.0, 0.0, 0.0)
+        assignment = expand_solution(problem, model, msol)
+        if peak_activation_bytes(problem, assignment) > budget:
+            continue
+        exposed = exposed_recompute_s(problem, assignment)
+        if best is None or exposed < best[0]:
+            best = (exposed, assignment)
+    if best is None:
+        return _fallback(problem, model, time_limit_s, start)
+    validate(problem, best[1])
+    return SolveResult(best[1], "HEURISTIC", best[0], None, time.perf_counter() - start)
+
+
+def _realise(model: StageModel, rec: list[bool], budget: int, designated, keep_first: bool) -> _Books | None:
+    """Replicated policy on the full model: designated prefetches, then fill and keep more."""
     changed = True
-    while changed:
+    while changed:  # inputs that do not keep their output are dropped with their consumer
         changed = False
         for i, it in enumerate(model.items):
             if rec[i]:
@@ -273,20 +489,15 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
                         rec[u] = changed = True
     books = _Books(model, rec)
     clusters = _clusters(model, rec)
-    budget = problem.activation_budget_bytes
-    designated = lambda c, cl: sol.placement[c][to_red[cl[0]]] is not None  # noqa: E731
     _fill(model, books, clusters, budget, wanted=designated)
     if not _prefetch_needed(model, books, clusters, budget):
-        return _fallback(problem, model, time_limit_s, start)
-    _keep_more(model, books, clusters, budget)
-    clusters = _clusters(model, books.rec)
-    _fill(model, books, clusters, budget, wanted=lambda c, cl: True)
-    msol = ModelSolution("HEURISTIC", tuple(books.rec), tuple(tuple(w) for w in books.where), 0.0, 0.0, 0.0)
-    assignment = expand_solution(problem, model, msol)
-    if peak_activation_bytes(problem, assignment) > budget:
-        return _fallback(problem, model, time_limit_s, start)
-    validate(problem, assignment)
-    return SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None, time.perf_counter() - start)
+        return None
+    if keep_first:
+        _keep_more(model, books, _clusters(model, books.rec), budget)
+    _fill(model, books, _clusters(model, books.rec), budget, wanted=lambda c, cl: True)
+    if not keep_first:
+        _keep_more(model, books, _clusters(model, books.rec), budget)
+    return books if books.peak() <= budget else None
 
 
 def _keep_more(model: StageModel, books: _Books, clusters: list[list[int]], budget: int) -> None:

@@ -26,8 +26,8 @@ Example::
     >>> from lynx.solvers.opt import solve_opt
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=1.0)
     >>> res = solve_opt(p, time_limit_s=10.0)
-    >>> res.status, res.objective_s
-    ('OPTIMAL', 0.0)
+    >>> res.status, res.gap < 1e-4
+    ('OPTIMAL', True)
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _contract(problem: StageProblem) -> tuple[dict[str, str], dict[str, tuple[st
             continue
         if any(group_key(by_name[c]) != group_key(n) for c in outs):
             continue
-        if n.recompute_s * 1e7 < total:
+        if n.recompute_s < 1e-4 * total:  # a view or transpose: negligible next to the stage
             transparent[n.name] = n.inputs
         elif len(outs) == 1:
             head[n.name] = outs[0]
