@@ -20,7 +20,7 @@ def _compiled(solver: str):
     torch.manual_seed(0)
     model, inputs = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.1)
     try:
-        compiled = lynx.compile(model, inputs, pp=2, microbatches=M, solver=solver, memory_budget="2.6MiB",
+        compiled = lynx.compile(model, inputs, pp=2, microbatches=M, solver=solver, memory_budget="2.3MiB",
                                 hardware="cpu-local", target="cpu", time_limit_s=5)
     except ImportError as err:  # the solver is not in this checkout yet
         pytest.skip(f"solver {solver!r} unavailable: {err}")
@@ -58,17 +58,29 @@ def test_plan_gradients_bitwise(solver: str) -> None:
 
 
 @pytest.mark.parametrize("solver", SOLVERS)
-def test_measured_peak_matches_plan(solver: str) -> None:
+def test_measured_memory_matches_plan(solver: str) -> None:
     model, inputs, compiled = _compiled(solver)
-    plan = compiled.plan
+    plan, G = compiled.plan, compiled.analysis.graph
     batch = dict(zip(compiled.analysis.captured.input_names, inputs))
+    # (a) what one microbatch keeps after its forward is what the plan keeps (per-node saved bytes)
+    stages = [build_stage_module(compiled, i) for i in range(2)]
+    values: tuple = ()
+    for s, stage in enumerate(stages):
+        values = stage(*[batch[n] for n in stage.spec.inputs],
+                       *[v.detach().requires_grad_(v.requires_grad) for v in values], microbatch=0)
+        planned = sum(G.nodes[d.node]["saved_bytes"] for d in plan.stage(s).decisions if d.action == "keep")
+        # owned by the stage's own nodes; a received boundary value is the producer stage's in the
+        # profile (counted there), here it shows as "boundary"
+        held = stage.meter.live_by.get("stage", 0)
+        assert abs(held - planned) <= 0.05 * planned, f"{solver} stage {s}: keeps {held} B, plan {planned} B"
+    # (b) the peak over a 1F1B step never exceeds the plan's prediction (its upper bound) nor the budget
     stages = [build_stage_module(compiled, i) for i in range(2)]
     run_local(stages, [batch] * M, schedule="1f1b", prefetch=_prefetch(plan))
     for s, stage in enumerate(stages):
         sp = plan.stage(s)
         measured = stage.meter.peak_by.get("stage", 0)
-        predicted = sp.activation_bytes
-        assert abs(measured - predicted) <= 0.05 * predicted, (
-            f"{solver} stage {s}: measured {measured} B vs predicted {predicted} B")
-        if solver != "none" and plan.predicted.fits_budget:
+        assert measured <= 1.05 * sp.activation_bytes, f"{solver} stage {s}: {measured} B > {sp.activation_bytes} B"
+        if not any(d.action == "recompute" for d in sp.decisions):  # exact when nothing is regenerated
+            assert measured >= 0.95 * sp.activation_bytes
+        if sp.activation_bytes <= sp.budget_bytes - sp.static_bytes:
             assert stage.meter.peak_bytes <= sp.budget_bytes - sp.static_bytes
