@@ -372,8 +372,10 @@ def make_uniform_problem(
     ``dp_collective`` windows for the last microbatch serving the first layers.
     """
     s, b, h, a = seq, micro_batch, hidden, heads
-    sbh = s * b * h * dtype_bytes
-    as2b = a * s * s * b * dtype_bytes
+    # Korthikanti et al.'s coefficients count bytes for a 16-bit dtype (a 1-byte dropout mask
+    # is "sbh"); scale them for other widths.
+    sbh = s * b * h * dtype_bytes // 2
+    as2b = a * s * s * b * dtype_bytes // 2
     mm = lambda k: 2.0 * s * b * h * k * h / flops_per_s  # noqa: E731 — (s·b, h) @ (h, k·h)
     ew = lambda nbytes: nbytes / bytes_per_s  # noqa: E731 — memory-bound elementwise
     attn = 2.0 * 2.0 * s * s * b * h / flops_per_s  # QKᵀ or ·V
