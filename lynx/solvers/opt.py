@@ -353,7 +353,8 @@ def solve_model(
     code = solver.solve(m, callback) if callback else solver.solve(m)
     status = solver.status_name(code)
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return ModelSolution(status, (), (), math.inf, math.inf, time.perf_counter() - start)
+        bound = solver.best_objective_bound * scale if code == cp_model.UNKNOWN else math.inf
+        return ModelSolution(status, (), (), math.inf, bound, time.perf_counter() - start)
     rec = tuple(bool(solver.value(v)) for v in r)
     placement = []
     for c, cls in enumerate(classes):
@@ -478,7 +479,8 @@ def solve_opt(
                 f"raise the time limit or use solver='heu'"
             )
         exposed = exposed_recompute_s(problem, hint)
-        return SolveResult(hint, "FEASIBLE", exposed, None, time.perf_counter() - start)
+        gap = (exposed - sol.bound_s) / exposed if exposed > 0 and math.isfinite(sol.bound_s) else 0.0
+        return SolveResult(hint, "FEASIBLE", exposed, max(gap, 0.0), time.perf_counter() - start)
     assignment = expand_solution(problem, model, sol)
     exposed = exposed_recompute_s(problem, assignment)
     gap = (sol.objective_s - sol.bound_s) / sol.objective_s if sol.objective_s > 0 else 0.0

@@ -19,6 +19,9 @@ Conventions the solvers rely on:
   time in backward order: the last group of the forward is regenerated first. So an
   on-demand node may read an on-demand input of its own group, but not one of an earlier
   group (that one is regenerated only later): such an input must be kept or prefetched.
+* The solvers also keep an output that is not a saved tensor (``output_saved=False``) from
+  living across windows, since no byte count covers it: such a node is recomputed in the
+  same window as (or on demand with) its recomputed consumers. Zero-cost views are exempt.
 * A window with ``eligible_layers`` set serves only nodes of those layers; edge-block nodes
   (``layer is None``) are eligible only for windows with ``eligible_layers=None``.
 
