@@ -110,9 +110,12 @@ def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple, stage:
         import lynx
         from lynx.plan import Plan
 
+        from lynx.config import FINGERPRINT_FIELDS
+
         plan = spec.plan if isinstance(spec.plan, Plan) else Plan.load(spec.plan)
+        settings = spec.compile_settings or {k: plan.config[k] for k in FINGERPRINT_FIELDS if k in plan.config}
         # refuses a plan made for another model or settings, before anything runs
-        compiled = lynx.compile(model, inputs, plan=plan, **spec.compile_settings)
+        compiled = lynx.compile(model, inputs, plan=plan, **settings)
         gm = compiled.analysis.captured.gm
         nodes = stage_node_lists(plan, compiled.analysis.graph)
         schedule = plan.stage_schedule(stage)

@@ -15,16 +15,24 @@ SOLVERS = ["none", "full", "selective", "checkmate", "heu", "opt"]
 M = 4
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(solver: str):
+@functools.lru_cache(maxsize=1)
+def _analysis():
     torch.manual_seed(0)
     model, inputs = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.1)
-    try:
-        compiled = lynx.compile(model, inputs, pp=2, microbatches=M, solver=solver, memory_budget="2.3MiB",
-                                hardware="cpu-local", target="cpu", time_limit_s=5)
-    except ImportError as err:  # the solver is not in this checkout yet
-        pytest.skip(f"solver {solver!r} unavailable: {err}")
-    return model, inputs, compiled
+    config = lynx.CompileConfig(pp=2, microbatches=M, memory_budget="2.3MiB", hardware="cpu-local", target="cpu",
+                                time_limit_s=5)
+    analysis = lynx.analyze(model, inputs, target="cpu", hardware=config.hardware_spec())
+    return model, inputs, config, analysis
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(solver: str):
+    """lynx.compile(..., solver=solver), sharing one analysis of the model across solvers."""
+    from lynx.compile import Compiled, plan_graph
+
+    model, inputs, base, analysis = _analysis()
+    config = base.model_copy(update={"solver": solver})
+    return model, inputs, Compiled(plan=plan_graph(analysis.graph, config), config=config, analysis=analysis)
 
 
 def _prefetch(plan):
@@ -84,3 +92,12 @@ def test_measured_memory_matches_plan(solver: str) -> None:
             assert measured >= 0.95 * sp.activation_bytes
         if sp.activation_bytes <= sp.budget_bytes - sp.static_bytes:
             assert stage.meter.peak_bytes <= sp.budget_bytes - sp.static_bytes
+
+
+def test_plan_for_another_model_is_refused_before_running() -> None:
+    from lynx.runtime.launch import WorkerSpec, _stage_setup
+
+    _, _, compiled = _compiled("full")
+    other, other_inputs = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.0)
+    with pytest.raises(lynx.LynxFingerprintError, match="does not match this model"):
+        _stage_setup(WorkerSpec(build=None, pp=2, plan=compiled.plan), other, other_inputs, 0)
