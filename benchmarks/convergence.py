@@ -79,10 +79,10 @@ def make_model(args: argparse.Namespace) -> GPT:
 def make_optimizer(method: str, model: GPT, lr: float, args: argparse.Namespace) -> torch.optim.Optimizer:
     if method == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if method in ("lion", "dlion"):
-        return DistributedLion(model.named_parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
-    if method == "dlion_avg":
-        return DistributedLion(model.named_parameters(), lr=lr, weight_decay=args.weight_decay, mode="avg")
+    if method in ("lion", "dlion", "dlion_avg"):
+        mode = "avg" if method == "dlion_avg" else "mavo"
+        return DistributedLion(model.named_parameters(), lr=lr, betas=tuple(args.lion_betas),
+                               weight_decay=args.weight_decay, mode=mode)
     if method == "demo":
         return DeMo(model.named_parameters(), lr=lr, compression_topk=args.topk, compression_chunk=args.chunk,
                     compression_decay=args.decay, weight_decay=args.weight_decay)
@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--lion-betas", type=float, nargs=2, default=[0.9, 0.99])
     parser.add_argument("--topk", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--decay", type=float, default=0.999)
@@ -204,6 +205,8 @@ def main() -> None:
                      f"| {ratio} | {r['sent_per_step']:.0f} | {r['seconds']:.0f} |")
     if args.methods and "demo" in args.methods:
         lines.append(f"\nDeMo settings: top-k {args.topk}, chunk {args.chunk}, decay {args.decay}.")
+    lines.append(f"Lion / DistributedLion betas {tuple(args.lion_betas)}; AdamW betas (0.9, 0.95); "
+                 f"weight decay {args.weight_decay} for all.")
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"optim_convergence{args.tag}"

@@ -102,6 +102,8 @@ def worker(args: argparse.Namespace) -> None:
     from lynx.runtime.topology import make_topology
 
     torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[int(os.environ["RANK"]) % len(cores)]})  # one core per rank, when there are enough
     spec = json.loads(Path(args.spec).read_text())
     dist.init_process_group("gloo")
     topo = make_topology(spec["pp"], spec["dp"])
@@ -225,7 +227,9 @@ def main() -> None:
     print(f"stage 0, one microbatch, 1 thread: forward {fwd * 1e3:.1f} ms, backward {bwd * 1e3:.1f} ms; "
           f"boundary {nbytes / 1024:.0f} KiB = {transfer_s * 1e3:.1f} ms at {args.rate_mbit:g} Mbit/s "
           f"({transfer_s / (fwd + bwd):.0%} of the stage's compute, each way)")
-    results = {"rate_mbit": args.rate_mbit, "model": CFG, "microbatch": MICROBATCH, "plan": source,
+    results = {"when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_start": os.getloadavg(),
+               "schedule": args.schedule, "microbatches": args.microbatches, "reps": args.reps,
+               "rate_mbit": args.rate_mbit, "model": CFG, "microbatch": MICROBATCH, "plan": source,
                "stage0_forward_s": fwd, "stage0_backward_s": bwd, "boundary_bytes": nbytes, "runs": []}
     for dp in [int(x) for x in args.dps.split(",")]:
         world = args.pp * dp
@@ -246,9 +250,12 @@ def main() -> None:
         res["link"] = str(link) if link else None
         print_summary(res)
         results["runs"].append(res)
-    path = ROOT / "benchmarks" / "results" / "overlap_cpu.json"
-    path.write_text(json.dumps(results, indent=1))
-    print(f"\nwritten {path.relative_to(ROOT)}")
+    results["loadavg_end"] = os.getloadavg()
+    print(f"\nload average (1, 5, 15 min) at start {results['loadavg_start']}, at end {results['loadavg_end']}")
+    for name in ("overlap_cpu.json", time.strftime("overlap_cpu_%H%M.json", time.gmtime())):
+        path = ROOT / "benchmarks" / "results" / name
+        path.write_text(json.dumps(results, indent=1))
+        print(f"written {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
