@@ -23,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -38,9 +40,12 @@ from lynx.solvers.opt import (
     model_from_problem,
     solve_model,
 )
-from lynx.solvers.problem import SolveResult, StageProblem, exposed_recompute_s, peak_activation_bytes, validate
+from lynx.solvers.problem import SolveResult, StageProblem, exposed_recompute_s, peak_activation_bytes
 
 __all__ = ["solve_heu"]
+
+# CP-SAT deterministic-time units for the representative model (0: greedy only)
+REP_SEARCH = 0.0
 
 
 @dataclass
@@ -142,6 +147,7 @@ class _Books:
         self.P = [0] * len(model.classes)
         self.T = [dict() for _ in model.classes]
         self.load = [[0.0] * len(c.capacities) for c in model.classes]
+        self._version, self._cache_key, self._cache = 0, None, 0
         for c in range(len(model.classes)):
             for i, it in enumerate(model.items):
                 if rec[i]:
@@ -152,15 +158,38 @@ class _Books:
         return self.m.in_flight * self.kept + max(self.P, default=0) + t
 
     def peak_if_placed(self, c: int, cluster: list[int]) -> int:
-        b = sum(self.m.items[i].mult * self.m.items[i].saved_bytes for i in cluster)
+        items = self.m.items
+        b = sum(items[i].mult * items[i].saved_bytes for i in cluster)
         p = max(max((v for k, v in enumerate(self.P) if k != c), default=0), self.P[c] + b)
-        tc = dict(self.T[c])
+        drop: dict[int, int] = {}
         for i in cluster:
-            tc[self.m.items[i].group] -= self.m.items[i].saved_bytes
-        t = max([v for k, d in enumerate(self.T) if k != c for v in d.values()] + list(tc.values()) + [0])
-        return self.m.in_flight * self.kept + p + t
+            drop[items[i].group] = drop.get(items[i].group, 0) + items[i].saved_bytes
+        tc = self.T[c]
+        t = max((v - drop.get(g, 0) for g, v in tc.items()), default=0)
+        others = self._tmax_others(c)
+        return self.m.in_flight * self.kept + p + max(t, others)
+
+    def _tmax_others(self, c: int) -> int:
+        """Largest on-demand group bytes over the classes other than c (cached per state)."""
+        key = (self._version, c)
+        if self._cache_key != key:
+            self._cache_key = key
+            self._cache = max((max(d.values(), default=0) for k, d in enumerate(self.T) if k != c), default=0)
+        return self._cache
+
+    def exposed(self) -> float:
+        """Exposed seconds in item terms: on-demand recompute plus window overflow."""
+        total = 0.0
+        items = self.m.items
+        for c, cls in enumerate(self.m.classes):
+            where = self.where[c]
+            on_demand = sum(it.mult * it.recompute_s for i, it in enumerate(items) if self.rec[i] and where[i] is None)
+            over = sum(max(0.0, load - cap) for load, cap in zip(self.load[c], cls.capacities))
+            total += cls.count * (on_demand + over)
+        return total
 
     def place(self, c: int, k: int, cluster: list[int]) -> None:
+        self._version += 1
         for i in cluster:
             it = self.m.items[i]
             self.where[c][i] = k
@@ -194,11 +223,14 @@ def _clusters(model: StageModel, rec: list[bool]) -> list[list[int]]:
 def _fill(model: StageModel, books: _Books, clusters: list[list[int]], budget: int, *, wanted) -> None:
     """Place clusters into windows in time order: inputs first, capacity and budget respected."""
     cluster_of = {i: cl for cl in clusters for i in cl}
+    # Layers served by the fewest windows first: the last layer of the forward can use only
+    # the windows before its backward, the first layer every one of them.
+    by_need = sorted(clusters, key=lambda cl: (-model.items[cl[0]].group, cl[0]))
     for c, cls in enumerate(model.classes):
         where = books.where[c]
         for k, cap in enumerate(cls.capacities):
             elig = cls.eligible[k]
-            for cl in clusters:
+            for cl in by_need:
                 if where[cl[0]] is not None or not wanted(c, cl):
                     continue
                 unit = _with_prereqs(model, books, c, cl, cluster_of)
@@ -240,6 +272,7 @@ def _prefetch_needed(model: StageModel, books: _Books, clusters: list[list[int]]
             if not all(model.items[i].output_saved for i in cl if i in crossed):
                 return False
             nbytes = sum(model.items[i].mult * model.items[i].saved_bytes for i in cl)
+            books._version += 1
             for c2 in range(len(model.classes)):  # keep it: undo its placements, stop dropping it
                 for i in cl:
                     it = model.items[i]
@@ -350,6 +383,81 @@ def _greedy(model: StageModel, budget: int) -> _Books | None:
                 books.place(c, k, unit)
 
 
+def _reverse_greedy(model: StageModel, budget: int) -> _Books | None:
+    """From keep-all, drop what frees the most memory per exposed second until it fits.
+
+    A dropped unit is prefetched in every class whose windows have room (hidden), else
+    recomputed on demand there. Ties on exposed time go to the unit using the least window
+    time per byte freed, so windows hold the bulky, cheap tensors. Outputs read across
+    groups stay kept.
+    """
+    droppable = _boundary_kept(model)
+    books = _Books(model, [False] * len(model.items))
+    consumers: list[list[int]] = [[] for _ in model.items]
+    for i, it in enumerate(model.items):
+        for u, _ in it.inputs:
+            consumers[u].append(i)
+    while books.peak() > budget:
+        now = books.peak()
+        best, best_key = None, None
+        for i, it in enumerate(model.items):
+            if books.rec[i] or not droppable[i] or it.saved_bytes == 0:
+                continue
+            unit = _drop_unit(model, books.rec, droppable, i)
+            if unit is None:
+                continue
+            trial = _try_drop(model, books, unit)
+            freed = now - trial.peak()
+            if freed <= 0:
+                continue
+            exposed = trial.exposed() - books.exposed()
+            used = sum(sum(l) for l in trial.load) - sum(sum(l) for l in books.load)
+            key = (exposed / freed, used / freed, i)
+            if best_key is None or key < best_key:
+                best, best_key = trial, key
+        if best is None:
+            return None
+        books = best
+    return books
+
+
+def _drop_unit(model: StageModel, rec: list[bool], droppable: list[bool], i: int) -> list[int] | None:
+    """Item i plus the not-saved producers it needs regenerated (None if one cannot be)."""
+    unit, stack = {i}, [i]
+    while stack:
+        j = stack.pop()
+        for u, cross in model.items[j].inputs:
+            if not model.items[u].output_saved and not rec[u] and u not in unit:
+                if cross or not droppable[u]:
+                    return None
+                unit.add(u)
+                stack.append(u)
+    return sorted(unit)
+
+
+def _try_drop(model: StageModel, books: _Books, unit: list[int]) -> _Books:
+    """A copy of the books with ``unit`` dropped, prefetched wherever a window has room."""
+    trial = copy.copy(books)
+    trial.rec = list(books.rec)
+    trial.where = [list(w) for w in books.where]
+    trial.P = list(books.P)
+    trial.T = [dict(t) for t in books.T]
+    trial.load = [list(l) for l in books.load]
+    trial._version = books._version + 1
+    for i in unit:
+        it = model.items[i]
+        trial.rec[i] = True
+        trial.kept -= it.mult * it.saved_bytes
+        for tc in trial.T:
+            tc[it.group] = tc.get(it.group, 0) + it.saved_bytes
+    cost = _cost(model, unit)
+    for c in range(len(model.classes)):
+        k = _first_window(model, trial, c, unit, cost)
+        if k is not None:
+            trial.place(c, k, unit)
+    return trial
+
+
 def _keep_unit(model: StageModel, rec: list[bool], consumers: list[list[int]], i: int) -> list[int]:
     """Item i and, if its output is not saved, the recomputed consumers that read it."""
     unit, stack = {i}, [i]
@@ -432,6 +540,7 @@ def _peak_if_kept(model: StageModel, books: _Books, cl: list[int]) -> int:
 
 
 def _apply_keep(model: StageModel, books: _Books, cl: list[int]) -> None:
+    books._version += 1
     for c in range(len(model.classes)):
         for i in cl:
             it = model.items[i]
@@ -454,27 +563,32 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     fam = _families(problem, model)
     reduced, to_red = _reduced(model, fam)
     budget = problem.activation_budget_bytes
-    rep = _greedy(reduced, budget)
-    if rep is None:
+    policies = []
+    for greedy in (_reverse_greedy, _greedy):
+        rep = greedy(reduced, budget)
+        if rep is not None:
+            policies.append((tuple(rep.rec), tuple(tuple(w) for w in rep.where)))
+    if not policies:
         return _fallback(problem, model, time_limit_s, start)
-    base = [rep.rec[to_red[i]] for i in range(len(model.items))]
-    designated = lambda c, cl: rep.where[c][to_red[cl[0]]] is not None  # noqa: E731
+    # A short, deterministic exact search on the small representative model, from the greedy.
+    if REP_SEARCH > 0:
+        sol = solve_model(reduced, time_limit_s=min(time_limit_s, 1.0), hint=policies[0], deterministic_limit=REP_SEARCH)
+        if sol.status in ("OPTIMAL", "FEASIBLE"):
+            policies.insert(0, (sol.recompute, sol.placement))
     best = None
-    for keep_first in (False, True):
+    for (rep_rec, rep_where), keep_first in itertools.product(policies, (False, True)):
+        base = [rep_rec[to_red[i]] for i in range(len(model.items))]
+        designated = lambda c, cl, w=rep_where: w[c][to_red[cl[0]]] is not None  # noqa: E731
         books = _realise(model, list(base), budget, designated, keep_first)
-        if books is None:
-            continue
-        msol = ModelSolution("HEURISTIC", tuple(books.rec), tuple(tuple(w) for w in books.where), 0.0, 0.0, 0.0)
-        assignment = expand_solution(problem, model, msol)
-        if peak_activation_bytes(problem, assignment) > budget:
-            continue
-        exposed = exposed_recompute_s(problem, assignment)
-        if best is None or exposed < best[0]:
-            best = (exposed, assignment)
+        if books is not None and (best is None or books.exposed() < best.exposed() - 1e-12):
+            best = books
     if best is None:
         return _fallback(problem, model, time_limit_s, start)
-    validate(problem, best[1])
-    return SolveResult(best[1], "HEURISTIC", best[0], None, time.perf_counter() - start)
+    msol = ModelSolution("HEURISTIC", tuple(best.rec), tuple(tuple(w) for w in best.where), 0.0, 0.0, 0.0)
+    assignment = expand_solution(problem, model, msol)
+    if peak_activation_bytes(problem, assignment) > budget:  # item bookkeeping is exact; belt and braces
+        return _fallback(problem, model, time_limit_s, start)
+    return SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None, time.perf_counter() - start)
 
 
 def _realise(model: StageModel, rec: list[bool], budget: int, designated, keep_first: bool) -> _Books | None:
@@ -525,6 +639,7 @@ def _keep_more(model: StageModel, books: _Books, clusters: list[list[int]], budg
         if any(books.where[c][cl[0]] is not None for c in range(len(model.classes))):
             continue
         nbytes = sum(model.items[i].mult * model.items[i].saved_bytes for i in cl)
+        books._version += 1
         saved_T = [dict(t) for t in books.T]
         for c in range(len(model.classes)):
             for i in cl:
@@ -536,6 +651,7 @@ def _keep_more(model: StageModel, books: _Books, clusters: list[list[int]], budg
         else:
             books.kept -= nbytes
             books.T = saved_T
+            books._version += 1
 
 
 def _fallback(problem: StageProblem, model: StageModel, time_limit_s: float, start: float) -> SolveResult:

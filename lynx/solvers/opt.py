@@ -231,8 +231,13 @@ def solve_model(
     hint: tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]] | None = None,
     progress: ProgressFn | None = None,
     workers: int = 1,
+    deterministic_limit: float | None = None,
 ) -> ModelSolution:
-    """Build and solve the CP-SAT model; ``minimise`` is "exposed" or "memory" (no budget)."""
+    """Build and solve the CP-SAT model; ``minimise`` is "exposed" or "memory" (no budget).
+
+    ``deterministic_limit`` caps CP-SAT's deterministic time (work units independent of
+    machine load), so a short search gives the same answer on every run.
+    """
     start = time.perf_counter()
     items, classes = model.items, model.classes
     total_cost = sum(it.mult * it.recompute_s for it in items) or 1.0
@@ -344,6 +349,8 @@ def solve_model(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.001, time_limit_s - (time.perf_counter() - start))
     solver.parameters.num_workers = workers
+    if deterministic_limit is not None:
+        solver.parameters.max_deterministic_time = deterministic_limit
     solver.parameters.random_seed = 0
     solver.parameters.relative_gap_limit = RELATIVE_GAP
     solver.parameters.linearization_level = 2  # cuts: proves these knapsack-like models far faster
