@@ -1,0 +1,48 @@
+"""`lynx plan`, `show`, `compare` on the tiny preset; bad input exits 2 with a message."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from lynx.cli import app
+
+runner = CliRunner()
+TINY = ["gpt-tiny", "--hardware", "cpu-local", "--pp", "2", "-m", "4"]
+
+
+def test_plan_then_show_writes_table_and_pictures(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    result = runner.invoke(app, ["plan", *TINY, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.exists() and json.loads(out.read_text())["schema_version"] == 1
+    result = runner.invoke(app, ["show", str(out), "--picture", str(tmp_path / "t")])
+    assert result.exit_code == 0, result.output
+    assert "in windows" in result.output and "stage" in result.output
+    assert (tmp_path / "t.png").stat().st_size > 0 and (tmp_path / "t.svg").stat().st_size > 0
+
+
+def test_compare_json_lists_every_solver() -> None:
+    result = runner.invoke(app, ["compare", *TINY, "--json", "--time-limit", "5"])
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.output[result.output.index("["):])
+    solvers = {r["solver"] for r in records}
+    assert {"opt", "heu", "none", "full", "full-block", "selective", "checkmate"} <= solvers
+    full = next(r for r in records if r["solver"] == "full")
+    assert full["speedup_over_full"] == 1.0
+    for r in records:
+        if "step_time_s" in r:
+            assert {"exposed_recompute_s", "peak_memory_bytes", "fits_budget", "search_time_s"} <= set(r)
+
+
+def test_bad_input_exits_with_a_message(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    result = runner.invoke(app, ["show", str(bad)])
+    assert result.exit_code == 2 and "not valid JSON" in result.output
+    result = runner.invoke(app, ["plan", *TINY, "--time-limit", "0", "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2 and "time_limit_s must be > 0" in result.output
+    result = runner.invoke(app, ["plan", "gpt-tiny", "--hardware", "cpu-local", "--pp", "8", "-m", "8",
+                                 "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2 and "only 4 layers" in result.output

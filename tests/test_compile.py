@@ -1,0 +1,91 @@
+"""Planning end to end: lynx.compile / plan_graph with the solver registry, budgets, plan reuse."""
+
+from __future__ import annotations
+
+import pytest
+
+import lynx
+from lynx.compile import plan_graph, plan_graph_outcome
+from lynx.config import CompileConfig
+from lynx.errors import LynxBudgetError, LynxConfigError, LynxFingerprintError
+from lynx.partition import CommModel
+from lynx.plan import Plan
+from lynx.problem_build import assignment_from_decisions, synthetic_graph
+from lynx.solvers.problem import validate
+
+FREE = CommModel.free()
+
+
+def _cfg(**kw) -> CompileConfig:
+    base = dict(pp=2, microbatches=4, memory_budget="80GiB", solver="heu", time_limit_s=10)
+    base.update(kw)
+    return CompileConfig(**base)
+
+
+def test_plan_decisions_are_valid_and_scored_by_the_simulator() -> None:
+    g = synthetic_graph(layers=4)
+    none = plan_graph_outcome(g, _cfg(solver="none"), comm=FREE)
+    full = plan_graph_outcome(g, _cfg(solver="full"), comm=FREE, pipeline=none.pipeline)
+    budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes) - max(full.sim.peak_memory_bytes)))
+    heu = plan_graph_outcome(g, _cfg(memory_budget=budget), comm=FREE, pipeline=none.pipeline)
+    assert heu.plan.predicted.fits_budget
+    for problem, stage in zip(heu.problems, heu.plan.stages):
+        validate(problem, assignment_from_decisions(stage.decisions, 4))
+        assert stage.peak_memory_bytes <= budget
+    assert heu.plan.predicted.step_time_s <= full.plan.predicted.step_time_s + 1e-12
+    assert none.plan.predicted.exposed_recompute_s == 0.0
+    assert full.plan.predicted.exposed_recompute_s > 0
+
+
+def test_same_inputs_same_plan_and_save_load(tmp_path) -> None:
+    g = synthetic_graph(layers=4)
+    a = plan_graph(g, _cfg(memory_budget="3GiB"), comm=FREE)
+    b = plan_graph(g, _cfg(memory_budget="3GiB"), comm=FREE)
+    assert [s.decisions for s in a.stages] == [s.decisions for s in b.stages]
+    assert a.fingerprint == b.fingerprint
+    assert Plan.load(a.save(tmp_path / "p.json")) == a
+
+
+def test_budget_no_plan_can_meet_says_what_dominates() -> None:
+    g = synthetic_graph(layers=4)
+    with pytest.raises(LynxBudgetError, match="below the static memory alone") as err:
+        plan_graph(g, _cfg(memory_budget="1MiB"), comm=FREE)
+    assert "optimizer state" in str(err.value)
+    # above static memory but below what any plan's activations need
+    none = plan_graph_outcome(g, _cfg(solver="none"), comm=FREE)
+    tight = max(none.sim.static_bytes) + 1024
+    with pytest.raises(LynxBudgetError, match=r"stage \d.*leanest plan needs") as err:
+        plan_graph(g, _cfg(memory_budget=tight), comm=FREE)
+    assert "leave" in str(err.value) and "for activations" in str(err.value)
+    # a baseline is scored as it is and reports that it does not fit
+    plan = plan_graph(g, _cfg(solver="none", memory_budget="1MiB"), comm=FREE)
+    assert not plan.predicted.fits_budget
+
+
+def test_more_stages_than_layers() -> None:
+    with pytest.raises(LynxConfigError, match="only 4 layers"):
+        plan_graph(synthetic_graph(layers=4), _cfg(pp=8, microbatches=8), comm=FREE)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, inputs = lynx.models.build_preset("gpt-tiny", device="meta")
+    return model, inputs
+
+
+def test_compile_tiny_model_and_plan_reuse(tiny, tmp_path) -> None:
+    model, inputs = tiny
+    compiled = lynx.compile(model, inputs, pp=2, microbatches=4, hardware="cpu-local", solver="heu")
+    assert isinstance(compiled.plan, lynx.Plan) and len(compiled.plan.stages) == 2
+    assert compiled.config.target == "cpu"
+    sim = lynx.simulate(compiled.plan, compiled.analysis.graph)
+    assert sim.step_time_s == pytest.approx(compiled.plan.predicted.step_time_s)
+    with pytest.raises(LynxConfigError, match="out of range"):
+        compiled.stage(2)
+    path = compiled.plan.save(tmp_path / "plan.json")
+    again = lynx.compile(model, inputs, pp=2, microbatches=4, hardware="cpu-local", plan=str(path))
+    assert again.plan == compiled.plan
+    with pytest.raises(LynxFingerprintError, match="microbatches: plan 4, now 8"):
+        lynx.compile(model, inputs, pp=2, microbatches=8, hardware="cpu-local", plan=path)
+    config = lynx.CompileConfig(pp=2, microbatches=4, hardware="cpu-local")
+    assert lynx.compile(model, inputs, config, solver="full").plan.solver == "full"
