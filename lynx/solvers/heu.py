@@ -263,7 +263,9 @@ def _prefetch_needed(model: StageModel, books: _Books, clusters: list[list[int]]
             )
             if not consumers_on_demand:
                 continue
-            spots = [k for k, e in enumerate(cls.eligible) if e is None or all(i in e for i in cl)]
+            latest = min((books.where[c][j] for j, it in enumerate(model.items) if rec[j] and books.where[c][j] is not None
+                          and any(u in cl for u, _ in it.inputs)), default=len(cls.capacities))
+            spots = [k for k, e in enumerate(cls.eligible) if k <= latest and (e is None or all(i in e for i in cl))]
             inputs_ok = all(not rec[u] or u in cl or books.where[c][u] is not None for i in cl for u, _ in model.items[i].inputs)
             if spots and inputs_ok and books.peak_if_placed(c, cl) <= budget:
                 k = max(spots, key=lambda q: cls.capacities[q] - books.load[c][q])
@@ -455,7 +457,48 @@ def _try_drop(model: StageModel, books: _Books, unit: list[int]) -> _Books:
         k = _first_window(model, trial, c, unit, cost)
         if k is not None:
             trial.place(c, k, unit)
+    _repair_order(model, trial)  # consumers prefetched before their newly dropped input
     return trial
+
+
+def _repair_order(model: StageModel, books: _Books) -> None:
+    """Send to on demand any placement whose inputs are not ready by then, and any member of
+    a must-share-a-window cluster whose partners are not in its window (fixed point)."""
+    rec = books.rec
+    changed = True
+    while changed:
+        changed = False
+        for c in range(len(model.classes)):
+            where = books.where[c]
+            for i, it in enumerate(model.items):
+                k = where[i]
+                if k is None:
+                    continue
+                for u, _ in it.inputs:
+                    late = rec[u] and (where[u] is None or where[u] > k)
+                    split = rec[u] and not model.items[u].output_saved and where[u] != k
+                    if late or split:
+                        _unplace(model, books, c, i)
+                        changed = True
+                        break
+                else:
+                    continue
+            for i, it in enumerate(model.items):  # an unsaved output placed while a consumer is not
+                if rec[i] and where[i] is None:
+                    for u, _ in it.inputs:
+                        if rec[u] and not model.items[u].output_saved and where[u] is not None:
+                            _unplace(model, books, c, u)
+                            changed = True
+
+
+def _unplace(model: StageModel, books: _Books, c: int, i: int) -> None:
+    it = model.items[i]
+    k = books.where[c][i]
+    books.where[c][i] = None
+    books.P[c] -= it.mult * it.saved_bytes
+    books.T[c][it.group] = books.T[c].get(it.group, 0) + it.saved_bytes
+    books.load[c][k] -= it.mult * it.recompute_s
+    books._version += 1
 
 
 def _keep_unit(model: StageModel, rec: list[bool], consumers: list[list[int]], i: int) -> list[int]:
@@ -611,6 +654,9 @@ def _realise(model: StageModel, rec: list[bool], budget: int, designated, keep_f
     _fill(model, books, _clusters(model, books.rec), budget, wanted=lambda c, cl: True)
     if not keep_first:
         _keep_more(model, books, _clusters(model, books.rec), budget)
+    _repair_order(model, books)
+    if not _prefetch_needed(model, books, _clusters(model, books.rec), budget):
+        return None
     return books if books.peak() <= budget else None
 
 

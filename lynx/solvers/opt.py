@@ -129,7 +129,8 @@ def _contract(problem: StageProblem) -> tuple[dict[str, str], dict[str, tuple[st
                 consumers[src].append(n.name)
     head = {n.name: n.name for n in problem.nodes}
     transparent: dict[str, tuple[str, ...]] = {}
-    for n in problem.nodes:  # forward order: inputs are resolved before their consumers
+    candidates = []
+    for n in problem.nodes:
         outs = consumers[n.name]
         if n.saved_bytes or n.output_saved or not outs:
             continue
@@ -137,7 +138,11 @@ def _contract(problem: StageProblem) -> tuple[dict[str, str], dict[str, tuple[st
             continue
         if n.recompute_s < 1e-4 * total:  # a view or transpose: negligible next to the stage
             transparent[n.name] = n.inputs
-        elif len(outs) == 1:
+        else:
+            candidates.append(n)
+    for n in candidates:
+        outs = consumers[n.name]
+        if len(outs) == 1 and outs[0] not in transparent:
             head[n.name] = outs[0]
     for name in reversed([n.name for n in problem.nodes]):  # chains: follow to the last head
         if head[name] != name:
