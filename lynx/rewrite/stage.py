@@ -208,7 +208,8 @@ class StageModule(nn.Module):
         owner = self._tracker.owner(t)
         if owner is None or owner not in self.dropped:
             if owner is not None:
-                self.meter.add(t, "stage" if owner in self._stage_nodes else "boundary")
+                # a received value (or model input) is owned by a node outside the stage
+                self.meter.add(t, "stage" if owner in self._stage_nodes else f"boundary:{owner}")
             return t
         if owner == self._running:
             handle = _Handle(microbatch, owner, "pack", index)
