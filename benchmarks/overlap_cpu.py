@@ -51,9 +51,36 @@ def build_model() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
 
 
 # ----------------------------------------------------------------------------- planning
+def lynx_plan(pp: int, microbatches: int, schedule: str, rate_mbit: float, solver: str = "heu"):
+    """Lynx's plan for this model: the pp link at the bed's rate, a budget that makes the first
+    stage (most microbatches in flight) recompute while the last one fits."""
+    import lynx
+    from lynx.hardware import LinkSpec, get_hardware
+    from lynx.rewrite.build import stage_node_lists
+
+    model, inputs = build_model()
+    base = get_hardware("cpu-local")
+    link = LinkSpec(alpha_s=1e-3, beta_bytes_per_s=rate_mbit * 1e6 / 8)
+    hw = base.model_copy(update={"links": {**base.links, "pp": link, "dp": link}})
+    common = dict(pp=pp, microbatches=microbatches, schedule=schedule, hardware=hw, target="cpu")
+    keep = lynx.compile(model, inputs, solver="none", memory_budget="20GiB", **common).plan
+    first, last = keep.stages[0], keep.stages[-1]
+    budget = max(first.static_bytes + int(0.6 * first.activation_bytes), last.static_bytes + last.activation_bytes)
+    plan = lynx.compile(model, inputs, solver=solver, memory_budget=budget, **common).plan
+    nodes = stage_node_lists(plan)
+    schedules = []
+    for s in range(pp):
+        sched = plan.stage_schedule(s)
+        schedules.append({"dropped": sorted(sched.dropped),
+                          "prefetch": {j: [(w, list(n)) for w, n in v] for j, v in sched.prefetch.items()}})
+    return nodes, schedules, (f"lynx.compile(solver={solver!r}, memory_budget={budget} B): status {plan.status}, "
+                              f"predicted step {plan.predicted.step_time_s:.3f} s, exposed "
+                              f"{plan.predicted.exposed_recompute_s:.3f} s, hidden {plan.predicted.hidden_recompute_s:.3f} s")
+
+
 def make_schedules(pp: int, microbatches: int) -> tuple[list[list[str]], list[dict], str]:
-    """Stage split, dropped nodes and windows: Lynx's HEU plan when the planner is available,
-    else a hand-made plan of the same shape (stated in the output)."""
+    """A hand-made plan of the solvers' shape (Megatron-full drops on all but the last stage,
+    the stage's last layer in each recv_grad window), for when the planner cannot be used."""
     import lynx
 
     model, inputs = build_model()
@@ -211,6 +238,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--plan", default="heu", help="solver for Lynx's plan (heu, opt) or 'hand'")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--spec")
     args = ap.parse_args()
@@ -219,7 +247,10 @@ def main() -> None:
         return
     from lynx.testbed import NetBed, measure_link
 
-    nodes, schedules, source = make_schedules(args.pp, args.microbatches)
+    if args.plan == "hand":
+        nodes, schedules, source = make_schedules(args.pp, args.microbatches)
+    else:
+        nodes, schedules, source = lynx_plan(args.pp, args.microbatches, args.schedule, args.rate_mbit, args.plan)
     fwd, bwd, nbytes = stage_costs(nodes)
     transfer_s = nbytes * 8 / (args.rate_mbit * 1e6)
     print(f"model: GPT {CFG}, microbatch {MICROBATCH}, {args.microbatches} microbatches, {args.schedule}")

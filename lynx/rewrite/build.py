@@ -25,7 +25,7 @@ from typing import Any
 from torch import fx
 
 from lynx.errors import LynxConfigError
-from lynx.rewrite.split import StageGraph, op_nodes, split_graph
+from lynx.rewrite.split import StageGraph, split_graph
 from lynx.rewrite.stage import StageModule
 
 __all__ = ["build_stage_module", "build_stages", "stage_node_lists", "split_cached"]
@@ -73,8 +73,3 @@ def build_stage_module(compiled: Any, index: int) -> StageModule:
     schedule = plan.stage_schedule(index)
     return StageModule(parts[index], schedule.dropped, out_spec=getattr(gm, "_out_spec", None))
 
-
-def unused_op_nodes(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> list[str]:
-    """Op nodes the assignment leaves out (they join a stage automatically); for diagnostics."""
-    named = {n for names in stage_nodes for n in names}
-    return [n.name for n in op_nodes(gm) if n.name not in named]

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -352,8 +353,6 @@ class StageModule(nn.Module):
 
 
 def _weak(t: torch.Tensor) -> Any:
-    import weakref
-
     return weakref.ref(t.untyped_storage())
 
 

@@ -26,6 +26,22 @@ _LAZY = {
     "InFlight": "lynx.runtime.step",
     "forward_step": "lynx.runtime.step",
     "backward_step": "lynx.runtime.step",
+    "PipelineRunner": "lynx.runtime.pipeline",
+    "RuntimeConfig": "lynx.runtime.pipeline",
+    "Topology": "lynx.runtime.topology",
+    "make_topology": "lynx.runtime.topology",
+    "AllReduceSync": "lynx.runtime.data_parallel",
+    "BucketLauncher": "lynx.runtime.data_parallel",
+    "FaultMonitor": "lynx.runtime.faults",
+    "RankFailedError": "lynx.runtime.faults",
+    "PeerTimeoutError": "lynx.runtime.faults",
+    "StepStats": "lynx.runtime.stats",
+    "format_stats": "lynx.runtime.stats",
+    "WorkerSpec": "lynx.runtime.launch",
+    "RankResult": "lynx.runtime.launch",
+    "TokenBatches": "lynx.runtime.launch",
+    "run_rank": "lynx.runtime.launch",
+    "spawn": "lynx.runtime.launch",
 }
 
 __all__ = sorted(_LAZY)

@@ -101,8 +101,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple, stage: int) -> tuple[Any, Any, list[set[str]]]:
-    """The stage module, its schedule and every stage's parameter names."""
+def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple,
+                 stage: int) -> tuple[Any, Any, list[set[str]], list[str]]:
+    """The stage module, its schedule, every stage's parameter names and the model's input names."""
     from lynx.capture import capture
     from lynx.rewrite.build import build_stages, split_cached, stage_node_lists
 
@@ -132,7 +133,8 @@ def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple, stage:
     parts = split_cached(gm, nodes)
     names = [{str(n.target) for n in part.gm.graph.nodes if n.op == "get_attr"} for part in parts]
     stage_module = build_stages(gm, nodes, [frozenset() if s != stage else dropped for s in range(spec.pp)])[stage]
-    return stage_module, schedule, names
+    input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    return stage_module, schedule, names, input_names
 
 
 def _check_fingerprints(spec: WorkerSpec, store: Any, rank: int, world: int) -> None:
@@ -158,7 +160,7 @@ def run_rank(spec: WorkerSpec, rank: int, world: int, init: str = "env://") -> R
         torch.manual_seed(spec.seed)
         model, inputs = spec.build()
         model.train()
-        stage, schedule, names = _stage_setup(spec, model, inputs, topo.stage)
+        stage, schedule, names, input_names = _stage_setup(spec, model, inputs, topo.stage)
         tied = tied_groups(topo, names)
         params = [p for p in stage.parameters() if p.requires_grad]
         runtimes = spec.runtime if isinstance(spec.runtime, list) else [spec.runtime]
@@ -172,7 +174,7 @@ def run_rank(spec: WorkerSpec, rank: int, world: int, init: str = "env://") -> R
                 if spec.fail_rank == rank and step == 0:
                     raise RuntimeError(f"injected failure on rank {rank}")
                 batches = (spec.batches(step, topo.dp_rank, runtime.microbatches) if spec.batches
-                           else [dict(zip(_input_names(stage, inputs), inputs))] * runtime.microbatches)
+                           else [dict(zip(input_names, inputs))] * runtime.microbatches)
                 stats.append(runner.step(batches))
             grads = {}
             if spec.return_grads:
@@ -195,11 +197,6 @@ def _monitor(topo: Any, spec: WorkerSpec) -> Any:
 
 def _first(spec: WorkerSpec) -> RuntimeConfig:
     return spec.runtime[0] if isinstance(spec.runtime, list) else spec.runtime
-
-
-def _input_names(stage: Any, inputs: tuple) -> list[str]:
-    placeholders = [n.name for n in stage.gm.graph.nodes if n.op == "placeholder"]
-    return placeholders[: len(inputs)] if len(stage.spec.inputs) == len(inputs) else stage.spec.inputs
 
 
 def _worker(rank: int, spec: WorkerSpec, world: int, port: int, queue: Any) -> None:
