@@ -78,7 +78,7 @@ class Compiled:
 
     def stage(self, index: int) -> Any:
         """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
-        if not isinstance(index, int) or not 0 <= index < self.config.pp:
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.config.pp:
             raise LynxConfigError(f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}")
         from lynx.rewrite import build_stage_module
 
