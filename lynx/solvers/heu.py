@@ -233,6 +233,10 @@ def _fill(model: StageModel, books: _Books, clusters: list[list[int]], budget: i
             for cl in by_need:
                 if where[cl[0]] is not None or not wanted(c, cl):
                     continue
+                if elig is not None and any(i not in elig for i in cl):
+                    continue
+                if books.load[c][k] + _cost(model, cl) > cap * (1 + 1e-9):
+                    continue  # prerequisites only add to the cost
                 unit = _with_prereqs(model, books, c, cl, cluster_of)
                 if elig is not None and any(i not in elig for i in unit):
                     continue
@@ -455,7 +459,9 @@ def _try_drop(model: StageModel, books: _Books, unit: list[int]) -> _Books:
     cost = _cost(model, unit)
     for c in range(len(model.classes)):
         k = _first_window(model, trial, c, unit, cost)
-        if k is not None:
+        # prefetch only where it costs no peak memory: memory is what dropping is short of;
+        # the fill after replication spends what is left on prefetching
+        if k is not None and trial.peak_if_placed(c, unit) <= trial.peak():
             trial.place(c, k, unit)
     _repair_order(model, trial)  # consumers prefetched before their newly dropped input
     return trial
@@ -525,8 +531,10 @@ def _drop_unneeded(model: StageModel, books: _Books, consumers: list[list[int]])
 
 def _with_prereqs(model: StageModel, books: _Books, c: int, cl: list[int], cluster_of: dict[int, list[int]]) -> list[int]:
     """The cluster plus every recomputed, not yet placed ancestor (with their clusters)."""
-    unit, stack = set(cl), list(cl)
     where, rec = books.where[c], books.rec
+    if all(not rec[u] or where[u] is not None for i in cl for u, _ in model.items[i].inputs):
+        return cl  # inputs all ready: the common case
+    unit, stack = set(cl), list(cl)
     while stack:
         j = stack.pop()
         for u, _ in model.items[j].inputs:
@@ -664,11 +672,12 @@ def _keep_more(model: StageModel, books: _Books, clusters: list[list[int]], budg
     """Un-drop on-demand clusters with the best exposed-time saving per byte while memory lasts."""
     rec = books.rec
     consumers_outside: dict[int, bool] = {}
-    members_of = {i: set(cl) for cl in clusters for i in cl}
+    cluster_id = {i: k for k, cl in enumerate(clusters) for i in cl}
     for i, it in enumerate(model.items):
-        for u, _ in it.inputs:
-            if rec[i] and u in members_of and i not in members_of[u] and not model.items[u].output_saved:
-                consumers_outside[u] = True
+        if rec[i]:
+            for u, _ in it.inputs:
+                if u in cluster_id and cluster_id.get(i) != cluster_id[u] and not model.items[u].output_saved:
+                    consumers_outside[u] = True
     scored = []
     for cl in clusters:
         if any(consumers_outside.get(i) for i in cl):

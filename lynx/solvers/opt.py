@@ -134,8 +134,8 @@ def _contract(problem: StageProblem) -> tuple[dict[str, str], dict[str, tuple[st
         outs = consumers[n.name]
         if n.saved_bytes or n.output_saved or not outs:
             continue
-        if any(group_key(by_name[c]) != group_key(n) for c in outs):
-            continue
+        if any(by_name[c].layer != n.layer or by_name[c].layer_class != n.layer_class for c in outs):
+            continue  # (same group_key, compared without formatting strings)
         if n.recompute_s < 1e-4 * total:  # a view or transpose: negligible next to the stage
             transparent[n.name] = n.inputs
         else:
