@@ -178,7 +178,7 @@ def balanced_boundaries(costs: Sequence[float], parts: int, *,
     return ranges[::-1]
 
 
-def partition_graph(graph: nx.DiGraph, *, pp: int, virtual: int = 1, tp: int = 1) -> list[Chunk]:
+def partition_graph(graph: nx.DiGraph, *, pp: int, virtual: int = 1) -> list[Chunk]:
     """Balanced chunks of ``graph``'s blocks; chunk ``c`` runs on device ``c % pp``."""
     blocks = graph.graph["blocks"]
     layer_blocks = [b["index"] for b in blocks if b["kind"] == "layer"]

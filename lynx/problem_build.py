@@ -53,7 +53,7 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
         if hardware is None:
             raise ValueError("build_pipeline needs comm= or hardware=")
         comm = CommModel.from_hardware(hardware, tp=tp, dp=dp, optimizer=optimizer)
-    chunks = partition_graph(graph, pp=pp, virtual=virtual, tp=tp)
+    chunks = partition_graph(graph, pp=pp, virtual=virtual)
     costs = block_costs(graph, comm, tp=tp, optimizer=optimizer)
     blocks = graph.graph["blocks"]
     chunk_of_node = {n: c.index for c in chunks for b in c.blocks for n in blocks[b]["nodes"]}
