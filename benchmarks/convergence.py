@@ -37,7 +37,7 @@ from lynx.optim import DeMo, DistributedLion
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Peak learning rates, tuned per method on this benchmark (see docs/optimizers.md).
-DEFAULT_LR = {"adamw": 3e-3, "lion": 1e-3, "demo": 3e-3, "dlion": 1e-3}
+DEFAULT_LR = {"adamw": 6e-3, "lion": 1e-3, "demo": 6e-3, "dlion": 1e-3}
 DISTRIBUTED = {"demo", "dlion", "dlion_avg"}
 
 
@@ -150,6 +150,44 @@ def train_distributed(method: str, lr: float, args: argparse.Namespace) -> dict:
     return result
 
 
+def _run_method(method: str, lr: float, args: argparse.Namespace, queue) -> None:
+    torch.set_num_threads(1 if args.parallel else 2)
+    run = train_distributed if method in DISTRIBUTED else train
+    res = run(method, lr, args)
+    res["ranks"] = args.world if method in DISTRIBUTED else 1
+    queue.put(res)
+
+
+def run_methods(args: argparse.Namespace, lrs: dict[str, float]) -> list[dict]:
+    """Every method, one after another, or all at once (``--parallel``: same results, less wall time)."""
+    if not args.parallel:
+        results = []
+        for method in args.methods:
+            q: list = []
+            _run_method(method, lrs[method], args, type("Q", (), {"put": q.append})())
+            results.append(q[0])
+            _report(results[-1])
+        return results
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_run_method, args=(m, lrs[m], args, queue)) for m in args.methods]
+    for p in procs:
+        p.start()
+    by_method = {}
+    for _ in procs:
+        res = queue.get(timeout=args.timeout)
+        by_method[res["method"]] = res
+        _report(res)
+    for p in procs:
+        p.join(timeout=60)
+    return [by_method[m] for m in args.methods]
+
+
+def _report(res: dict) -> None:
+    print(f"{res['method']:10s} lr {res['lr']:.0e}  held-out {res['evals'][-1][1]:.4f}  "
+          f"train(last 20) {sum(res['losses'][-20:]) / 20:.4f}  {res['seconds']:.0f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", nargs="+", default=["adamw", "lion", "demo", "dlion"],
@@ -164,7 +202,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--lion-betas", type=float, nargs=2, default=[0.9, 0.99])
+    parser.add_argument("--lion-betas", type=float, nargs=2, default=[0.95, 0.98])
     parser.add_argument("--topk", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--decay", type=float, default=0.999)
@@ -173,6 +211,7 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--parallel", action="store_true", help="run the methods at the same time")
     parser.add_argument("--tag", default="", help="suffix of the result files (tuning runs)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -180,16 +219,7 @@ def main() -> None:
     for item in args.lr:
         k, v = item.split("=")
         lrs[k] = float(v)
-    torch.set_num_threads(2)
-
-    results = []
-    for method in args.methods:
-        run = train_distributed if method in DISTRIBUTED else train
-        res = run(method, lrs[method], args)
-        res["ranks"] = args.world if method in DISTRIBUTED else 1
-        results.append(res)
-        print(f"{method:10s} lr {res['lr']:.0e}  held-out {res['evals'][-1][1]:.4f}  "
-              f"train(last 20) {sum(res['losses'][-20:]) / 20:.4f}  {res['seconds']:.0f} s", flush=True)
+    results = run_methods(args, lrs)
 
     base = next((r["evals"][-1][1] for r in results if r["method"] == "adamw"), None)
     title = (f"byte-level GPT (layers {args.layers}, hidden {args.hidden}, seq {args.seq}), stdlib corpus, "
