@@ -226,11 +226,13 @@ def _fill(model: StageModel, books: _Books, clusters: list[list[int]], budget: i
     # Layers served by the fewest windows first: the last layer of the forward can use only
     # the windows before its backward, the first layer every one of them.
     by_need = sorted(clusters, key=lambda cl: (-model.items[cl[0]].group, cl[0]))
+    # Windows any layer can use take the most recompute time per prefetched byte first.
+    by_value = sorted(clusters, key=lambda cl: (-_cost(model, cl) / max(1, sum(model.items[i].mult * model.items[i].saved_bytes for i in cl)), cl[0]))
     for c, cls in enumerate(model.classes):
         where = books.where[c]
         for k, cap in enumerate(cls.capacities):
             elig = cls.eligible[k]
-            for cl in by_need:
+            for cl in (by_value if elig is None else by_need):
                 if where[cl[0]] is not None or not wanted(c, cl):
                     continue
                 if elig is not None and any(i not in elig for i in cl):
@@ -457,12 +459,18 @@ def _try_drop(model: StageModel, books: _Books, unit: list[int]) -> _Books:
         for tc in trial.T:
             tc[it.group] = tc.get(it.group, 0) + it.saved_bytes
     cost = _cost(model, unit)
-    for c in range(len(model.classes)):
-        k = _first_window(model, trial, c, unit, cost)
-        # prefetch only where it costs no peak memory: memory is what dropping is short of;
-        # the fill after replication spends what is left on prefetching
-        if k is not None and trial.peak_if_placed(c, unit) <= trial.peak():
-            trial.place(c, k, unit)
+    spots = [(c, k, unit) for c in range(len(model.classes))
+             if (k := _first_window(model, trial, c, unit, cost)) is not None]
+    # Prefetch only where it costs no peak memory (memory is what dropping is short of; the
+    # fill after replication spends what is left). P and T are maxima over classes, so
+    # prefetching in every class at once can pay where one class alone does not.
+    if len(spots) > 1 and _peak_if_placed_all(model, trial, spots) <= trial.peak():
+        for c, k, u in spots:
+            trial.place(c, k, u)
+    else:
+        for c, k, u in spots:
+            if trial.peak_if_placed(c, u) <= trial.peak():
+                trial.place(c, k, u)
     _repair_order(model, trial)  # consumers prefetched before their newly dropped input
     return trial
 
