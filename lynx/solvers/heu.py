@@ -1,15 +1,22 @@
 """HEU: solve one representative layer, replicate it, fill what is left greedily.
 
 1. Contract the stage as OPT does (:func:`lynx.solvers.opt.model_from_problem`) and find the
-   family of structurally identical layers (same items, bytes, costs and wiring).
-2. Solve a reduced CP-SAT model in which one item stands for the same node in every layer of
-   the family (``mult`` = family size), edge blocks and odd layers are items of their own, and
-   each microbatch class has its windows merged into two (any-layer windows, layer-restricted
-   windows). The model is small (tens of items), so it solves in milliseconds.
-3. Replicate the policy to every family layer, then realise placements window by window in
-   time order (clusters of nodes that must share a window move together, inputs first, exact
-   peak-memory bookkeeping), keep more where memory is left, and move remaining on-demand
-   recompute into windows with capacity left.
+   family of structurally identical layers (same items, bytes, costs and internal wiring).
+2. Build the reduced model: one item stands for the same node in every family layer
+   (``mult`` = family size, so its bytes and window time count once per layer, its on-demand
+   transient once), edge blocks and odd layers are items of their own, and each microbatch
+   class has its windows merged into two (any-layer windows, layer-restricted windows) —
+   each layer's share of the capacity. Solve it with two greedy passes: *drop until it fits*
+   (from keep-all, drop what frees the most peak memory per exposed second, prefetching
+   where that costs no peak) and *keep while it fits* (from "drop all but layer boundaries",
+   keep or prefetch what saves the most exposed time per byte). ``REP_SEARCH`` > 0 adds a
+   short deterministic CP-SAT search on the reduced model (off: it costs 10-80 ms).
+3. Replicate each policy to every family layer and realise it on the full model: the
+   representative's prefetches window by window in time order (clusters that must share a
+   window move together with their not-yet-placed inputs; exact peak bookkeeping), then keep
+   more where memory is left and move on-demand recompute into windows with room (the most
+   recompute per prefetched byte first), in both orders; the best realisation wins.
+   If none fits, the exact model is solved instead.
 
 Example::
 
