@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 # Functions that share their name with their module are bound eagerly: importing a submodule
 # sets the package attribute to the module, so a lazy binding would be overwritten by the
 # first `import lynx.compile` anywhere.
+from lynx.analyze import analyze  # noqa: E402
 from lynx.capture import capture  # noqa: E402
 from lynx.compile import compile  # noqa: E402,A004
 from lynx.profile import profile  # noqa: E402
@@ -46,7 +47,6 @@ _LAZY = {
     "HardwareSpec": ("lynx.hardware", "HardwareSpec"),
     "LinkSpec": ("lynx.hardware", "LinkSpec"),
     "get_hardware": ("lynx.hardware", "get_hardware"),
-    "analyze": ("lynx.analyze", "analyze"),
     "Analysis": ("lynx.analyze", "Analysis"),
     "inspect_model": ("lynx.inspect", "inspect_model"),
     "CompileConfig": ("lynx.config", "CompileConfig"),
@@ -65,6 +65,7 @@ __all__ = [
     "LynxBudgetError",
     "LynxFingerprintError",
     "LynxRuntimeError",
+    "analyze",
     "capture",
     "compile",
     "profile",
