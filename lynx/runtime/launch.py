@@ -19,8 +19,9 @@ Example::
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import io
+import multiprocessing
+import os
 import socket
 import time
 import traceback
@@ -210,12 +211,16 @@ def _worker(rank: int, spec: WorkerSpec, world: int, port: int, queue: Any) -> N
         kind = type(err).__name__
         queue.put(("error", rank, f"{kind}: {err}", not _caused_by_peer(err),
                    traceback.format_exc(limit=6)))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        # Receives posted to a peer that is gone never complete; their waiting threads would
+        # abort the interpreter at exit. The report is out: leave without running teardown.
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _caused_by_peer(err: BaseException) -> bool:

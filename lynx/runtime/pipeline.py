@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from lynx.errors import LynxConfigError
+from lynx.errors import LynxConfigError, LynxError, LynxRuntimeError
 from lynx.runtime.data_parallel import AllReduceSync, BucketLauncher
 from lynx.runtime.faults import FaultMonitor
 from lynx.runtime.p2p import ACT, FLAGS, GRAD, boundary_meta, post_recv, post_send
@@ -125,6 +125,12 @@ class PipelineRunner:
         try:
             return self._step(microbatches)
         except BaseException as err:
+            if not isinstance(err, LynxError):  # e.g. gloo "connection closed": did a peer fail?
+                try:
+                    self.monitor.check()
+                except LynxRuntimeError as peer:
+                    self.monitor.report(peer)
+                    raise peer from err
             self.monitor.report(err)
             raise
 
