@@ -12,8 +12,8 @@ end, the mean training loss of the last 20 steps, and the ratio to AdamW's held-
 
 Run::
 
-    .venv/bin/python benchmarks/convergence.py             # ~ a few minutes on 2 cores
-    .venv/bin/python benchmarks/convergence.py --steps 100 --methods adamw demo
+    .venv/bin/python benchmarks/convergence.py --parallel  # all methods at once
+    .venv/bin/python benchmarks/convergence.py --steps 100 --methods adamw demo --lr demo=3e-3
 """
 
 from __future__ import annotations
@@ -150,12 +150,16 @@ def train_distributed(method: str, lr: float, args: argparse.Namespace) -> dict:
     return result
 
 
-def _run_method(method: str, lr: float, args: argparse.Namespace, queue) -> None:
+def _run_method(method: str, lr: float, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1 if args.parallel else 2)
     run = train_distributed if method in DISTRIBUTED else train
     res = run(method, lr, args)
     res["ranks"] = args.world if method in DISTRIBUTED else 1
-    queue.put(res)
+    return res
+
+
+def _run_method_into(method: str, lr: float, args: argparse.Namespace, queue) -> None:
+    queue.put(_run_method(method, lr, args))
 
 
 def run_methods(args: argparse.Namespace, lrs: dict[str, float]) -> list[dict]:
@@ -163,14 +167,12 @@ def run_methods(args: argparse.Namespace, lrs: dict[str, float]) -> list[dict]:
     if not args.parallel:
         results = []
         for method in args.methods:
-            q: list = []
-            _run_method(method, lrs[method], args, type("Q", (), {"put": q.append})())
-            results.append(q[0])
+            results.append(_run_method(method, lrs[method], args))
             _report(results[-1])
         return results
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_run_method, args=(m, lrs[m], args, queue)) for m in args.methods]
+    procs = [ctx.Process(target=_run_method_into, args=(m, lrs[m], args, queue)) for m in args.methods]
     for p in procs:
         p.start()
     by_method = {}
@@ -183,9 +185,15 @@ def run_methods(args: argparse.Namespace, lrs: dict[str, float]) -> list[dict]:
     return [by_method[m] for m in args.methods]
 
 
+def _tail(losses: list[float], n: int = 20) -> float:
+    """Mean training loss of the last ``n`` steps."""
+    last = losses[-n:]
+    return sum(last) / len(last)
+
+
 def _report(res: dict) -> None:
     print(f"{res['method']:10s} lr {res['lr']:.0e}  held-out {res['evals'][-1][1]:.4f}  "
-          f"train(last 20) {sum(res['losses'][-20:]) / 20:.4f}  {res['seconds']:.0f} s", flush=True)
+          f"train(last 20) {_tail(res['losses']):.4f}  {res['seconds']:.0f} s", flush=True)
 
 
 def main() -> None:
@@ -231,7 +239,7 @@ def main() -> None:
     for r in results:
         held = r["evals"][-1][1]
         ratio = f"{held / base:.3f}×" if base else "—"
-        lines.append(f"| {r['method']} | {r['ranks']} | {r['lr']:.0e} | {held:.4f} | {sum(r['losses'][-20:]) / 20:.4f} "
+        lines.append(f"| {r['method']} | {r['ranks']} | {r['lr']:.0e} | {held:.4f} | {_tail(r['losses']):.4f} "
                      f"| {ratio} | {r['sent_per_step']:.0f} | {r['seconds']:.0f} |")
     if args.methods and "demo" in args.methods:
         lines.append(f"\nDeMo settings: top-k {args.topk}, chunk {args.chunk}, decay {args.decay}.")
