@@ -25,11 +25,13 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+
+from lynx.profile import SaveTracker as _ProfileSaveTracker
+from lynx.profile import storage_key as _profile_storage_key
 
 __all__ = ["storage_key", "SaveTracker", "SavedBytesMeter", "tensor_leaves"]
 
@@ -39,48 +41,10 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
-def _local_storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-class _LocalSaveTracker:
-    """Storage → producing node, as the profile attributes saved tensors (see module doc)."""
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {_local_storage_key(t) for t in exclude}
-        # key -> (weak storage, node): the weak reference tells a live storage from a new one
-        # that reuses a freed address.
-        self._producer: dict[int, tuple[weakref.ref, str]] = {}
-        self._running: str | None = None
-
-    def begin(self, node_name: str) -> None:
-        self._running = node_name
-
-    def produced(self, node_name: str, outputs: Any) -> None:
-        for t in tensor_leaves(outputs):
-            key = _local_storage_key(t)
-            if key in self._excluded or self._live(key, t):
-                continue  # first producer wins: a view keeps its base's owner
-            self._producer[key] = (weakref.ref(t.untyped_storage()), node_name)
-
-    def owner(self, t: torch.Tensor) -> str | None:
-        key = _local_storage_key(t)
-        if key in self._excluded:
-            return None
-        if self._live(key, t):
-            return self._producer[key][1]
-        return self._running
-
-    def _live(self, key: int, t: torch.Tensor) -> bool:
-        entry = self._producer.get(key)
-        return entry is not None and entry[0]() is t.untyped_storage()
-
-
-# The rule is the profile's (lynx.profile.SaveTracker); this implementation also checks that a
-# remembered storage is still alive, because real tensors freed during the forward have their
-# addresses reused by later ones, which would otherwise inherit a stale owner.
-SaveTracker = _LocalSaveTracker
-storage_key = _local_storage_key
+# The rule is the profile's, shared so that what a stage drops is exactly what the profile
+# counted (its storages are tracked with weak references, so reused addresses are not confused).
+SaveTracker = _ProfileSaveTracker
+storage_key = _profile_storage_key
 
 
 class SavedBytesMeter:
