@@ -232,6 +232,15 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self._check_replicas()
 
     # ------------------------------------------------------------------ public API
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "buckets"):
+            # Buckets and payload layouts are fixed at construction, identically on every rank.
+            raise LynxConfigError(
+                f"{type(self).__name__}: parameter groups cannot be added after construction; "
+                "pass every group to the constructor"
+            )
+        super().add_param_group(param_group)
+
     def bucket_of(self, param: torch.Tensor) -> int:
         """Index of the bucket ``param`` belongs to."""
         try:

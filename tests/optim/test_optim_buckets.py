@@ -86,3 +86,12 @@ def test_wire_formulas():
     assert ring_all_reduce_bytes(800, 8) == 1400.0
     assert ring_all_reduce_bytes(800, 1) == 0.0
     assert all_gather_bytes(10, 8) == 70.0
+
+
+def test_no_param_groups_after_construction():
+    from lynx.errors import LynxConfigError
+    from lynx.optim import DistributedLion
+
+    opt = DistributedLion([torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(LynxConfigError, match="constructor"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
