@@ -16,10 +16,11 @@ Prints, from this one run:
     microbatch have room for that microbatch's recomputation (bar: ≥ 90%);
   * with ``--opt``: the largest relative step-time gap of HEU over OPT (bar: ≤ 1%).
 
-    .venv/bin/python benchmarks/grid.py                       # default grid (2 worker processes)
+    .venv/bin/python benchmarks/grid.py            # 8 microbatches, ~10 min, 2 workers → grid.{md,json}
+    .venv/bin/python benchmarks/grid.py --full     # 8 and 32 microbatches, ~25 min → grid_full.{md,json}
     .venv/bin/python benchmarks/grid.py --models gpt-1.3b --pp 4 --tp 1 --microbatches 8 --opt
 
-Writes benchmarks/results/grid.{md,json}.
+Other arguments write grid_custom.{md,json}.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hardware", default="a100-80g,h100-sxm")
     p.add_argument("--pp", default="4,8")
     p.add_argument("--tp", default="1,2,4")
-    p.add_argument("--microbatches", default="8,32")
+    p.add_argument("--microbatches", default="8")
+    p.add_argument("--full", action="store_true",
+                   help="the whole grid: 8 and 32 microbatches (~25 min on 2 busy cores) → grid_full.*")
     p.add_argument("--levels", default="1.0,0.3,0.0", help="budget levels between full (0) and none (1)")
     p.add_argument("--iterations", type=int, default=2, help="planning fixed-point iterations (max)")
     p.add_argument("--dp", type=int, default=1)
@@ -59,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt-time-limit", type=float, default=20.0)
     p.add_argument("--checkmate-time-limit", type=float, default=5.0, help="seconds per stage solve")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--from-json", type=Path, default=None, help="re-summarise a saved grid_*.json (no planning)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
 
@@ -182,7 +186,8 @@ def summarise(points: list[dict], levels: list[float], with_opt: bool) -> list[s
         fitting = {s: r for s, r in res.items() if s not in ("heu", "opt") and r.get("fits")}
         if best is None:
             if fitting:
-                violations.append(f"{pt['name']}: Lynx found no fitting plan, {', '.join(fitting)} fit")
+                why = res.get("heu", {}).get("error", "its plan does not fit")
+                violations.append(f"{pt['name']}: Lynx found no fitting plan ({why[:110]}); {', '.join(fitting)} fit")
             continue
         for s, r in fitting.items():
             if best["step_time_s"] > r["step_time_s"] * (1 + 1e-9):
@@ -193,9 +198,15 @@ def summarise(points: list[dict], levels: list[float], with_opt: bool) -> list[s
             hidden.append(best["hidden_s"] / (best["hidden_s"] + best["exposed_s"]))
         if with_opt and res.get("opt", {}).get("fits") and res["heu"].get("fits"):
             gaps.append(res["heu"]["step_time_s"] / res["opt"]["step_time_s"] - 1)
-    lines.append(f"grid points: {len(points)}")
+    errors = sum(1 for pt in points if "error" in pt["results"].get("heu", {}))
+    lines.append(f"grid points: {len(points)} (HEU raised an error on {errors})")
     lines.append(f"Lynx never slower than a fitting baseline: {'YES' if not violations else 'NO'} "
                  f"({len(violations)} violation(s))")
+    slower = [v for v in violations if "slower than" in v]
+    if slower:
+        worst = max(float(v.split("Lynx ")[1].split(" ms")[0]) / float(v.split(" ms")[-2].split()[-1]) - 1 for v in slower)
+        lines.append(f"  {len(slower)} where HEU's plan is slower than a fitting baseline (worst by {worst:.2%}), "
+                     f"{len(violations) - len(slower)} where HEU found no fitting plan")
     lines += [f"  {v}" for v in violations[:20]]
     for lv in levels:
         xs = by_level[lv]
@@ -235,8 +246,19 @@ def write_markdown(points: list[dict], summary: list[str], path: Path, argv: lis
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.full:
+        args.microbatches = "8,32"
     split = lambda text, kind=str: [kind(x) for x in text.split(",") if x]  # noqa: E731
     models, hardware, levels = split(args.models), split(args.hardware), split(args.levels, float)
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        points = saved["points"]
+        levels = sorted({pt["level"] for pt in points}, reverse=True)
+        summary = summarise(points, levels, any("opt" in pt["results"] for pt in points))
+        summary += [line for line in saved["summary"] if line.startswith(("skipped", "wall time"))]
+        print("\n".join(summary))
+        write_markdown(points, summary, args.from_json.with_suffix(".md"), saved.get("argv_note", saved["argv"]))
+        return 0
     started = time.perf_counter()
     graphs = profiled_graphs(models)
     for model in models:
@@ -263,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.append(f"wall time: {time.perf_counter() - started:.0f} s")
     print("\n".join(summary))
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if argv == [] else "_custom"
+    suffix = "" if argv == [] else "_full" if argv == ["--full"] else "_custom"
     (args.out / f"grid{suffix}.json").write_text(json.dumps({"argv": argv, "summary": summary, "points": points},
                                                             indent=1))
     write_markdown(points, summary, args.out / f"grid{suffix}.md", argv)
