@@ -72,7 +72,7 @@ def draw_timeline(bars: Sequence[tuple[int, str, float, float]], step_time_s: fl
     base.parent.mkdir(parents=True, exist_ok=True)
     written = []
     for suffix in (".png", ".svg"):
-        out = base.with_suffix(suffix)
+        out = base.parent / (base.name + suffix)  # not with_suffix: "gpt-1.3b" has a dot
         fig.savefig(out, dpi=120)
         written.append(out)
     plt.close(fig)

@@ -156,7 +156,7 @@ def show_command(
                       *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("compute", "recompute", "comm", "idle")))
     _table_console().print(table)
     _summary(plan)
-    target = picture or plan_path.with_suffix(".timeline")
+    target = picture or plan_path.parent / (plan_path.stem + ".timeline")
     written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target,
                             title=f"{plan.solver}: step {plan.predicted.step_time_s * 1e3:.2f} ms")
     console.print("timeline picture: " + ", ".join(str(p) for p in written))
