@@ -37,7 +37,7 @@ from lynx.optim import DeMo, DistributedLion
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Peak learning rates, tuned per method on this benchmark (see docs/optimizers.md).
-DEFAULT_LR = {"adamw": 6e-3, "lion": 1e-3, "demo": 6e-3, "dlion": 1e-3}
+DEFAULT_LR = {"adamw": 6e-3, "lion": 2e-3, "demo": 6e-3, "dlion": 2e-3}
 DISTRIBUTED = {"demo", "dlion", "dlion_avg"}
 
 
@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--lion-betas", type=float, nargs=2, default=[0.95, 0.98])
+    parser.add_argument("--lion-betas", type=float, nargs=2, default=[0.9, 0.9])
     parser.add_argument("--topk", type=int, default=32)
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--decay", type=float, default=0.999)
