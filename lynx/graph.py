@@ -99,13 +99,18 @@ def find_layers(order: list[str], prof: dict[str, NodeProfile], type_names: dict
     return layers
 
 
-def _core_attention(r: NodeProfile, seq: int | None) -> bool:
+def _is_scores(shapes: list[tuple[int, ...]], seq: int | None) -> bool:
+    """An (…, s, s) attention-score tensor."""
+    return bool(shapes) and seq is not None and len(shapes[0]) >= 2 and shapes[0][-1] == seq and shapes[0][-2] == seq
+
+
+def _core_attention(r: NodeProfile, seq: int | None, records: dict[str, NodeProfile]) -> bool:
+    """QKᵀ, scaling, masking, softmax, dropout on the scores, and ·V (it reads the scores)."""
     if any(k in r.op for k in _FUSED_ATTENTION):
         return True
-    if seq is None or r.op not in CORE_ATTENTION_OPS or not r.output_shapes:
+    if r.op not in CORE_ATTENTION_OPS:
         return False
-    shape = r.output_shapes[0]
-    return len(shape) >= 2 and shape[-1] == seq and shape[-2] == seq
+    return _is_scores(r.output_shapes, seq) or any(_is_scores(records[i].output_shapes, seq) for i in r.inputs)
 
 
 def _type_names(captured: Captured) -> dict[str, str]:
@@ -168,7 +173,7 @@ def build_graph(captured: Captured, prof: Profile, dims: dict | None = None) -> 
             saved_bytes=r.saved_bytes, output_saved=r.output_saved, output_saved_by=list(r.output_saved_by),
             is_view=r.is_view, forward_s=0.0, backward_s=0.0, block=current["index"],
             layer=current["layer"], layer_class=current["layer_class"], module_path=r.module_path,
-            core_attention=_core_attention(r, seq), output_shapes=r.output_shapes,
+            core_attention=_core_attention(r, seq, records), output_shapes=r.output_shapes,
         )
         for src in r.inputs:
             G.add_edge(src, n)

@@ -69,8 +69,12 @@ def test_folded_graph_equals_unfolded_graph():
 def test_core_attention_is_tagged():
     m = resolve_model("gpt-tiny", attention="math")
     G = analyze(m.model, m.example_inputs, dims=m.dims).graph
-    core = {G.nodes[n]["op"] for n in G if G.nodes[n]["core_attention"]}
-    assert {"aten.softmax.int", "aten.dropout.default", "aten.matmul.default"} <= core
+    core = [n for n in G if G.nodes[n]["core_attention"]]
+    assert {"aten.softmax.int", "aten.dropout.default", "aten.matmul.default"} <= {G.nodes[n]["op"] for n in core}
+    per_layer = [n for n in core if G.nodes[n]["layer"] == 0]
+    # QKᵀ, scale, mask, softmax, dropout and ·V
+    assert [G.nodes[n]["op"].split(".")[1] for n in per_layer] == [
+        "matmul", "mul", "masked_fill", "softmax", "dropout", "matmul"]
     m = resolve_model("gpt-tiny", attention="sdpa")
     G = analyze(m.model, m.example_inputs, dims=m.dims).graph
     assert {G.nodes[n]["op"] for n in G if G.nodes[n]["core_attention"]} == {"aten.scaled_dot_product_attention.default"}
