@@ -406,7 +406,10 @@ def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution
     """Per-node assignment from a solution of ``model_from_problem(problem)``.
 
     Transparent nodes (see :func:`_contract`) are recomputed when a consumer is, placed with
-    their earliest consumer.
+    their earliest consumer: in the earliest window any recomputed consumer uses, on demand
+    only when every recomputed consumer is. (A view such as ``split`` feeding one consumer
+    prefetched in a window and another regenerated on demand must run in that window; it
+    saves no bytes, so running early costs nothing.)
     """
     recompute = {name for item, dropped in zip(model.items, sol.recompute) if dropped for name in item.nodes}
     window_of: dict[tuple[str, int], str] = {}
@@ -432,7 +435,8 @@ def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution
             for mc in classes:
                 for m_i, mb in enumerate(mc.members):
                     ks = [position.get((c, mb)) for c in consumers.get(n.name, ()) if c in recompute]
-                    if ks and all(k is not None for k in ks):
+                    ks = [k for k in ks if k is not None]
+                    if ks:
                         k = min(ks)
                         window_of[n.name, mb] = mc.window_ids[k][m_i]
                         position[n.name, mb] = k

@@ -7,7 +7,14 @@ import pytest
 from lynx.errors import LynxBudgetError
 from lynx.solvers.heu import _families, solve_heu
 from lynx.solvers.opt import model_from_problem, solve_opt
-from lynx.solvers.problem import ProblemNode, make_uniform_problem, peak_activation_bytes, validate
+from lynx.solvers.problem import (
+    ProblemNode,
+    ProblemWindow,
+    StageProblem,
+    make_uniform_problem,
+    peak_activation_bytes,
+    validate,
+)
 
 
 def _step_proxy(p, pp=4):
@@ -96,3 +103,34 @@ def test_custom_node_without_layers():
     res = solve_heu(p)
     validate(p, res.assignment)
     assert peak_activation_bytes(p, res.assignment) <= p.activation_budget_bytes
+
+
+def test_view_feeding_windowed_and_on_demand_consumers_runs_in_the_window():
+    """A zero-cost view (``split``) read by one consumer prefetched in a window and one
+    regenerated on demand must itself run in the window, before the windowed consumer.
+
+    Regression: grid points such as gpt-20b pp4 tp2 at full's peak got
+    "'getitem_3__L11' is recomputed (in s1.recv_grad.mb1) before its input 'split_1__L11'".
+    Here the window fits one of a/b; c (another layer) sets the on-demand transient, so the
+    other of a/b is regenerated on demand for free.
+    """
+    nodes = (
+        ProblemNode("x", 100, True, 100.0, (), 0, "Block", False),
+        ProblemNode("split", 0, False, 0.0, ("x",), 0, "Block", False),
+        ProblemNode("ga", 0, False, 0.0, ("split",), 0, "Block", False),
+        ProblemNode("gb", 0, False, 0.0, ("split",), 0, "Block", False),
+        ProblemNode("a", 100, True, 1.0, ("ga",), 0, "Block", False),
+        ProblemNode("b", 100, True, 1.0, ("gb",), 0, "Block", False),
+        ProblemNode("c", 100, True, 1.0, (), 1, "Block", False),
+    )
+    window = ProblemWindow("s0.recv_grad.mb0", "recv_grad", 0, 1.0, None)
+    p = StageProblem(0, nodes, (window,), microbatches=1, in_flight=4, activation_budget_bytes=600)
+    for res in (solve_heu(p), solve_opt(p, time_limit_s=10.0)):
+        a = res.assignment
+        validate(p, a)
+        assert {"a", "b", "split"} <= a.recompute and "x" not in a.recompute
+        placed = {name for (name, _mb) in a.window_of}
+        assert len(placed & {"a", "b"}) == 1  # one prefetched, the other on demand
+        assert "split" in placed  # the shared view runs in the window, with the earliest consumer
+        assert peak_activation_bytes(p, a) <= 600
+        assert res.objective_s == pytest.approx(2.0)
