@@ -17,7 +17,8 @@ with identical windows, decided once), the microbatches in flight and the budget
 * objective: ``Σ_c |c| · (Σ_i cost_i · od[c, i] + Σ_k o[c, k])`` (or the peak, for
   :func:`minimum_memory`).
 
-Times are scaled to integers relative to the stage's recompute total, bytes to a unit of
+Times are scaled to integers relative to the stage's recompute total, bytes to the tensor
+sizes' common divisor when that is at least ``budget / 2**26`` (exact), else to a unit of
 ``budget / 2**26`` rounded up (so a model solution never exceeds the exact budget).
 
 Example::
@@ -228,6 +229,21 @@ def _free_items(model: StageModel) -> list[bool]:
     return free
 
 
+def _byte_unit(model: StageModel) -> int:
+    """Bytes per model memory unit: exact when the tensor sizes allow it, else coarse.
+
+    Real tensor sizes share a large power-of-two factor (8 KiB on GPT stages), usually
+    coarser than ``budget / 2**26``; with that common divisor as the unit every item's bytes
+    are exact and ``peak <= budget`` holds in units exactly when it holds in bytes, so a plan
+    that fits the budget to the byte (e.g. `full` at a budget of its own peak) stays feasible.
+    Otherwise bytes round up per item (never optimistic), which may reject a plan within a
+    few KiB of the budget.
+    """
+    coarse = max(1, model.budget_bytes // 2**26, max((it.mult * it.saved_bytes for it in model.items), default=1) // 2**40)
+    common = math.gcd(*(it.saved_bytes for it in model.items))
+    return common if common >= coarse else coarse
+
+
 def solve_model(
     model: StageModel,
     *,
@@ -247,7 +263,7 @@ def solve_model(
     items, classes = model.items, model.classes
     total_cost = sum(it.mult * it.recompute_s for it in items) or 1.0
     tau = total_cost / 1e6  # seconds per time unit
-    unit = max(1, model.budget_bytes // 2**26, max((it.mult * it.saved_bytes for it in items), default=1) // 2**40)
+    unit = _byte_unit(model)
     mem_w = [-(-it.mult * it.saved_bytes // unit) for it in items]  # ceil: never optimistic
     mem_t = [-(-it.saved_bytes // unit) for it in items]
     cost = [round(it.mult * it.recompute_s / tau) for it in items]

@@ -1,11 +1,13 @@
 """OPT (CP-SAT): optimal against brute force, valid, within budget, deterministic, clear errors."""
 
+import dataclasses
 import itertools
 
 import pytest
 
 from lynx.errors import LynxBudgetError, LynxConfigError
 from lynx.solvers import SOLVERS, solve
+from lynx.solvers.baselines import solve_full
 from lynx.solvers.opt import solve_opt
 from lynx.solvers.problem import (
     Assignment,
@@ -143,3 +145,16 @@ def test_early_stop_reports_status_and_gap():
     assert res.gap is not None and res.gap >= 0
     assert peak_activation_bytes(p, res.assignment) <= p.activation_budget_bytes
     validate(p, res.assignment)
+
+
+@pytest.mark.parametrize("solver", ["heu", "checkmate", "opt"])
+def test_budget_of_exactly_full_peak_is_feasible(solver):
+    """Memory is modelled exactly when tensor sizes share a divisor: at a budget equal to
+    `full`'s peak to the byte, the solvers find a plan (rounding each tensor up to
+    budget/2**26 = 3 bytes here used to make every plan 'not fit')."""
+    p = make_uniform_problem(layers=2, seq=2000, hidden=1000, heads=8, microbatches=2, in_flight=3, recv_grad_capacity_s=0.0005)
+    full_peak = peak_activation_bytes(p, solve_full(p).assignment)
+    p = dataclasses.replace(p, activation_budget_bytes=full_peak)
+    res = solve(solver, p, time_limit_s=10.0)
+    validate(p, res.assignment)
+    assert peak_activation_bytes(p, res.assignment) <= full_peak
