@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lynx.compile import plan_graph_outcome  # noqa: E402
-from lynx.config import CompileConfig, format_size  # noqa: E402
+from lynx.config import CompileConfig  # noqa: E402
 from lynx.problem_build import build_problems  # noqa: E402
 from lynx.simulate import simulate_assignments  # noqa: E402
 from lynx.timeline import run_timeline  # noqa: E402

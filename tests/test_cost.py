@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from lynx.analyze import analyze
 from lynx.cost import (allgather_time, allreduce_time, alltoall_time, node_backward_s, node_forward_s,

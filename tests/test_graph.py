@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import networkx as nx
 import pytest
 import torch
@@ -5,7 +7,7 @@ import torch
 from lynx.analyze import analyze
 from lynx.capture import capture
 from lynx.graph import build_graph
-from lynx.models import PRESETS, GPTConfig, resolve_model
+from lynx.models import GPT, PRESETS, GPTConfig, resolve_model
 from lynx.models.gpt import GPTBlock
 from lynx.profile import profile
 
@@ -48,9 +50,6 @@ def test_repetition_found_by_structure_not_name():
 def test_folded_graph_equals_unfolded_graph():
     m = resolve_model("gpt-tiny")
     cfg_layers = 9  # deep enough to fold
-    m = resolve_model("gpt-tiny")
-    from lynx.models import GPT
-    from dataclasses import replace
     with torch.device("meta"):
         model = GPT(replace(m.model.config, layers=cfg_layers))
     folded = analyze(model, m.example_inputs, fold_repeats=True).graph

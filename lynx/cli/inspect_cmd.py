@@ -16,18 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from lynx.cli import app
+from lynx.config import format_size
 from lynx.inspect import InspectReport, inspect_model
 from lynx.models import resolve_model
 
-__all__ = ["inspect", "format_bytes", "format_seconds", "format_flops"]
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+__all__ = ["inspect", "format_seconds", "format_flops"]
 
 
 def format_seconds(s: float) -> str:
@@ -59,12 +52,12 @@ def _print_report(report: InspectReport, console: Console) -> None:
     for col in ("layer class", "count", "nodes", "FLOPs", "saved activations", "forward", "backward"):
         table.add_column(col, justify="left" if col == "layer class" else "right")
     for c in report.classes:
-        table.add_row(c.layer_class, str(c.count), str(c.nodes), format_flops(c.flops), format_bytes(c.saved_bytes),
+        table.add_row(c.layer_class, str(c.count), str(c.nodes), format_flops(c.flops), format_size(c.saved_bytes),
                       format_seconds(c.forward_s), format_seconds(c.backward_s))
     t = report.totals
     table.add_section()
     table.add_row("total", str(sum(c.count for c in report.classes)), str(sum(c.count * c.nodes for c in report.classes)),
-                  format_flops(t.flops), format_bytes(t.saved_bytes), format_seconds(t.forward_s), format_seconds(t.backward_s))
+                  format_flops(t.flops), format_size(t.saved_bytes), format_seconds(t.forward_s), format_seconds(t.backward_s))
     console.print(table)
 
 

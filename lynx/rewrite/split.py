@@ -113,7 +113,6 @@ def split_graph(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> lis
 
 def _build_stage(gm: fx.GraphModule, s: int, members: list[fx.Node], recv: list[str], send: list[str],
                  is_last: bool, output_node: fx.Node) -> StageGraph:
-    member_names = {n.name for n in members}
     by_name = {n.name: n for n in gm.graph.nodes}
     needed = [a for n in members for a in n.all_input_nodes]
     if is_last:

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from lynx.errors import LynxConfigError
 from lynx.models import PRESETS, build_preset, resolve_model
