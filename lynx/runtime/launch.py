@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxConfigError, LynxFingerprintError, LynxRuntimeError
-from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig
+from lynx.runtime.pipeline import RuntimeConfig
 from lynx.runtime.stats import StepStats
-from lynx.runtime.topology import make_topology, tied_groups
+from lynx.runtime.topology import make_topology
 
 __all__ = ["WorkerSpec", "RankResult", "TokenBatches", "run_rank", "spawn", "free_port", "rank_seed"]
 
@@ -60,6 +60,7 @@ class WorkerSpec:
     fail_rank: int | None = None          # fault injection for tests: this rank raises in step 0
     fingerprint: str | dict[int, str] | None = None  # plan fingerprint per rank (default: the plan's)
     compile_settings: dict[str, Any] = field(default_factory=dict)
+    lr_schedule: Callable[[int], float] | None = None  # step -> learning rate of every param group
 
 
 @dataclass
@@ -154,38 +155,28 @@ def run_rank(spec: WorkerSpec, rank: int, world: int, init: str = "env://") -> R
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=max(30.0, _first(spec).timeout_s)))
+    from lynx.runtime.trainer import RankTrainer
+
     topo = make_topology(spec.pp, spec.dp)
-    runner = None
+    trainer = None
     try:
         _check_fingerprints(spec, topo.store, rank, world)
-        torch.manual_seed(spec.seed)
-        model, inputs = spec.build()
-        model.train()
-        stage, schedule, names, input_names = _stage_setup(spec, model, inputs, topo.stage)
-        tied = tied_groups(topo, names)
-        params = [p for p in stage.parameters() if p.requires_grad]
         runtimes = spec.runtime if isinstance(spec.runtime, list) else [spec.runtime]
         result = RankResult(rank, topo.stage, topo.dp_rank, [])
         for runtime in runtimes:
-            optimizer = spec.optimizer(params, topo.dp_group) if spec.optimizer else None
-            runner = PipelineRunner(stage, topo, runtime, schedule=schedule, optimizer=optimizer, tied=tied)
-            torch.manual_seed(rank_seed(spec.seed, topo.stage, topo.dp_rank))
-            stats = []
-            for step in range(spec.steps):
-                if spec.fail_rank == rank and step == 0:
-                    raise RuntimeError(f"injected failure on rank {rank}")
-                batches = (spec.batches(step, topo.dp_rank, runtime.microbatches) if spec.batches
-                           else [dict(zip(input_names, inputs))] * runtime.microbatches)
-                stats.append(runner.step(batches))
-            grads = {}
-            if spec.return_grads:
-                grads = {n: p.grad.clone() for n, p in stage.gm.named_parameters() if p.grad is not None}
-            runner.close()
+            if trainer is None:
+                trainer = RankTrainer(spec, topo, runtime)
+            else:
+                trainer.start(runtime)
+            stats = [trainer.step(step) for step in range(spec.steps)]
+            grads = trainer.grads() if spec.return_grads else {}
+            trainer.close()
             result.runs.append((stats, grads))
             result.stats += stats
             result.grads = grads
         return result
     except BaseException as err:
+        runner = trainer.runner if trainer is not None else None
         (runner.monitor if runner else _monitor(topo, spec)).report(err)
         raise
 
