@@ -42,6 +42,10 @@ _LAZY = {
     "TokenBatches": "lynx.runtime.launch",
     "run_rank": "lynx.runtime.launch",
     "spawn": "lynx.runtime.launch",
+    "RankTrainer": "lynx.runtime.trainer",
+    "save_checkpoint": "lynx.runtime.checkpoint",
+    "load_checkpoint": "lynx.runtime.checkpoint",
+    "latest_checkpoint": "lynx.runtime.checkpoint",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,345 @@
+"""Train a GPT across processes with a Lynx plan: pipeline stages × data-parallel replicas.
+
+Launch with ``torchrun`` (gloo on CPU, NCCL when CUDA is available — the same file)::
+
+    torchrun --nproc_per_node 4 examples/train_gpt.py          # pp 2 × dp 2, DeMo, HEU plan
+    torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20 --checkpoint-dir ckpt --checkpoint-every 10
+    torchrun --nproc_per_node 2 examples/train_gpt.py --steps 40 --checkpoint-dir ckpt --resume
+
+The mesh is ``pp × dp`` = the number of processes (``--dp`` defaults to WORLD_SIZE / pp).
+Rank 0 compiles the plan (or loads ``--plan``, checked against this model and mesh) and
+broadcasts it, so every rank runs the same plan; each rank then builds the same model (same
+seed), cuts out its stage with the plan applied and trains it on byte windows of the Python
+standard library's sources (no download; the data of step ``i`` is a function of ``i``). Every
+bad input — a plan for another model or mesh, a checkpoint of another configuration, a
+process count that is not the mesh, a budget no plan meets — stops every rank before the
+first step, with one message and a non-zero exit, and leaves the files on disk as they were.
+
+Rank 0 prints a line per step (loss, tokens/s, exposed vs hidden recomputation) and at the
+end the plan's predicted vs the run's measured step time and peak activation bytes per stage.
+``--log-json`` writes the per-step losses (what the tests compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lynx.errors import LynxConfigError, LynxError
+
+DEFAULT_LR = {"adamw": 6e-3, "demo": 6e-3, "lion": 2e-3}   # benchmarks/convergence.py's tuned peaks
+WARMUP_STEPS = 5
+# gpt-tiny at seq 64 × 8 keeps 16.9 MiB on stage 0 without recomputation (`lynx compare`): 12 MiB forces it
+DEFAULT_BUDGET = "12MiB"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt-tiny", help="preset (gpt-tiny, llama-tiny, ...)")
+    ap.add_argument("--seq", type=int, default=64, help="sequence length (bytes)")
+    ap.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch")
+    ap.add_argument("--pp", type=int, default=None, help="pipeline stages (default 2, or the plan's)")
+    ap.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default WORLD_SIZE / pp)")
+    ap.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 4)")
+    ap.add_argument("--optimizer", choices=("adamw", "demo", "lion"), default=None, help="default demo")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default per optimizer)")
+    ap.add_argument("--solver", default="heu", help="opt | heu | none | full | selective | checkmate")
+    ap.add_argument("--memory-budget", default=None, help="per device, e.g. 7MiB (default 12MiB: forces recompute on stage 0)")
+    ap.add_argument("--hardware", default=None, help="cost-model preset (default cpu-local, h100-sxm on CUDA)")
+    ap.add_argument("--plan", default=None, help="a saved plan (lynx plan ... -o plan.json) instead of compiling")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-json", default=None, help="write per-step losses and the summary here (rank 0)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for a peer")
+    return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- settings
+def mesh_from_env(args: argparse.Namespace, plan_config: dict[str, Any] | None) -> tuple[int, int]:
+    """(pp, dp) from the flags, the plan and WORLD_SIZE; refuses a process count that is not the mesh."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pp = args.pp or int((plan_config or {}).get("pp", 2))
+    dp = args.dp or int((plan_config or {}).get("dp", 0)) or max(1, world // pp)
+    if pp * dp != world:
+        raise LynxConfigError(
+            f"{world} processes were started but the mesh is pp {pp} × dp {dp} = {pp * dp}: start "
+            f"`torchrun --nproc_per_node {pp * dp}` or choose --pp/--dp with pp × dp = {world}")
+    return pp, dp
+
+
+def plan_settings(args: argparse.Namespace, pp: int, dp: int, plan_config: dict[str, Any] | None,
+                  device: torch.device) -> dict[str, Any]:
+    """lynx.compile settings: the flags given, else the saved plan's, else the defaults."""
+    base = dict(plan_config or {})
+    pick = lambda flag, key, default: flag if flag is not None else base.get(key, default)  # noqa: E731
+    return {"pp": pp, "dp": dp, "microbatches": int(pick(args.microbatches, "microbatches", 4)),
+            "memory_budget": pick(args.memory_budget, "memory_budget", DEFAULT_BUDGET),
+            "optimizer": pick(args.optimizer, "optimizer", "demo"),
+            "hardware": pick(args.hardware, "hardware", "h100-sxm" if device.type == "cuda" else "cpu-local"),
+            "schedule": base.get("schedule", "1f1b")}
+
+
+def build_model(model: str, seq: int, microbatch: int, device: str) -> tuple[torch.nn.Module, tuple]:
+    from lynx.models import resolve_model
+
+    resolved = resolve_model(model, seq=seq, microbatch=microbatch, device=device)
+    return resolved.model, resolved.example_inputs
+
+
+def make_optimizer(kind: str, lr: float, params: list, group: Any) -> torch.optim.Optimizer:
+    from lynx.optim import DeMo, DistributedLion
+
+    if kind == "demo":
+        return DeMo(params, lr=lr, process_group=group)
+    if kind == "lion":
+        return DistributedLion(params, lr=lr, betas=(0.9, 0.9), process_group=group)
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))   # gradients averaged by the runtime
+
+
+def warmup_lr(peak: float, step: int) -> float:
+    """Linear warm-up, then constant: a function of the step alone, so resuming is exact."""
+    return peak * min(1.0, (step + 1) / WARMUP_STEPS)
+
+
+# ----------------------------------------------------------------------------- rank-0 decisions
+def decided_by_rank0(fn: Any) -> Any:
+    """Run ``fn`` on rank 0 and give its result to every rank; its LynxError stops every rank."""
+    rank = dist.get_rank()
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = ("ok", fn())
+        except LynxError as err:
+            box[0] = ("error", err)
+        except BaseException as err:  # a bug: the others must not wait for a broadcast forever
+            dist.broadcast_object_list([("error", _Quiet(repr(err)))], src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value if rank == 0 else _Quiet(str(value))
+    return value
+
+
+class _Quiet(Exception):
+    """Another rank's error, already printed by rank 0: exit non-zero without repeating it."""
+
+
+def make_plan(args: argparse.Namespace, settings: dict[str, Any], device: torch.device) -> Any:
+    import lynx
+    from lynx.plan import Plan
+
+    model, inputs = build_model(args.model, args.seq, args.microbatch, str(device))
+    if args.plan is not None:
+        # checked against this model and these settings: LynxFingerprintError names what differs
+        return lynx.compile(model, inputs, plan=Plan.load(args.plan), **settings).plan
+    return lynx.compile(model, inputs, solver=args.solver, **settings).plan
+
+
+def run_meta(args: argparse.Namespace, plan: Any, settings: dict[str, Any], lr: float) -> dict[str, Any]:
+    """What a checkpoint records about the run (and what a resume must share with it)."""
+    return {"model": args.model, "model_dims": {"seq": args.seq, "microbatch": args.microbatch},
+            "pp": settings["pp"], "dp": settings["dp"], "microbatches": settings["microbatches"],
+            "optimizer": settings["optimizer"], "seed": args.seed, "lr": lr,
+            "stage_layers": [sp.layers for sp in plan.stages], "plan_fingerprint": plan.fingerprint,
+            "solver": plan.solver, "memory_budget": plan.config.get("memory_budget")}
+
+
+def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> str | None:
+    from lynx.runtime.checkpoint import check_compatible, latest_checkpoint, read_meta
+
+    if args.checkpoint_dir is None:
+        return None
+    latest = latest_checkpoint(args.checkpoint_dir)
+    if latest is None:
+        return None
+    if not args.resume:
+        raise LynxConfigError(
+            f"{args.checkpoint_dir} already holds checkpoints (latest {latest.name}); pass --resume to continue "
+            f"from it, or choose an empty --checkpoint-dir (existing checkpoints are never overwritten)")
+    check_compatible(read_meta(latest), meta, where=str(latest))
+    return str(latest)
+
+
+# ----------------------------------------------------------------------------- training
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from lynx.runtime.launch import WorkerSpec
+    from lynx.runtime.pipeline import RuntimeConfig
+    from lynx.runtime.report import format_summary, run_summary
+    from lynx.runtime.stats import format_stats
+    from lynx.data import StdlibBatches
+    from lynx.runtime.topology import make_topology
+    from lynx.runtime.trainer import RankTrainer
+
+    if args.steps < 1:
+        raise LynxConfigError(f"--steps must be >= 1, got {args.steps}")
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        raise LynxConfigError("--checkpoint-every and --resume need --checkpoint-dir")
+    saved_config = None
+    if args.plan is not None:
+        from lynx.plan import Plan
+
+        saved_config = Plan.load(args.plan).config   # a missing or corrupt file stops here, on every rank
+    pp, dp = mesh_from_env(args, saved_config)
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=max(60.0, args.timeout_s)))
+    rank = dist.get_rank()
+    settings = plan_settings(args, pp, dp, saved_config, device)
+    lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
+
+    def decide() -> tuple[str, str | None]:
+        plan = make_plan(args, settings, device)
+        return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr))
+
+    plan_json, resume_from = decided_by_rank0(decide)
+    from lynx.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+    meta = run_meta(args, plan, settings, lr)
+    spec = WorkerSpec(
+        build=functools.partial(build_model, args.model, args.seq, args.microbatch, str(device)),
+        pp=pp, dp=dp, plan=plan, steps=args.steps, seed=args.seed, threads=args.threads,
+        runtime=RuntimeConfig(schedule=settings["schedule"], microbatches=settings["microbatches"],
+                              timeout_s=args.timeout_s),
+        batches=StdlibBatches(("idx", "targets"), batch=args.microbatch, seq=args.seq, seed=args.seed),
+        optimizer=functools.partial(make_optimizer, settings["optimizer"], lr),
+        lr_schedule=functools.partial(warmup_lr, lr))
+    topo = make_topology(pp, dp, device_type=device.type)
+    trainer = RankTrainer(spec, topo)
+    start = load_checkpoint(trainer, resume_from) if resume_from else 0
+    if rank == 0:
+        _say(f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, pp {pp} × dp {dp}, "
+             f"{settings['microbatches']} microbatches, {settings['optimizer']} lr {lr:g}, budget "
+             f"{plan.config.get('memory_budget')}: recomputes {sum(d.action == 'recompute' for sp in plan.stages for d in sp.decisions)} "
+             f"nodes; predicted step {plan.predicted.step_time_s * 1e3:.1f} ms"
+             + (f"; resuming from {resume_from}" if resume_from else ""))
+    tokens = dp * settings["microbatches"] * args.microbatch * args.seq
+    log: dict[str, Any] = {"meta": meta, "start_step": start, "steps": []}
+    history: list[Any] = []
+    progress = _Progress(rank == 0, args.steps, start)
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        stats = trainer.step(step)
+        losses, exposed, hidden = _global_losses(stats, topo, settings["microbatches"])
+        wall = time.perf_counter() - t0
+        history.append(stats)
+        record = {"step": step, "loss": sum(losses) / len(losses), "losses": losses, "wall_s": wall,
+                  "exposed_recompute_s": exposed, "hidden_recompute_s": hidden}
+        log["steps"].append(record)
+        progress.update(step, record, tokens / wall)
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            saved = save_checkpoint(trainer, args.checkpoint_dir, meta)
+            if rank == 0 and saved is not None:
+                progress.note(f"checkpoint {saved}")
+        if rank == 0 and args.log_json:
+            _write_json(args.log_json, log)
+    progress.close()
+    trainer.close()
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, history)
+    if rank == 0 and history:
+        per_step = [[ranks[i] for ranks in everyone] for i in range(len(history))]
+        summary = run_summary(per_step, plan)
+        print(format_stats(per_step[-1], plan))
+        print(format_summary(summary, plan))
+        log["summary"] = dataclasses.asdict(summary)
+        if args.log_json:
+            _write_json(args.log_json, log)
+    return log
+
+
+def _global_losses(stats: Any, topo: Any, m: int) -> tuple[list[float], float, float]:
+    """Every replica's microbatch losses (exact: summed with zeros) and the recompute seconds."""
+    dp, pp = topo.dp, topo.pp
+    buf = torch.zeros(dp * m + 2, dtype=torch.float64)
+    if stats.losses:
+        buf[topo.dp_rank * m: (topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float64)
+    buf[-2], buf[-1] = stats.exposed_recompute_s / dp, stats.recompute_hidden_s / dp
+    dist.all_reduce(buf)
+    return buf[:-2].tolist(), float(buf[-2]), float(buf[-1])
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _say(message: str) -> None:
+    print(message, flush=True)
+
+
+class _Progress:
+    """A rich progress bar on a terminal, a plain line per step otherwise (rank 0 only)."""
+
+    def __init__(self, active: bool, total: int, start: int) -> None:
+        self.active, self.bar = active, None
+        if active and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                TextColumn("{task.description}"))
+            self.bar.start()
+            self.task = self.bar.add_task("", total=total, completed=start)
+
+    def update(self, step: int, record: dict[str, Any], tokens_per_s: float) -> None:
+        if not self.active:
+            return
+        text = (f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s  recompute exposed "
+                f"{record['exposed_recompute_s'] * 1e3:.1f} ms hidden {record['hidden_recompute_s'] * 1e3:.1f} ms")
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, description=text)
+        else:
+            _say(f"step {step + 1:>4}  {text}")
+
+    def note(self, message: str) -> None:
+        (self.bar.console.print if self.bar is not None else _say)(message)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        train(args)
+        code = 0
+    except LynxError as err:
+        # before the process group exists every rank has the same message: rank 0 says it
+        if dist.is_initialized() or os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        code = 2
+    except _Quiet:
+        code = 2
+    if dist.is_initialized():
+        if code == 0:
+            dist.destroy_process_group()
+        else:
+            os._exit(code)   # peers may be gone: no collective teardown
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""A finished run beside its plan: measured vs predicted step time and peak activation bytes.
+
+:func:`run_summary` takes every rank's :class:`~lynx.runtime.stats.StepStats` of every step
+and the :class:`lynx.Plan` the run used. Step time is the median over the steps after the
+first (warm-up: allocator, first collectives) of the slowest rank's step — the pipeline's
+step; peak activation bytes are the maximum over steps and replicas of what the stage's nodes
+had saved for backward (what plans predict; :attr:`StepStats.peak_saved_bytes`).
+
+Example::
+
+    >>> from lynx.runtime.stats import StepStats
+    >>> steps = [[StepStats(rank=0, stage=0, dp_rank=0, step_s=t, peak_saved_bytes=100)] for t in (3.0, 1.0, 1.2)]
+    >>> summary = run_summary(steps, plan=None)
+    >>> round(summary.step_s, 3), summary.peak_saved_bytes
+    (1.1, {0: 100})
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lynx.runtime.stats import StepStats
+
+__all__ = ["RunSummary", "run_summary", "format_summary"]
+
+
+@dataclass
+class RunSummary:
+    step_s: float                                   # measured pipeline step (median after warm-up)
+    predicted_step_s: float | None
+    peak_saved_bytes: dict[int, int]                # stage -> measured peak activation bytes
+    predicted_activation_bytes: dict[int, int] = field(default_factory=dict)
+    budget_bytes: int | None = None
+    exposed_s: float = 0.0                          # per step, summed over stages (median replica)
+    hidden_s: float = 0.0
+
+    @property
+    def step_ratio(self) -> float | None:
+        return self.step_s / self.predicted_step_s if self.predicted_step_s else None
+
+    def memory_ratio(self, stage: int) -> float | None:
+        planned = self.predicted_activation_bytes.get(stage)
+        return self.peak_saved_bytes[stage] / planned if planned else None
+
+
+def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
+    """``steps[i]`` holds every rank's stats of step ``i``."""
+    timed = steps[1:] if len(steps) > 1 else steps
+    step_s = statistics.median(max(s.step_s for s in ranks) for ranks in timed)
+    peaks: dict[int, int] = {}
+    for ranks in steps:
+        for s in ranks:
+            peaks[s.stage] = max(peaks.get(s.stage, 0), s.peak_saved_bytes)
+    dp = max(1, len({s.dp_rank for s in steps[0]}))
+    exposed = statistics.median(sum(s.exposed_recompute_s for s in ranks) / dp for ranks in timed)
+    hidden = statistics.median(sum(s.recompute_hidden_s for s in ranks) / dp for ranks in timed)
+    summary = RunSummary(step_s=step_s, predicted_step_s=None, peak_saved_bytes=peaks, exposed_s=exposed,
+                         hidden_s=hidden)
+    if plan is not None:
+        summary.predicted_step_s = plan.predicted.step_time_s
+        summary.predicted_activation_bytes = {sp.index: sp.activation_bytes for sp in plan.stages}
+        summary.budget_bytes = plan.stages[0].budget_bytes if plan.stages else None
+    return summary
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.3f} MiB"
+
+
+def format_summary(summary: RunSummary, plan: Any = None) -> str:
+    """Plain-text lines: step time and, per stage, activation memory, measured vs predicted."""
+    lines = []
+    if summary.predicted_step_s:
+        lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms, predicted {summary.predicted_step_s * 1e3:.1f} ms "
+                     f"(measured/predicted {summary.step_ratio:.2f})")
+    else:
+        lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms")
+    if plan is not None:
+        p = plan.predicted
+        lines.append(f"recompute per step: measured exposed {summary.exposed_s * 1e3:.1f} ms, hidden "
+                     f"{summary.hidden_s * 1e3:.1f} ms; predicted exposed {p.exposed_recompute_s * 1e3:.1f} ms, "
+                     f"hidden {p.hidden_recompute_s * 1e3:.1f} ms")
+    for stage in sorted(summary.peak_saved_bytes):
+        line = f"stage {stage} peak activations: measured {_mib(summary.peak_saved_bytes[stage])}"
+        ratio = summary.memory_ratio(stage)
+        if ratio is not None:
+            line += (f", predicted {_mib(summary.predicted_activation_bytes[stage])} "
+                     f"(measured/predicted {ratio:.3f})")
+        if plan is not None:
+            sp = plan.stage(stage)
+            line += f"; budget {_mib(sp.budget_bytes)} incl. {_mib(sp.static_bytes)} weights+grads+optimizer"
+        lines.append(line)
+    return "\n".join(lines)
