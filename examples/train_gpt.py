@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lynx.config import format_size
 from lynx.errors import LynxConfigError, LynxError
 
 DEFAULT_LR = {"adamw": 6e-3, "demo": 6e-3, "lion": 2e-3}   # benchmarks/convergence.py's tuned peaks
@@ -76,8 +77,9 @@ def mesh_from_env(args: argparse.Namespace, plan_config: dict[str, Any] | None) 
     pp = args.pp or int((plan_config or {}).get("pp", 2))
     dp = args.dp or int((plan_config or {}).get("dp", 0)) or max(1, world // pp)
     if pp * dp != world:
+        source = " (the plan's)" if plan_config and not (args.pp and args.dp) else ""
         raise LynxConfigError(
-            f"{world} processes were started but the mesh is pp {pp} × dp {dp} = {pp * dp}: start "
+            f"{world} processes were started but the mesh{source} is pp {pp} × dp {dp} = {pp * dp}: start "
             f"`torchrun --nproc_per_node {pp * dp}` or choose --pp/--dp with pp × dp = {world}")
     return pp, dp
 
@@ -231,7 +233,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0:
         _say(f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, pp {pp} × dp {dp}, "
              f"{settings['microbatches']} microbatches, {settings['optimizer']} lr {lr:g}, budget "
-             f"{plan.config.get('memory_budget')}: recomputes {sum(d.action == 'recompute' for sp in plan.stages for d in sp.decisions)} "
+             f"{format_size(plan.stages[0].budget_bytes)} per device: recomputes {sum(d.action == 'recompute' for sp in plan.stages for d in sp.decisions)} "
              f"nodes; predicted step {plan.predicted.step_time_s * 1e3:.1f} ms"
              + (f"; resuming from {resume_from}" if resume_from else ""))
     tokens = dp * settings["microbatches"] * args.microbatch * args.seq

@@ -1,0 +1,139 @@
+"""examples/train_gpt.py as torchrun runs it (2 processes, gloo): trains, resumes bitwise, refuses bad input.
+
+Each rank is a plain ``python examples/train_gpt.py`` with torchrun's environment (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT), so every rank's exit code and stderr can be checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lynx.runtime.launch import free_port
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
+STEPS, EVERY = 6, 4           # one checkpoint, at step 4; the run goes on to step 6
+
+
+def launch(args: list[str], world: int = 2, cwd: Path | None = None, timeout: float = 150.0) -> list[tuple[int, str, str]]:
+    """Run the script on ``world`` ranks; (exit code, stdout, stderr) per rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, cwd=cwd,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            out.append((p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+def snapshot(path: Path) -> dict[str, str]:
+    """Every file under ``path`` with the hash of its bytes (to show nothing changed)."""
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def losses(log: Path) -> list[list[float]]:
+    return [s["losses"] for s in json.loads(log.read_text())["steps"]]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """An uninterrupted run: 6 steps, a checkpoint after step 4."""
+    tmp = tmp_path_factory.mktemp("train")
+    result = launch(["--steps", str(STEPS), "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", str(EVERY),
+                     "--log-json", str(tmp / "full.json")])
+    assert all(code == 0 for code, _, _ in result), [err[-2000:] for _, _, err in result]
+    return tmp, result
+
+
+def test_training_loss_falls_and_reports_plan_vs_measured(full_run) -> None:
+    tmp, result = full_run
+    steps = losses(tmp / "full.json")
+    assert len(steps) == STEPS and all(len(s) == 4 for s in steps)     # 4 microbatches, 1 replica
+    mean = [sum(s) / len(s) for s in steps]
+    assert mean[0] > 5.0 and mean[-1] < mean[0] - 0.8, mean          # bytes start at ~ln 256 = 5.55
+    stdout = result[0][1]
+    assert "step time: measured" in stdout and "predicted" in stdout
+    assert "stage 1 peak activations: measured" in stdout
+    assert (tmp / "ckpt" / "step_4" / "lynx_meta.json").is_file()
+    assert not [p for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")]   # no temporary left
+
+
+def test_resume_gives_bitwise_the_same_losses(full_run, tmp_path) -> None:
+    tmp, _ = full_run
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tmp / "ckpt", ckpt)          # a fresh run that only has what the killed one saved
+    result = launch(["--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--resume",
+                     "--log-json", str(tmp_path / "resumed.json")])
+    assert all(code == 0 for code, _, _ in result), [err[-2000:] for _, _, err in result]
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert resumed["start_step"] == EVERY
+    assert losses(tmp_path / "resumed.json") == losses(tmp / "full.json")[EVERY:]
+
+
+def _refused(result: list[tuple[int, str, str]], message: str) -> None:
+    """Every rank stopped non-zero before training; rank 0 said why, nobody dumped a traceback."""
+    assert all(code != 0 for code, _, _ in result), [code for code, _, _ in result]
+    assert message in result[0][2], result[0][2][-2000:]
+    for _, stdout, stderr in result:
+        assert "Traceback" not in stderr, stderr[-2000:]
+        assert "step    1" not in stdout
+
+
+def test_more_processes_than_the_mesh_is_refused(tmp_path) -> None:
+    _refused(launch(["--steps", "2", "--pp", "2", "--dp", "1"], world=3, cwd=tmp_path),
+             "3 processes were started but the mesh is pp 2 × dp 1 = 2")
+
+
+def test_budget_no_plan_meets_is_refused_on_every_rank(tmp_path) -> None:
+    log = tmp_path / "log.json"
+    log.write_text("{}")
+    _refused(launch(["--steps", "2", "--memory-budget", "2MiB", "--log-json", str(log)], cwd=tmp_path),
+             "no heu plan fits memory_budget 2.00 MiB")
+    assert log.read_text() == "{}"
+
+
+def test_plan_for_another_mesh_or_model_is_refused(tmp_path) -> None:
+    import lynx
+
+    model, inputs = lynx.models.build_preset("gpt-tiny", seq=64, microbatch=8)
+    plan = lynx.compile(model, inputs, pp=2, dp=2, microbatches=4, memory_budget="12MiB", hardware="cpu-local",
+                        optimizer="demo", solver="heu").plan
+    plan.save(tmp_path / "dp2.json")
+    before = snapshot(tmp_path)
+    _refused(launch(["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--dp", "1"], cwd=tmp_path),
+             "differs in dp: plan 2, now 1")
+    _refused(launch(["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--seq", "32", "--dp", "1"], cwd=tmp_path),
+             "differs in the model graph")
+    assert snapshot(tmp_path) == before
+
+
+def test_checkpoint_of_another_configuration_is_refused(full_run, tmp_path) -> None:
+    tmp, _ = full_run
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tmp / "ckpt", ckpt)
+    before = snapshot(ckpt)
+    _refused(launch(["--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "lion",
+                     "--microbatches", "2"], cwd=tmp_path),
+             "optimizer: checkpoint 'demo', this run 'lion'")
+    _refused(launch(["--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"], cwd=tmp_path),
+             "pass --resume to continue")
+    assert snapshot(ckpt) == before
