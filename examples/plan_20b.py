@@ -1,10 +1,13 @@
 """Plan a 20B-parameter GPT on a laptop: meta device, no weights allocated.
 
-Builds GPT-NeoX-20B's shape (44 layers, hidden 6144) on the meta device, plans it for 8
-pipeline stages on 80 GB H100s (mixed-precision AdamW: 16 bytes of static state per parameter) under a budget below what keeping every activation needs, prints the
-plan per stage beside Megatron's full recomputation, and draws the timeline picture.
+Builds GPT-NeoX-20B's shape (44 layers, hidden 6144, 20.6 B parameters) on the meta device —
+no weight is allocated, the whole run stays under 1 GiB of RAM — plans it for 8 pipeline
+stages on 80 GB H100s (mixed-precision AdamW: 16 bytes of static state per parameter) under a
+budget below what keeping every activation needs, prints the plan per stage beside Megatron's
+full recomputation, saves it and draws the timeline picture.
 
-    python examples/plan_20b.py [--pp 8] [--budget 70GiB] [--out plan_20b]
+    python examples/plan_20b.py [--pp 8] [--budget 70GiB] [--microbatches 16] [--out plan_20b]
+    lynx show plan_20b.json          # the saved plan's table per stage
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from lynx.compile import plan_graph
 from lynx.viz import draw_timeline
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=8, help="pipeline stages")
     parser.add_argument("--budget", default="70GiB", help="memory budget per device")
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--out", default="plan_20b", help="output stem for plan JSON and pictures")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     start = time.perf_counter()
     model, inputs = lynx.models.build_preset("gpt-20b", seq=2048, microbatch=1)  # meta device
@@ -53,6 +56,7 @@ def main() -> None:
     plan.save(out.with_suffix(".json"))
     pictures = draw_timeline(plan.timeline, p.step_time_s, out, title=f"gpt-20b pp{args.pp}, budget {args.budget}")
     print("wrote", out.with_suffix(".json"), *pictures)
+    print(f"look at it: lynx show {out.with_suffix('.json')}")
 
 
 if __name__ == "__main__":
