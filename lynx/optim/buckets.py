@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxConfigError, LynxRuntimeError
+from lynx.optim.bitpack import pack_bits, unpack_bits  # re-exported: the packers live in bitpack.py
 
 __all__ = [
     "Comm",
@@ -61,31 +62,6 @@ def smallest_int_dtype(count: int) -> torch.dtype:
         if count <= limit:
             return dtype
     return torch.int64
-
-
-def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack non-negative integers ``< 2**bits`` into ``ceil(n·bits/8)`` bytes (LSB first)."""
-    flat = values.reshape(-1).to(torch.int64)  # (n,)
-    shifts = torch.arange(bits, dtype=torch.int64, device=flat.device)
-    planes = ((flat.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)  # (n·bits,)
-    pad = (-planes.numel()) % 8
-    if pad:
-        planes = torch.cat([planes, planes.new_zeros(pad)])
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
-    return (planes.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)  # (bytes,)
-
-
-def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: the first ``count`` values as int64, per leading row.
-
-    ``packed`` is ``(..., nbytes)``; each row was packed separately. Returns ``(..., count)``.
-    """
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    lead = packed.shape[:-1]
-    planes = ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*lead, -1)  # (..., nbytes·8)
-    planes = planes[..., : count * bits].reshape(*lead, count, bits).to(torch.int64)
-    weights = 1 << torch.arange(bits, dtype=torch.int64, device=packed.device)  # (bits,)
-    return (planes * weights).sum(dim=-1)  # (..., count)
 
 
 def ring_all_reduce_bytes(nbytes: float, world_size: int) -> float:

@@ -28,7 +28,16 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["largest_divisor_at_most", "dct_matrix", "ChunkLayout", "encode", "decode"]
+__all__ = [
+    "largest_divisor_at_most",
+    "dct_matrix",
+    "ChunkLayout",
+    "encode",
+    "decode",
+    "chunk_view",
+    "encode_chunks",
+    "decode_chunks",
+]
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -118,3 +127,39 @@ def decode(coeffs: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     blocks = coeffs.reshape(rows // cr, cols // cc, cr, cc)  # (R, C, cr, cc)
     x = dr.T @ blocks @ dc  # (R, C, cr, cc)
     return x.permute(0, 2, 1, 3).reshape(layout.shape)
+
+
+# -- stacks of chunks: many tensors with the same chunk shape transformed by one matmul pair.
+# Every chunk is transformed independently (a batched matmul per chunk, a row block of one mm),
+# so stacking tensors changes no bit of any chunk's coefficients.
+
+
+def chunk_view(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """``x`` (contiguous) seen as its chunks, ``(R, C, cr, cc)`` or ``(n_chunks, c)``, no copy.
+
+    Chunk order is :func:`encode`'s (row-major over the chunk grid); writes go to ``x``.
+    """
+    if len(layout.matrix_shape) == 1:
+        return x.view(-1, layout.chunk_shape[0])  # (n_chunks, c)
+    (rows, cols), (cr, cc) = layout.matrix_shape, layout.chunk_shape
+    return x.view(rows // cr, cr, cols // cc, cc).permute(0, 2, 1, 3)  # (R, C, cr, cc)
+
+
+def encode_chunks(blocks: torch.Tensor) -> torch.Tensor:
+    """DCT-II of a stack of chunks ``(N, c)`` or ``(N, cr, cc)``: returns ``(N, chunk_elements)``."""
+    if blocks.dim() == 2:
+        d = dct_matrix(blocks.shape[1], blocks.dtype, blocks.device)
+        return blocks @ d.T  # (N, c)
+    n, cr, cc = blocks.shape
+    dr, dc = dct_matrix(cr, blocks.dtype, blocks.device), dct_matrix(cc, blocks.dtype, blocks.device)
+    return (dr @ blocks @ dc.T).reshape(n, cr * cc)  # (N, cr·cc)
+
+
+def decode_chunks(coeffs: torch.Tensor, chunk_shape: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of :func:`encode_chunks`: ``(N, chunk_elements)`` → ``(N, *chunk_shape)``."""
+    if len(chunk_shape) == 1:
+        d = dct_matrix(chunk_shape[0], coeffs.dtype, coeffs.device)
+        return coeffs @ d  # (N, c)
+    cr, cc = chunk_shape
+    dr, dc = dct_matrix(cr, coeffs.dtype, coeffs.device), dct_matrix(cc, coeffs.dtype, coeffs.device)
+    return dr.T @ coeffs.reshape(-1, cr, cc) @ dc  # (N, cr, cc)

@@ -33,8 +33,9 @@ from typing import Any, Callable, Iterable
 import torch
 
 from lynx.errors import LynxConfigError
-from lynx.optim.buckets import DEFAULT_BUCKET_BYTES, BucketedOptimizer, pack_bits, smallest_int_dtype, unpack_bits
-from lynx.optim.dct import decode, encode
+from lynx.optim.buckets import DEFAULT_BUCKET_BYTES, BucketedOptimizer
+from lynx.optim.dct import chunk_view
+from lynx.optim.demo_batch import BucketKernel, from_grid
 from lynx.optim.demo_payload import BucketPlan, plan_bucket
 
 __all__ = ["DeMo"]
@@ -94,6 +95,7 @@ class DeMo(BucketedOptimizer):
         self.value_dtype = value_dtype
         super().__init__(params, defaults, process_group, bucket_bytes)
         self._plans: list[BucketPlan] = []
+        self._kernels: dict[tuple[int, str], BucketKernel] = {}
         for members in self.buckets:
             g = self._group_of[members[0]]
             settings = {(self._group_of[i]["compression_topk"], self._group_of[i]["compression_chunk"]) for i in members}
@@ -114,26 +116,31 @@ class DeMo(BucketedOptimizer):
             state["momentum"] = torch.zeros_like(self._params[i], memory_format=torch.preserve_format)
         return state["momentum"]
 
+    def _kernel(self, bucket: int, device: torch.device) -> BucketKernel:
+        """The bucket's batched compute and row tables, built once per device."""
+        key = (bucket, str(device))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            members = self.buckets[bucket]
+            dtypes = [self._params[i].dtype for i in members]
+            kernel = BucketKernel(self._plans[bucket], dtypes, self.value_dtype, device)
+            self._kernels[key] = kernel
+        return kernel
+
     def _launch_bucket(self, bucket: int) -> Callable[[], None]:
         members, plan = self.buckets[bucket], self._plans[bucket]
         device = self._params[members[0]].device
-        row = torch.zeros(plan.sparse_bytes, dtype=torch.uint8, device=device)  # (P,)
         dense = torch.empty(plan.dense_numel, dtype=plan.dense_dtype, device=device)  # (D,)
+        momenta = []
         for i, tp in zip(members, plan.tensors):
             group, m = self._group_of[i], self._momentum(i)
             m.mul_(group["compression_decay"]).add_(self._grad(i), alpha=group["lr"])
+            momenta.append(m)
             if not tp.compressed:
                 dense[tp.dense_offset : tp.dense_offset + tp.numel].copy_(m.reshape(-1))
                 m.zero_()  # all of it is transmitted
-                continue
-            coeffs = encode(m, tp.layout)  # (n_chunks, E)
-            idx = coeffs.abs().topk(tp.k, dim=1, sorted=False).indices  # (n_chunks, k)
-            vals = coeffs.gather(1, idx).to(self.value_dtype)  # (n_chunks, k)
-            sent = torch.zeros_like(coeffs).scatter_(1, idx, vals.to(coeffs.dtype))
-            m.sub_(decode(sent, tp.layout))  # error feedback: the rounded values left m
-            row[tp.value_offset : tp.value_offset + tp.value_bytes] = vals.reshape(-1).view(torch.uint8)
-            idx_small = idx.to(smallest_int_dtype(tp.layout.chunk_elements))  # in-memory form
-            row[tp.index_offset : tp.index_offset + tp.index_bytes] = pack_bits(idx_small, tp.index_bits)
+        kernel = self._kernel(bucket, device)
+        row = kernel.compress(momenta)  # (P,) error feedback applied
         world = self.comm.world_size
         gathered = row.unsqueeze(0)  # (W, P)
         works = []
@@ -146,26 +153,19 @@ class DeMo(BucketedOptimizer):
         def complete() -> None:
             for w in works:
                 w.wait()
-            for i, tp in zip(members, plan.tensors):
+            signs = kernel.decompress(gathered)  # sign(IDCT(mean)) per compressed member
+            averaged = dense / world if plan.dense_numel else dense  # (D,)
+            for j, (i, tp) in enumerate(zip(members, plan.tensors)):
                 p, group = self._params[i], self._group_of[i]
-                if tp.compressed:
-                    update = self._decompress(gathered, tp, p.dtype)
+                keep = 1.0 - group["lr"] * group["weight_decay"]
+                if keep != 1.0:  # p·1.0 is p: skipping it changes no bit
+                    p.mul_(keep)
+                if not tp.compressed:
+                    update = averaged[tp.dense_offset : tp.dense_offset + tp.numel].view(p.shape).to(p.dtype).sign()
+                    p.add_(update, alpha=-group["lr"])
+                elif p.is_contiguous():
+                    chunk_view(p, tp.layout).add_(signs[j], alpha=-group["lr"])
                 else:
-                    update = (dense[tp.dense_offset : tp.dense_offset + tp.numel] / world).reshape(p.shape).to(p.dtype)
-                p.mul_(1.0 - group["lr"] * group["weight_decay"])
-                p.add_(update.sign(), alpha=-group["lr"])
+                    p.add_(from_grid(signs[j], tp.layout), alpha=-group["lr"])
 
         return complete
-
-    def _decompress(self, gathered: torch.Tensor, tp: Any, dtype: torch.dtype) -> torch.Tensor:
-        """Mean over the ranks that sent each coefficient, then inverse DCT."""
-        world, n, k = gathered.shape[0], tp.layout.n_chunks, tp.k
-        raw_vals = gathered[:, tp.value_offset : tp.value_offset + tp.value_bytes].contiguous()
-        vals = raw_vals.view(self.value_dtype).reshape(world, n, k).to(dtype)  # (W, n, k)
-        raw_idx = gathered[:, tp.index_offset : tp.index_offset + tp.index_bytes]
-        idx = unpack_bits(raw_idx, tp.index_bits, n * k).reshape(world, n, k)  # (W, n, k)
-        vals = vals.permute(1, 0, 2).reshape(n, world * k)  # (n, W·k)
-        idx = idx.permute(1, 0, 2).reshape(n, world * k)  # (n, W·k)
-        mean = torch.zeros((n, tp.layout.chunk_elements), dtype=dtype, device=gathered.device)
-        mean.scatter_reduce_(1, idx, vals, reduce="mean", include_self=False)  # (n, E)
-        return decode(mean, tp.layout)

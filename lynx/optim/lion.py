@@ -132,6 +132,7 @@ class DistributedLion(BucketedOptimizer):
             raise LynxConfigError(f"DistributedLion: unknown mode {mode!r}; use one of {', '.join(MODES)}")
         self.mode = mode
         self.avg_gather_below = AVG_GATHER_BELOW  # "avg": all-gather codes below this W, else all-reduce
+        self._parity_cache: dict[tuple[str, int], torch.Tensor] = {}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), process_group, bucket_bytes)
 
     def _state(self, i: int) -> dict[str, torch.Tensor]:
@@ -141,18 +142,41 @@ class DistributedLion(BucketedOptimizer):
             state["step"] = torch.zeros((), dtype=torch.int64)
         return state
 
-    def _launch_bucket(self, bucket: int) -> Callable[[], None]:
-        members = self.buckets[bucket]
-        signs = []
-        step = int(self._state(members[0])["step"])
-        for i in members:
+    def _parity(self, n: int, odd: int, device: torch.device) -> torch.Tensor:
+        """``(j + odd) % 2 == 0`` for ``j < n``, as bool — the zero-vote and tie patterns."""
+        key = (str(device), odd)
+        cached = self._parity_cache.get(key)
+        if cached is None or cached.numel() < n:
+            cached = torch.arange(n, device=device).add_(odd).remainder_(2).eq_(0)  # (n,)
+            self._parity_cache[key] = cached
+        return cached[:n]
+
+    def _signs(self, members: list[int]) -> torch.Tensor:
+        """Lion's per-rank update ``δ = sign(β1·m + (1−β1)·g)`` of a bucket, flat; steps the momenta."""
+        params = [self._params[i] for i in members]
+        dtype = params[0].dtype
+        for p in params[1:]:
+            dtype = torch.promote_types(dtype, p.dtype)  # what torch.cat of the signs gives
+        delta = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)  # (N,)
+        offset = 0
+        for i, p in zip(members, params):
             state, grad = self._state(i), self._grad(i)
             beta1, beta2 = self._group_of[i]["betas"]
-            m = state["exp_avg"]
-            signs.append(m.mul(beta1).add_(grad, alpha=1 - beta1).sign_().reshape(-1))
+            m, n = state["exp_avg"], p.numel()
+            out = delta[offset : offset + n].view(p.shape)
+            if m.dtype == dtype and m.is_contiguous():
+                torch.mul(m, beta1, out=out).add_(grad, alpha=1 - beta1)  # signed below, all at once
+            else:  # computed in the parameter's own dtype, as Lion does
+                out.copy_(m.mul(beta1).add_(grad, alpha=1 - beta1).sign_())
             m.mul_(beta2).add_(grad, alpha=1 - beta2)
             state["step"] += 1
-        delta = torch.cat(signs)  # (N,) in {-1, 0, 1}
+            offset += n
+        return delta.sign_()  # (N,) in {-1, 0, 1}
+
+    def _launch_bucket(self, bucket: int) -> Callable[[], None]:
+        members = self.buckets[bucket]
+        step = int(self._state(members[0])["step"])
+        delta = self._signs(members)  # (N,)
         world = self.comm.world_size
         if world == 1:
             return lambda: self._apply(members, delta)
@@ -165,18 +189,20 @@ class DistributedLion(BucketedOptimizer):
         for i in members:
             p, group = self._params[i], self._group_of[i]
             n = p.numel()
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(update[offset : offset + n].reshape(p.shape).to(p.dtype), alpha=-group["lr"])
+            keep = 1 - group["lr"] * group["weight_decay"]
+            if keep != 1.0:  # p·1.0 is p: skipping it changes no bit
+                p.mul_(keep)
+            p.add_(update[offset : offset + n].view(p.shape).to(p.dtype), alpha=-group["lr"])
             offset += n
 
     def _launch_mavo(self, members: list[int], delta: torch.Tensor, step: int) -> Callable[[], None]:
-        world, rank, n = self.comm.world_size, self.comm.rank, delta.numel()
-        index = torch.arange(n, device=delta.device)
-        zero_vote = (index + step + rank) % 2 == 0  # an exact zero votes by alternation
-        votes = pack_bits(torch.where(delta == 0, zero_vote, delta > 0), bits=1)  # (ceil(N/8),)
+        world, rank, n, device = self.comm.world_size, self.comm.rank, delta.numel(), delta.device
+        # An exact zero votes by alternation: +1 iff (j + step + rank) is even.
+        ballot = torch.where(delta == 0, self._parity(n, (step + rank) % 2, device), delta > 0)  # (N,) bool
+        votes = pack_bits(ballot, bits=1)  # (ceil(N/8),)
         splits = shard_splits(votes.numel(), world)
-        mine = splits[rank]
-        received = torch.empty(world * mine, dtype=torch.uint8, device=delta.device)  # (W·s_r,)
+        mine, widest = splits[rank], max(splits)
+        received = torch.empty(world * mine, dtype=torch.uint8, device=device)  # (W·s_r,)
         work = self.comm.all_to_all(received, votes, in_splits=splits, out_splits=[mine] * world)
         state: dict[str, Any] = {}
 
@@ -184,13 +210,16 @@ class DistributedLion(BucketedOptimizer):
             work.wait()
             start = sum(splits[:rank])  # first byte of my shard
             bits = min(mine * 8, max(0, n - start * 8))  # valid bits in my shard
-            ballots = unpack_bits(received.reshape(world, mine), bits=1, count=bits)  # (W, bits)
-            total = 2 * ballots.sum(dim=0) - world  # Σδ over ranks, (bits,)
-            tie_up = (torch.arange(bits, device=delta.device) + start * 8 + step) % 2 == 0
-            result = torch.where(total == 0, tie_up, total > 0)  # (bits,)
-            shard = torch.zeros(max(splits), dtype=torch.uint8, device=delta.device)
+            ballots = unpack_bits(received.view(world, mine), bits=1, count=bits, dtype=torch.uint8)  # (W, bits)
+            ups = ballots.sum(dim=0, dtype=torch.int32)  # (bits,) ranks voting +1; Σδ = 2·ups − W
+            # A tie (Σδ = 0, even W) goes to +1 iff (j + step) is even; start·8 is even.
+            tie_up = self._parity(bits, step % 2, device)
+            result = ups > world // 2  # (bits,) Σδ > 0
+            if world % 2 == 0:
+                result = torch.where(ups == world // 2, tie_up, result)
+            shard = torch.zeros(widest, dtype=torch.uint8, device=device)  # (max s,)
             shard[:mine] = pack_bits(result, bits=1)[:mine]
-            everyone = torch.empty((world, max(splits)), dtype=torch.uint8, device=delta.device)
+            everyone = torch.empty((world, widest), dtype=torch.uint8, device=device)
             state["work"] = self.comm.all_gather(everyone, shard)
             state["everyone"] = everyone
 
@@ -199,8 +228,12 @@ class DistributedLion(BucketedOptimizer):
                 vote()
             state["work"].wait()
             everyone = state["everyone"]
-            packed = torch.cat([everyone[r, : splits[r]] for r in range(world)])  # (ceil(N/8),)
-            update = unpack_bits(packed, bits=1, count=n) * 2 - 1  # (N,) in {-1, 1}
+            if all(s == widest for s in splits):
+                packed = everyone.view(-1)  # (ceil(N/8),)
+            else:
+                packed = torch.cat([everyone[r, : splits[r]] for r in range(world)])  # (ceil(N/8),)
+            bits = unpack_bits(packed, bits=1, count=n, dtype=torch.uint8)  # (N,) 1 = +1
+            update = bits.to(delta.dtype).mul_(2).sub_(1)  # (N,) in {-1, 1}, exact
             self._apply(members, update)
 
         # The vote and the second collective start as soon as the first one lands, when the
@@ -211,13 +244,14 @@ class DistributedLion(BucketedOptimizer):
     def _launch_avg(self, members: list[int], delta: torch.Tensor) -> Callable[[], None]:
         world, n = self.comm.world_size, delta.numel()
         if _avg_uses_gather(world, self.avg_gather_below):
-            codes = pack_bits((delta + 1).to(torch.int64), bits=2)  # (ceil(N/4),)
+            codes = pack_bits((delta + 1).to(torch.uint8), bits=2)  # (ceil(N/4),) δ+1 ∈ {0, 1, 2}
             gathered = torch.empty((world, codes.numel()), dtype=torch.uint8, device=delta.device)
             work = self.comm.all_gather(gathered, codes)
 
             def complete_gather() -> None:
                 work.wait()
-                total = (unpack_bits(gathered, bits=2, count=n) - 1).sum(dim=0)  # (N,) Σδ
+                codes_all = unpack_bits(gathered, bits=2, count=n, dtype=torch.uint8)  # (W, N)
+                total = codes_all.sum(dim=0, dtype=torch.int32) - world  # (N,) Σδ
                 self._apply(members, total.to(delta.dtype) / world)
 
             return complete_gather
