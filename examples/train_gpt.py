@@ -28,6 +28,7 @@ import datetime
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -266,6 +267,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         print(format_stats(per_step[-1], plan))
         print(format_summary(summary, plan))
         log["summary"] = dataclasses.asdict(summary)
+        log["per_rank"] = _per_rank_medians(per_step)
         if args.log_json:
             _write_json(args.log_json, log)
     return log
@@ -280,6 +282,16 @@ def _global_losses(stats: Any, topo: Any, m: int) -> tuple[list[float], float, f
     buf[-2], buf[-1] = stats.exposed_recompute_s / dp, stats.recompute_hidden_s / dp
     dist.all_reduce(buf)
     return buf[:-2].tolist(), float(buf[-2]), float(buf[-1])
+
+
+def _per_rank_medians(per_step: list[list[Any]]) -> list[dict[str, float]]:
+    """Per rank, the median of each timing over the steps after the first (where the time goes)."""
+    timed = per_step[1:] if len(per_step) > 1 else per_step
+    keys = ("step_s", "forward_s", "backward_s", "wait_act_s", "wait_grad_s", "wait_sync_s",
+            "recompute_hidden_s", "recompute_window_exposed_s", "recompute_on_demand_s")
+    return [{"rank": ranks.rank, "stage": ranks.stage, "dp_rank": ranks.dp_rank,
+             **{k: statistics.median(getattr(step[i], k) for step in timed) for k in keys}}
+            for i, ranks in enumerate(timed[0])]
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

@@ -124,7 +124,7 @@ class RankTrainer:
         """Restore :meth:`state_dict`'s content (weights copied in place, RNG set)."""
         with torch.no_grad():
             for name, value in state["model"].items():
-                if value is not self.tensors[name]:
+                if value.data_ptr() != self.tensors[name].data_ptr():
                     self.tensors[name].copy_(value)
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
