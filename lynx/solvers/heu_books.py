@@ -1,0 +1,346 @@
+"""HEU's exact peak-memory and exposed-time bookkeeping over the items of a stage model.
+
+:class:`Layout` holds a :class:`~lynx.solvers.opt.StageModel`'s per-item figures as plain
+lists (bytes and seconds already multiplied by the item's ``mult``, inputs, consumers), so the
+greedy loops index lists instead of reading dataclass attributes. :class:`Books` is one
+partial plan on it: which items are recomputed, where each is placed per microbatch class,
+and the running totals the memory model needs —
+``peak = in_flight · kept + max_c P_c + max_{c,g} T_{c,g}`` with ``P_c`` the bytes prefetched
+for class c and ``T_{c,g}`` the bytes of group g regenerated on demand for class c (the same
+accounting as :func:`lynx.solvers.problem.peak_activation_bytes`, in item terms).
+
+The helpers here answer "what would the peak be if ..." without copying the books, and
+move items between kept, prefetched and on demand.
+
+Example::
+
+    >>> from lynx.solvers.opt import model_from_problem
+    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.heu_books import Books, Layout
+    >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2)
+    >>> books = Books(Layout(model_from_problem(p)), [False] * 30)
+    >>> books.peak() == 2 * sum(n.saved_bytes for n in p.nodes)
+    True
+"""
+
+from __future__ import annotations
+
+from lynx.solvers.opt import StageModel
+
+__all__ = [
+    "Layout",
+    "Books",
+    "clusters_of",
+    "with_prereqs",
+    "first_window",
+    "peak_if_placed_all",
+    "peak_if_kept",
+    "apply_keep",
+    "unplace",
+    "repair_order",
+]
+
+# Relative slack on window capacity (float sums of recompute seconds)
+CAPACITY_SLACK = 1 + 1e-9
+
+
+class Layout:
+    """A stage model's per-item figures as lists (see module docstring)."""
+
+    def __init__(self, model: StageModel) -> None:
+        items = model.items
+        self.model = model
+        self.n = len(items)
+        self.classes = model.classes
+        self.counts = [cls.count for cls in model.classes]
+        self.in_flight = model.in_flight
+        self.wbytes = [it.mult * it.saved_bytes for it in items]  # kept or prefetched: every replica
+        self.tbytes = [it.saved_bytes for it in items]  # on-demand transient: one replica at a time
+        self.wcost = [it.mult * it.recompute_s for it in items]
+        self.group = [it.group for it in items]
+        self.out_saved = [it.output_saved for it in items]
+        self.inputs = [it.inputs for it in items]  # ((producer, crosses groups), ...)
+        self.srcs = [tuple(u for u, _ in it.inputs) for it in items]
+        self.consumers: list[list[int]] = [[] for _ in items]
+        for i, it in enumerate(items):
+            for u, _ in it.inputs:
+                self.consumers[u].append(i)
+
+    def for_model(self, model: StageModel) -> Layout:
+        """This layout for a model with the same items and other classes, in-flight or budget."""
+        other = object.__new__(Layout)
+        other.__dict__.update(self.__dict__)
+        other.model, other.classes, other.in_flight = model, model.classes, model.in_flight
+        other.counts = [cls.count for cls in model.classes]
+        return other
+
+    def cost(self, unit: list[int]) -> float:
+        """Window seconds of a unit (summed in the unit's order, so results are reproducible)."""
+        wcost = self.wcost
+        return sum(wcost[i] for i in unit)
+
+    def nbytes(self, unit: list[int]) -> int:
+        wbytes = self.wbytes
+        return sum(wbytes[i] for i in unit)
+
+
+class Books:
+    """One partial plan on a :class:`Layout` with its exact peak-memory totals."""
+
+    __slots__ = ("lay", "rec", "where", "kept", "P", "T", "load", "_tmax")
+
+    def __init__(self, lay: Layout, rec: list[bool], *, _empty: bool = False) -> None:
+        self.lay = lay
+        self.rec = rec
+        self._tmax: list[int] | None = None
+        if _empty:
+            return
+        n, classes = lay.n, lay.classes
+        self.where: list[list[int | None]] = [[None] * n for _ in classes]
+        wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
+        self.kept = sum(wbytes[i] for i in range(n) if not rec[i])
+        self.P = [0] * len(classes)
+        on_demand: dict[int, int] = {}
+        for i in range(n):
+            if rec[i]:
+                on_demand[group[i]] = on_demand.get(group[i], 0) + tbytes[i]
+        self.T = [dict(on_demand) for _ in classes]
+        self.load = [[0.0] * len(cls.capacities) for cls in classes]
+
+    def copy(self) -> Books:
+        other = Books(self.lay, list(self.rec), _empty=True)
+        other.where = [list(w) for w in self.where]
+        other.kept = self.kept
+        other.P = list(self.P)
+        other.T = [dict(t) for t in self.T]
+        other.load = [list(ld) for ld in self.load]
+        other._tmax = None if self._tmax is None else list(self._tmax)
+        return other
+
+    def changed(self) -> None:
+        """Call after changing T directly (the per-class maxima are cached)."""
+        self._tmax = None
+
+    def tmax(self) -> list[int]:
+        """Largest on-demand group bytes per class."""
+        if self._tmax is None:
+            self._tmax = [max(t.values(), default=0) for t in self.T]
+        return self._tmax
+
+    def peak(self) -> int:
+        return self.lay.in_flight * self.kept + max(self.P, default=0) + max(self.tmax(), default=0)
+
+    def peak_if_placed(self, c: int, cluster: list[int]) -> int:
+        """The peak after prefetching ``cluster`` in class c (not applied)."""
+        lay = self.lay
+        wbytes = lay.wbytes
+        b = 0
+        for i in cluster:
+            b += wbytes[i]
+        P = self.P
+        p = P[c] + b
+        for k, v in enumerate(P):
+            if k != c and v > p:
+                p = v
+        tmax = self.tmax()
+        others = 0
+        for k, v in enumerate(tmax):
+            if k != c and v > others:
+                others = v
+        base = lay.in_flight * self.kept + p
+        if tmax[c] <= others:  # placing only lowers class c's on-demand groups
+            return base + others
+        group, tbytes = lay.group, lay.tbytes
+        drop: dict[int, int] = {}
+        for i in cluster:
+            g = group[i]
+            drop[g] = drop.get(g, 0) + tbytes[i]
+        tc = self.T[c]
+        t = others
+        for g, v in tc.items():
+            v -= drop.get(g, 0)
+            if v > t:
+                t = v
+        return base + t
+
+    def exposed(self) -> float:
+        """Exposed seconds in item terms: on-demand recompute plus window overflow."""
+        total = 0.0
+        lay = self.lay
+        wcost, rec, n = lay.wcost, self.rec, lay.n
+        for c, cls in enumerate(lay.classes):
+            where = self.where[c]
+            on_demand = sum(wcost[i] for i in range(n) if rec[i] and where[i] is None)
+            over = sum(max(0.0, load - cap) for load, cap in zip(self.load[c], cls.capacities))
+            total += cls.count * (on_demand + over)
+        return total
+
+    def place(self, c: int, k: int, cluster: list[int]) -> None:
+        lay = self.lay
+        where, tc, load = self.where[c], self.T[c], self.load[c]
+        for i in cluster:
+            where[i] = k
+            self.P[c] += lay.wbytes[i]
+            tc[lay.group[i]] -= lay.tbytes[i]
+            load[k] += lay.wcost[i]
+        self._tmax = None
+
+
+def clusters_of(lay: Layout, rec: list[bool]) -> list[list[int]]:
+    """Recomputed items joined by not-saved outputs (they must share a window), forward order."""
+    parent = list(range(lay.n))
+
+    def find(a: int) -> int:
+        while parent[a] != a:
+            parent[a] = parent[parent[a]]
+            a = parent[a]
+        return a
+
+    out_saved = lay.out_saved
+    for i in range(lay.n):
+        if rec[i]:
+            for u in lay.srcs[i]:
+                if rec[u] and not out_saved[u]:
+                    parent[find(i)] = find(u)
+    out: dict[int, list[int]] = {}
+    for i in range(lay.n):
+        if rec[i]:
+            out.setdefault(find(i), []).append(i)
+    return sorted(out.values(), key=lambda c: c[0])
+
+
+def with_prereqs(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[int, list[int]]) -> list[int]:
+    """The cluster plus every recomputed, not yet placed ancestor (with their clusters)."""
+    where, rec, srcs = books.where[c], books.rec, lay.srcs
+    for i in cl:
+        for u in srcs[i]:
+            if rec[u] and where[u] is None:
+                break
+        else:
+            continue
+        break
+    else:
+        return cl  # inputs all ready: the common case
+    unit, stack = set(cl), list(cl)
+    while stack:
+        j = stack.pop()
+        for u in srcs[j]:
+            if rec[u] and where[u] is None and u not in unit:
+                for v in cluster_of.get(u, [u]):
+                    if v not in unit:
+                        unit.add(v)
+                        stack.append(v)
+    return sorted(unit)
+
+
+def first_window(lay: Layout, books: Books, c: int, cl: list[int], cost: float) -> int | None:
+    """Earliest window of class c with room, eligibility and the cluster's inputs ready."""
+    cls = lay.classes[c]
+    where, rec, srcs, load = books.where[c], books.rec, lay.srcs, books.load[c]
+    members = None
+    for k, cap in enumerate(cls.capacities):
+        elig = cls.eligible[k]
+        if load[k] + cost > cap * CAPACITY_SLACK or (elig is not None and any(i not in elig for i in cl)):
+            continue
+        if members is None:
+            members = set(cl)
+        if all(not rec[u] or u in members or (where[u] is not None and where[u] <= k) for i in cl for u in srcs[i]):
+            return k
+    return None
+
+
+def peak_if_placed_all(lay: Layout, books: Books, spots: list[tuple[int, int, list[int]]]) -> int:
+    """The peak after prefetching each (class, window, unit) of ``spots`` (not applied)."""
+    P = list(books.P)
+    tmax = list(books.tmax())
+    wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
+    for c, _, unit in spots:
+        P[c] += sum(wbytes[i] for i in unit)
+        drop: dict[int, int] = {}
+        for i in unit:
+            drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
+        tmax[c] = max((v - drop.get(g, 0) for g, v in books.T[c].items()), default=0)
+    return lay.in_flight * books.kept + max(P, default=0) + max(tmax, default=0)
+
+
+def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
+    """The peak after keeping ``cl`` (no longer recomputed in any class; not applied)."""
+    wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
+    nbytes = sum(wbytes[i] for i in cl)
+    pmax, tmax_all = 0, 0
+    tmax = books.tmax()
+    for c, where in enumerate(books.where):
+        p = books.P[c]
+        drop: dict[int, int] | None = None
+        for i in cl:
+            if where[i] is not None:
+                p -= wbytes[i]
+            else:
+                if drop is None:
+                    drop = {}
+                drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
+        if p > pmax:
+            pmax = p
+        if drop is None:
+            t = tmax[c]
+        else:
+            t = max((v - drop.get(g, 0) for g, v in books.T[c].items()), default=0)
+        if t > tmax_all:
+            tmax_all = t
+    return lay.in_flight * (books.kept + nbytes) + pmax + tmax_all
+
+
+def apply_keep(lay: Layout, books: Books, cl: list[int]) -> None:
+    """Keep ``cl``: undo its placements in every class and stop recomputing it."""
+    wbytes, tbytes, group, wcost = lay.wbytes, lay.tbytes, lay.group, lay.wcost
+    for c in range(len(lay.classes)):
+        where, tc = books.where[c], books.T[c]
+        for i in cl:
+            k = where[i]
+            if k is not None:
+                books.P[c] -= wbytes[i]
+                books.load[c][k] -= wcost[i]
+                where[i] = None
+            else:
+                tc[group[i]] -= tbytes[i]
+    books.kept += sum(wbytes[i] for i in cl)
+    for i in cl:
+        books.rec[i] = False
+    books._tmax = None
+
+
+def unplace(lay: Layout, books: Books, c: int, i: int) -> None:
+    """Send item i of class c back to on demand."""
+    k = books.where[c][i]
+    books.where[c][i] = None
+    books.P[c] -= lay.wbytes[i]
+    tc = books.T[c]
+    tc[lay.group[i]] = tc.get(lay.group[i], 0) + lay.tbytes[i]
+    books.load[c][k] -= lay.wcost[i]
+    books._tmax = None
+
+
+def repair_order(lay: Layout, books: Books) -> None:
+    """Send to on demand any placement whose inputs are not ready by then, and any member of
+    a must-share-a-window cluster whose partners are not in its window (fixed point)."""
+    rec, srcs, out_saved = books.rec, lay.srcs, lay.out_saved
+    changed = True
+    while changed:
+        changed = False
+        for c in range(len(lay.classes)):
+            where = books.where[c]
+            for i in range(lay.n):
+                k = where[i]
+                if k is None:
+                    continue
+                for u in srcs[i]:
+                    if rec[u] and (where[u] is None or where[u] > k or (not out_saved[u] and where[u] != k)):
+                        unplace(lay, books, c, i)
+                        changed = True
+                        break
+            for i in range(lay.n):  # an unsaved output placed while a consumer is not
+                if rec[i] and where[i] is None:
+                    for u in srcs[i]:
+                        if rec[u] and not out_saved[u] and where[u] is not None:
+                            unplace(lay, books, c, u)
+                            changed = True

@@ -1,0 +1,230 @@
+"""HEU's two greedy policies for the (small) representative model.
+
+* :func:`reverse_greedy` — *drop until it fits*: from keep-all, drop what frees the most peak
+  memory per exposed second, prefetching where that costs no peak.
+* :func:`greedy` — *keep while it fits*: from "drop all but layer boundaries"
+  (:func:`boundary_kept`), keep or prefetch what saves the most exposed time per byte.
+
+Both return :class:`~lynx.solvers.heu_books.Books` (or None when no plan fits), which
+:mod:`lynx.solvers.heu` replicates to every layer of the family.
+
+Example::
+
+    >>> from lynx.solvers.opt import model_from_problem
+    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.heu_books import Layout
+    >>> from lynx.solvers.heu_greedy import greedy
+    >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=0.001)
+    >>> books = greedy(Layout(model_from_problem(p)), p.activation_budget_bytes)
+    >>> books.peak() <= p.activation_budget_bytes
+    True
+"""
+
+from __future__ import annotations
+
+from lynx.solvers.heu_books import (
+    Books,
+    Layout,
+    apply_keep,
+    clusters_of,
+    first_window,
+    peak_if_kept,
+    peak_if_placed_all,
+    repair_order,
+    with_prereqs,
+)
+
+__all__ = ["boundary_kept", "greedy", "reverse_greedy"]
+
+
+def boundary_kept(lay: Layout) -> list[bool]:
+    """Drop every item that can be dropped, except outputs read across groups (kept)."""
+    tbytes, out_saved = lay.tbytes, lay.out_saved
+    rec = [tbytes[i] > 0 or not out_saved[i] for i in range(lay.n)]
+    changed = True
+    while changed:
+        changed = False
+        for i in range(lay.n):
+            if not rec[i]:
+                continue
+            for u, cross in lay.inputs[i]:
+                if cross and rec[u] and out_saved[u]:
+                    rec[u] = False
+                    changed = True
+                elif (cross and rec[u]) or (not rec[u] and not out_saved[u]):
+                    rec[i] = False
+                    changed = True
+                    break
+    return rec
+
+
+def _ratio(gain: float, added: float) -> tuple[float, float]:
+    """Sort key: moves adding no memory first (by gain), then by gain per byte."""
+    return (1.0, gain) if added <= 0 else (0.0, gain / added)
+
+
+def greedy(lay: Layout, budget: int) -> Books | None:
+    """Best-ratio greedy from "drop all but layer boundaries": keep a cluster, or prefetch it.
+
+    Each step takes the move with the most exposed time saved per byte of peak added (moves
+    that add no memory first). None when even the starting point does not fit.
+    """
+    books = Books(lay, boundary_kept(lay))
+    if books.peak() > budget:
+        return None
+    rec = books.rec
+    counts, wcost, classes = lay.counts, lay.wcost, range(len(lay.classes))
+    while True:
+        now = books.peak()
+        best, best_key = None, (0.0, 0.0)
+        clusters = clusters_of(lay, rec)
+        cluster_of = {i: cl for cl in clusters for i in cl}
+        for i in range(lay.n):
+            if not rec[i]:
+                continue
+            unit = _keep_unit(lay, rec, i)
+            gain = sum(
+                counts[c] * sum(wcost[j] for j in unit if books.where[c][j] is None)
+                for c in classes
+            )
+            if gain <= 0:
+                continue
+            after = peak_if_kept(lay, books, unit)
+            if after <= budget:
+                key = _ratio(gain, after - now)
+                if key > best_key:
+                    best, best_key = ("keep", unit, None), key
+        for cl in clusters:
+            spots = []  # (class, window, items) where the cluster could go now, with its prerequisites
+            for c in classes:
+                if books.where[c][cl[0]] is not None:
+                    continue
+                unit = with_prereqs(lay, books, c, cl, cluster_of)
+                cost = lay.cost(unit)
+                k = first_window(lay, books, c, unit, cost)
+                if k is None or cost <= 0:
+                    continue
+                spots.append((c, k, unit))
+                after = books.peak_if_placed(c, unit)
+                if after <= budget:
+                    key = _ratio(counts[c] * cost, after - now)
+                    if key > best_key:
+                        best, best_key = ("place", None, [(c, k, unit)]), key
+            if len(spots) > 1:  # prefetching in every class at once: P is a max over classes
+                after = peak_if_placed_all(lay, books, spots)
+                gain_all = sum(counts[c] * lay.cost(unit) for c, _, unit in spots)
+                if after <= budget:
+                    key = _ratio(gain_all, after - now)
+                    if key > best_key:
+                        best, best_key = ("place", None, spots), key
+        if best is None:
+            return books
+        kind, unit, spots = best
+        if kind == "keep":
+            apply_keep(lay, books, unit)
+            _drop_unneeded(lay, books)
+        else:
+            for c, k, unit in spots:
+                books.place(c, k, unit)
+
+
+def reverse_greedy(lay: Layout, budget: int) -> Books | None:
+    """From keep-all, drop what frees the most memory per exposed second until it fits.
+
+    A dropped unit is prefetched in every class whose windows have room (hidden), else
+    recomputed on demand there. Ties on exposed time go to the unit using the least window
+    time per byte freed, so windows hold the bulky, cheap tensors. Outputs read across
+    groups stay kept.
+    """
+    droppable = boundary_kept(lay)
+    books = Books(lay, [False] * lay.n)
+    tbytes = lay.tbytes
+    while books.peak() > budget:
+        now = books.peak()
+        exposed_now = books.exposed()
+        used_now = sum(sum(ld) for ld in books.load)
+        best, best_key = None, None
+        for i in range(lay.n):
+            if books.rec[i] or not droppable[i] or tbytes[i] == 0:
+                continue
+            unit = _drop_unit(lay, books.rec, droppable, i)
+            if unit is None:
+                continue
+            trial = _try_drop(lay, books, unit)
+            freed = now - trial.peak()
+            if freed <= 0:
+                continue
+            exposed = trial.exposed() - exposed_now
+            used = sum(sum(ld) for ld in trial.load) - used_now
+            key = (exposed / freed, used / freed, i)
+            if best_key is None or key < best_key:
+                best, best_key = trial, key
+        if best is None:
+            return None
+        books = best
+    return books
+
+
+def _drop_unit(lay: Layout, rec: list[bool], droppable: list[bool], i: int) -> list[int] | None:
+    """Item i plus the not-saved producers it needs regenerated (None if one cannot be)."""
+    unit, stack = {i}, [i]
+    out_saved = lay.out_saved
+    while stack:
+        j = stack.pop()
+        for u, cross in lay.inputs[j]:
+            if not out_saved[u] and not rec[u] and u not in unit:
+                if cross or not droppable[u]:
+                    return None
+                unit.add(u)
+                stack.append(u)
+    return sorted(unit)
+
+
+def _try_drop(lay: Layout, books: Books, unit: list[int]) -> Books:
+    """A copy of the books with ``unit`` dropped, prefetched wherever a window has room."""
+    trial = books.copy()
+    for i in unit:
+        trial.rec[i] = True
+        trial.kept -= lay.wbytes[i]
+        g = lay.group[i]
+        for tc in trial.T:
+            tc[g] = tc.get(g, 0) + lay.tbytes[i]
+    trial.changed()
+    cost = lay.cost(unit)
+    spots = [(c, k, unit) for c in range(len(lay.classes))
+             if (k := first_window(lay, trial, c, unit, cost)) is not None]
+    # Prefetch only where it costs no peak memory (memory is what dropping is short of; the
+    # fill after replication spends what is left). P and T are maxima over classes, so
+    # prefetching in every class at once can pay where one class alone does not.
+    if len(spots) > 1 and peak_if_placed_all(lay, trial, spots) <= trial.peak():
+        for c, k, u in spots:
+            trial.place(c, k, u)
+    else:
+        for c, k, u in spots:
+            if trial.peak_if_placed(c, u) <= trial.peak():
+                trial.place(c, k, u)
+    repair_order(lay, trial)  # consumers prefetched before their newly dropped input
+    return trial
+
+
+def _keep_unit(lay: Layout, rec: list[bool], i: int) -> list[int]:
+    """Item i and, if its output is not saved, the recomputed consumers that read it."""
+    if lay.out_saved[i]:
+        return [i]
+    unit, stack = {i}, [i]
+    while stack:
+        j = stack.pop()
+        if lay.out_saved[j]:
+            continue
+        for c in lay.consumers[j]:
+            if rec[c] and c not in unit:
+                unit.add(c)
+                stack.append(c)
+    return sorted(unit)
+
+
+def _drop_unneeded(lay: Layout, books: Books) -> None:
+    """Zero-byte helpers no recomputed consumer needs any more are simply kept (free)."""
+    for j in reversed(range(lay.n)):
+        if books.rec[j] and lay.tbytes[j] == 0 and not any(books.rec[c] for c in lay.consumers[j]):
+            apply_keep(lay, books, [j])

@@ -1,0 +1,193 @@
+"""HEU's realisation of a replicated representative policy on the full stage model.
+
+The representative's recompute decisions hold for every family layer; its prefetches are
+placed window by window in time order (:func:`fill`: clusters that must share a window move
+together with their not-yet-placed inputs; exact peak bookkeeping), inputs that an
+on-demand consumer of another group reads are prefetched or kept
+(:func:`prefetch_needed`), then HEU keeps more where memory is left (:func:`keep_more`) and
+moves on-demand recompute into windows with room (the most recompute per prefetched byte
+first), in both orders (:func:`realise`).
+
+Example::
+
+    >>> from lynx.solvers.opt import model_from_problem
+    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.heu_books import Layout
+    >>> from lynx.solvers.heu_realise import realise
+    >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=0.001)
+    >>> lay = Layout(model_from_problem(p))
+    >>> [b.peak() <= p.activation_budget_bytes for b in realise(lay, [True] * lay.n, p.activation_budget_bytes,
+    ...                                                        lambda c, cl: True)]
+    [True, True]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lynx.solvers.heu_books import CAPACITY_SLACK, Books, Layout, clusters_of, repair_order, with_prereqs
+
+__all__ = ["realise", "fill", "prefetch_needed", "keep_more"]
+
+Wanted = Callable[[int, list[int]], bool]  # (class, cluster) -> place it in this pass
+
+
+def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted) -> list[Books | None]:
+    """The replicated policy ``rec`` on the full model: designated prefetches, then fill and
+    keep more — keeping after filling, and keeping first (None where that order fails)."""
+    out_saved = lay.out_saved
+    changed = True
+    while changed:  # inputs that do not keep their output are dropped with their consumer
+        changed = False
+        for i in range(lay.n):
+            if rec[i]:
+                for u in lay.srcs[i]:
+                    if not rec[u] and not out_saved[u]:
+                        rec[u] = changed = True
+    books = Books(lay, rec)
+    clusters = clusters_of(lay, rec)
+    fill(lay, books, clusters, budget, wanted=designated)
+    if not prefetch_needed(lay, books, clusters, budget):
+        return [None, None]
+    results: list[Books | None] = []
+    for keep_first in (False, True):
+        b = books.copy() if not keep_first else books
+        if keep_first:
+            keep_more(lay, b, clusters_of(lay, b.rec), budget)
+        fill(lay, b, clusters_of(lay, b.rec), budget, wanted=None)
+        if not keep_first:
+            keep_more(lay, b, clusters_of(lay, b.rec), budget)
+        repair_order(lay, b)
+        ok = prefetch_needed(lay, b, clusters_of(lay, b.rec), budget) and b.peak() <= budget
+        results.append(b if ok else None)
+    return results
+
+
+def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, wanted: Wanted | None) -> None:
+    """Place clusters into windows in time order: inputs first, capacity and budget respected."""
+    cluster_of = {i: cl for cl in clusters for i in cl}
+    cost = {cl[0]: lay.cost(cl) for cl in clusters}
+    group = lay.group
+    # Layers served by the fewest windows first: the last layer of the forward can use only
+    # the windows before its backward, the first layer every one of them.
+    by_need = sorted(clusters, key=lambda cl: (-group[cl[0]], cl[0]))
+    # Windows any layer can use take the most recompute time per prefetched byte first.
+    by_value = sorted(clusters, key=lambda cl: (-cost[cl[0]] / max(1, lay.nbytes(cl)), cl[0]))
+    wbytes, in_flight = lay.wbytes, lay.in_flight
+    for c, cls in enumerate(lay.classes):
+        where, load = books.where[c], books.load[c]
+        for k, cap in enumerate(cls.capacities):
+            elig = cls.eligible[k]
+            limit = cap * CAPACITY_SLACK
+            for cl in (by_value if elig is None else by_need):
+                if where[cl[0]] is not None or (wanted is not None and not wanted(c, cl)):
+                    continue
+                if elig is not None and any(i not in elig for i in cl):
+                    continue
+                if load[k] + cost[cl[0]] > limit:
+                    continue  # prerequisites only add to the cost
+                unit = with_prereqs(lay, books, c, cl, cluster_of)
+                if unit is cl:
+                    unit_cost = cost[cl[0]]
+                else:
+                    if elig is not None and any(i not in elig for i in unit):
+                        continue
+                    unit_cost = lay.cost(unit)
+                    if load[k] + unit_cost > limit:
+                        continue
+                # Cheap bound first: placing never raises the on-demand term.
+                added = sum(wbytes[i] for i in unit)
+                bound = in_flight * books.kept + max(max(books.P), books.P[c] + added) + max(books.tmax())
+                if bound <= budget or books.peak_if_placed(c, unit) <= budget:
+                    books.place(c, k, unit)
+
+
+def prefetch_needed(lay: Layout, books: Books, clusters: list[list[int]], budget: int) -> bool:
+    """Inputs read across groups by an on-demand consumer must be prefetched (or kept).
+
+    Place such clusters in any eligible window of the classes that lack them (overflow is
+    exposed, as on demand would be), else keep them. False when neither fits the budget.
+    """
+    rec, inputs = books.rec, lay.inputs
+    crossed = {u for i in range(lay.n) if rec[i] for u, cross in inputs[i] if cross and rec[u]}
+    if not crossed:
+        return True
+    for cl in clusters:
+        if not crossed.intersection(cl) or not rec[cl[0]]:
+            continue
+        members = set(cl)
+        for c, cls in enumerate(lay.classes):
+            where = books.where[c]
+            if where[cl[0]] is not None:
+                continue
+            consumers_on_demand = any(
+                rec[i] and where[i] is None and any(u in members and cross for u, cross in inputs[i])
+                for i in range(lay.n)
+            )
+            if not consumers_on_demand:
+                continue
+            latest = min((where[j] for j in range(lay.n) if rec[j] and where[j] is not None
+                          and any(u in members for u in lay.srcs[j])), default=len(cls.capacities))
+            spots = [k for k, e in enumerate(cls.eligible) if k <= latest and (e is None or all(i in e for i in cl))]
+            inputs_ok = all(not rec[u] or u in members or where[u] is not None for i in cl for u in lay.srcs[i])
+            if spots and inputs_ok and books.peak_if_placed(c, cl) <= budget:
+                k = max(spots, key=lambda q: cls.capacities[q] - books.load[c][q])
+                books.place(c, k, cl)
+                continue
+            if not all(lay.out_saved[i] for i in cl if i in crossed):
+                return False
+            for c2 in range(len(lay.classes)):  # keep it: undo its placements, stop dropping it
+                for i in cl:
+                    if books.where[c2][i] is not None:
+                        books.P[c2] -= lay.wbytes[i]
+                        books.load[c2][books.where[c2][i]] -= lay.wcost[i]
+                        books.where[c2][i] = None
+                    else:
+                        books.T[c2][lay.group[i]] -= lay.tbytes[i]
+            books.changed()
+            books.kept += lay.nbytes(cl)
+            for i in cl:
+                rec[i] = False
+            if books.peak() > budget:
+                return False
+            break
+    return True
+
+
+def keep_more(lay: Layout, books: Books, clusters: list[list[int]], budget: int) -> None:
+    """Un-drop on-demand clusters with the best exposed-time saving per byte while memory lasts."""
+    rec, out_saved, classes = books.rec, lay.out_saved, range(len(lay.classes))
+    cluster_id = {i: k for k, cl in enumerate(clusters) for i in cl}
+    consumers_outside: set[int] = set()
+    for i in range(lay.n):
+        if rec[i]:
+            for u in lay.srcs[i]:
+                if u in cluster_id and cluster_id.get(i) != cluster_id[u] and not out_saved[u]:
+                    consumers_outside.add(u)
+    scored = []
+    for cl in clusters:
+        if any(i in consumers_outside for i in cl):
+            continue
+        saving = sum(lay.counts[c] * lay.cost(cl) for c in classes if books.where[c][cl[0]] is None)
+        if saving > 0:
+            scored.append((-saving / max(lay.nbytes(cl), 1), cl))
+    scored.sort(key=lambda t: (t[0], t[1][0]))
+    group, tbytes = lay.group, lay.tbytes
+    for _, cl in scored:
+        if any(books.where[c][cl[0]] is not None for c in classes):
+            continue
+        nbytes = lay.nbytes(cl)
+        for tc in books.T:
+            for i in cl:
+                tc[group[i]] -= tbytes[i]
+        books.changed()
+        books.kept += nbytes
+        if books.peak() <= budget:
+            for i in cl:
+                rec[i] = False
+        else:
+            books.kept -= nbytes
+            for tc in books.T:
+                for i in cl:
+                    tc[group[i]] += tbytes[i]
+            books.changed()
