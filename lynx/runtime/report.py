@@ -36,6 +36,9 @@ class RunSummary:
     budget_bytes: int | None = None
     exposed_s: float = 0.0                          # per step, summed over stages (median replica)
     hidden_s: float = 0.0
+    compute_s: dict[int, float] = field(default_factory=dict)    # stage -> forward + backward + recompute
+    predicted_compute_s: dict[int, float] = field(default_factory=dict)
+    sync_s: dict[int, float] = field(default_factory=dict)       # stage -> optimizer step and its collectives
 
     @property
     def step_ratio(self) -> float | None:
@@ -59,7 +62,16 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
     hidden = statistics.median(sum(s.recompute_hidden_s for s in ranks) / dp for ranks in timed)
     summary = RunSummary(step_s=step_s, predicted_step_s=None, peak_saved_bytes=peaks, exposed_s=exposed,
                          hidden_s=hidden)
+    for stage in peaks:
+        summary.compute_s[stage] = statistics.median(
+            max(s.forward_s + s.backward_s + s.recompute_hidden_s + s.recompute_window_exposed_s
+                for s in ranks if s.stage == stage) for ranks in timed)
+        summary.sync_s[stage] = statistics.median(max(s.wait_sync_s for s in ranks if s.stage == stage)
+                                                  for ranks in timed)
     if plan is not None:
+        for device, kind, begin, end in plan.timeline:
+            if kind in ("compute", "recompute"):
+                summary.predicted_compute_s[device] = summary.predicted_compute_s.get(device, 0.0) + end - begin
         summary.predicted_step_s = plan.predicted.step_time_s
         summary.predicted_activation_bytes = {sp.index: sp.activation_bytes for sp in plan.stages}
         summary.budget_bytes = plan.stages[0].budget_bytes if plan.stages else None
@@ -83,6 +95,12 @@ def format_summary(summary: RunSummary, plan: Any = None) -> str:
         lines.append(f"recompute per step: measured exposed {summary.exposed_s * 1e3:.1f} ms, hidden "
                      f"{summary.hidden_s * 1e3:.1f} ms; predicted exposed {p.exposed_recompute_s * 1e3:.1f} ms, "
                      f"hidden {p.hidden_recompute_s * 1e3:.1f} ms")
+    for stage in sorted(summary.compute_s):
+        line = f"stage {stage} compute (forward, backward, recompute): measured {summary.compute_s[stage] * 1e3:.1f} ms"
+        if summary.predicted_compute_s.get(stage):
+            line += (f", predicted {summary.predicted_compute_s[stage] * 1e3:.1f} ms (measured/predicted "
+                     f"{summary.compute_s[stage] / summary.predicted_compute_s[stage]:.2f})")
+        lines.append(line + f"; optimizer step + data-parallel sync {summary.sync_s[stage] * 1e3:.1f} ms")
     for stage in sorted(summary.peak_saved_bytes):
         line = f"stage {stage} peak activations: measured {_mib(summary.peak_saved_bytes[stage])}"
         ratio = summary.memory_ratio(stage)
