@@ -180,34 +180,38 @@ def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> str | N
 
 
 # ----------------------------------------------------------------------------- training
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
+@dataclasses.dataclass
+class Setup:
+    """What every rank agreed on before the first step."""
+
+    plan: Any
+    spec: Any
+    settings: dict[str, Any]
+    meta: dict[str, Any]
+    device: torch.device
+    resume_from: str | None
+
+
+def setup(args: argparse.Namespace) -> Setup:
+    """Check the flags, start the process group and agree on the plan and resume point (no training)."""
+    from lynx.data import StdlibBatches
+    from lynx.plan import Plan
     from lynx.runtime.launch import WorkerSpec
     from lynx.runtime.pipeline import RuntimeConfig
-    from lynx.runtime.report import format_summary, run_summary
-    from lynx.runtime.stats import format_stats
-    from lynx.data import StdlibBatches
-    from lynx.runtime.topology import make_topology
-    from lynx.runtime.trainer import RankTrainer
 
     if args.steps < 1:
         raise LynxConfigError(f"--steps must be >= 1, got {args.steps}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise LynxConfigError("--checkpoint-every and --resume need --checkpoint-dir")
-    saved_config = None
-    if args.plan is not None:
-        from lynx.plan import Plan
-
-        saved_config = Plan.load(args.plan).config   # a missing or corrupt file stops here, on every rank
+    # a missing or corrupt plan file stops here, on every rank, before any process group
+    saved_config = Plan.load(args.plan).config if args.plan is not None else None
     pp, dp = mesh_from_env(args, saved_config)
     cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     torch.set_num_threads(args.threads)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=max(60.0, args.timeout_s)))
-    rank = dist.get_rank()
     settings = plan_settings(args, pp, dp, saved_config, device)
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
 
@@ -216,10 +220,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr))
 
     plan_json, resume_from = decided_by_rank0(decide)
-    from lynx.plan import Plan
-
     plan = Plan.from_json(plan_json)
-    meta = run_meta(args, plan, settings, lr)
     spec = WorkerSpec(
         build=functools.partial(build_model, args.model, args.seq, args.microbatch, str(device)),
         pp=pp, dp=dp, plan=plan, steps=args.steps, seed=args.seed, threads=args.threads,
@@ -228,23 +229,29 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         batches=StdlibBatches(("idx", "targets"), batch=args.microbatch, seq=args.seq, seed=args.seed),
         optimizer=functools.partial(make_optimizer, settings["optimizer"], lr),
         lr_schedule=functools.partial(warmup_lr, lr))
-    topo = make_topology(pp, dp, device_type=device.type)
+    return Setup(plan, spec, settings, run_meta(args, plan, settings, lr), device, resume_from)
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from lynx.runtime.topology import make_topology
+    from lynx.runtime.trainer import RankTrainer
+
+    run = setup(args)
+    spec, m, rank = run.spec, run.settings["microbatches"], dist.get_rank()
+    topo = make_topology(spec.pp, spec.dp, device_type=run.device.type)
     trainer = RankTrainer(spec, topo)
-    start = load_checkpoint(trainer, resume_from) if resume_from else 0
+    start = load_checkpoint(trainer, run.resume_from) if run.resume_from else 0
     if rank == 0:
-        _say(f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, pp {pp} × dp {dp}, "
-             f"{settings['microbatches']} microbatches, {settings['optimizer']} lr {lr:g}, budget "
-             f"{format_size(plan.stages[0].budget_bytes)} per device: recomputes {sum(d.action == 'recompute' for sp in plan.stages for d in sp.decisions)} "
-             f"nodes; predicted step {plan.predicted.step_time_s * 1e3:.1f} ms"
-             + (f"; resuming from {resume_from}" if resume_from else ""))
-    tokens = dp * settings["microbatches"] * args.microbatch * args.seq
-    log: dict[str, Any] = {"meta": meta, "start_step": start, "steps": []}
+        _say(_banner(args, run, start))
+    tokens = spec.dp * m * args.microbatch * args.seq
+    log: dict[str, Any] = {"meta": run.meta, "start_step": start, "steps": []}
     history: list[Any] = []
     progress = _Progress(rank == 0, args.steps, start)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         stats = trainer.step(step)
-        losses, exposed, hidden = _global_losses(stats, topo, settings["microbatches"])
+        losses, exposed, hidden = _global_losses(stats, topo, m, run.device)
         wall = time.perf_counter() - t0
         history.append(stats)
         record = {"step": step, "loss": sum(losses) / len(losses), "losses": losses, "wall_s": wall,
@@ -252,35 +259,59 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         log["steps"].append(record)
         progress.update(step, record, tokens / wall)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            saved = save_checkpoint(trainer, args.checkpoint_dir, meta)
+            saved = save_checkpoint(trainer, args.checkpoint_dir, run.meta)
             if rank == 0 and saved is not None:
                 progress.note(f"checkpoint {saved}")
         if rank == 0 and args.log_json:
             _write_json(args.log_json, log)
     progress.close()
     trainer.close()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, history)
-    if rank == 0 and history:
-        per_step = [[ranks[i] for ranks in everyone] for i in range(len(history))]
-        summary = run_summary(per_step, plan)
-        print(format_stats(per_step[-1], plan))
-        print(format_summary(summary, plan))
-        log["summary"] = dataclasses.asdict(summary)
-        log["per_rank"] = _per_rank_medians(per_step)
-        if args.log_json:
-            _write_json(args.log_json, log)
+    _finish(args, run.plan, history, log)
     return log
 
 
-def _global_losses(stats: Any, topo: Any, m: int) -> tuple[list[float], float, float]:
+def _banner(args: argparse.Namespace, run: Setup, start: int) -> str:
+    plan, s = run.plan, run.settings
+    recomputed = sum(d.action == "recompute" for sp in plan.stages for d in sp.decisions)
+    return (f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, "
+            f"pp {s['pp']} × dp {s['dp']}, {s['microbatches']} microbatches, {s['optimizer']} lr {run.meta['lr']:g}, "
+            f"budget {format_size(plan.stages[0].budget_bytes)} per device: {recomputed} nodes recomputed, "
+            f"predicted step {plan.predicted.step_time_s * 1e3:.1f} ms"
+            + (f"; resuming from {run.resume_from} at step {start}" if run.resume_from else ""))
+
+
+def _finish(args: argparse.Namespace, plan: Any, history: list[Any], log: dict[str, Any]) -> None:
+    """Rank 0 prints the plan's predictions beside what every rank measured."""
+    from lynx.runtime.report import format_summary, run_summary
+    from lynx.runtime.stats import format_stats
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, history)
+    if dist.get_rank() != 0:
+        return
+    if not history:
+        _say(f"nothing to train: the run is already at step {log['start_step']} of --steps {args.steps}")
+        return
+    per_step = [[ranks[i] for ranks in everyone] for i in range(len(history))]
+    summary = run_summary(per_step, plan)
+    print(format_stats(per_step[-1], plan))
+    print(format_summary(summary, plan), flush=True)
+    log["summary"] = dataclasses.asdict(summary)
+    log["per_rank"] = _per_rank_medians(per_step)
+    if args.log_json:
+        _write_json(args.log_json, log)
+
+
+def _global_losses(stats: Any, topo: Any, m: int, device: torch.device) -> tuple[list[float], float, float]:
     """Every replica's microbatch losses (exact: summed with zeros) and the recompute seconds."""
-    dp, pp = topo.dp, topo.pp
+    dp = topo.dp
     buf = torch.zeros(dp * m + 2, dtype=torch.float64)
     if stats.losses:
         buf[topo.dp_rank * m: (topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float64)
     buf[-2], buf[-1] = stats.exposed_recompute_s / dp, stats.recompute_hidden_s / dp
+    buf = buf.to(device)   # NCCL reduces device tensors only
     dist.all_reduce(buf)
+    buf = buf.cpu()
     return buf[:-2].tolist(), float(buf[-2]), float(buf[-1])
 
 
