@@ -24,9 +24,15 @@ import math
 
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "packed_bytes"]
+__all__ = ["pack_bits", "unpack_bits", "packed_bytes", "gather_flags", "spread_flags"]
 
 _BYTE_WIDTHS = (1, 2, 4, 8)  # widths that pack whole values into each byte
+# Eight 0/1 bytes read as one little-endian int64 x = Σ b_j·2^(8j): x·GATHER puts Σ b_j·2^j in
+# the top byte (the partial products never carry into it). SPREAD does the reverse.
+_GATHER = 0x0102040810204080
+_SPREAD_SELECT = -0x7FBFDFEFF7FBFDFF  # 0x8040201008040201 as int64: byte j keeps bit j
+_ONES = 0x0101010101010101
+_SEVENS = 0x7F7F7F7F7F7F7F7F
 
 
 def packed_bytes(count: int, bits: int) -> int:
@@ -41,6 +47,27 @@ def _shift_or_columns(cols: torch.Tensor, bits: int) -> torch.Tensor:
     for j in range(per - 2, -1, -1):
         out.bitwise_left_shift_(bits).bitwise_or_(cols[:, j])
     return out
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous with a storage offset that allows a view as int64."""
+    x = x.contiguous()
+    return x if x.storage_offset() % 8 == 0 else x.clone()
+
+
+def gather_flags(flags: torch.Tensor) -> torch.Tensor:
+    """``(8m,)`` uint8 0/1 flags → ``(m,)`` bytes, flag ``j`` of each eight at bit ``j``."""
+    words = _aligned(flags).view(torch.int64)  # (m,) eight flags each
+    # int64 products wrap; the top byte (all we keep) is exact.
+    return words.mul(_GATHER).bitwise_right_shift_(56).to(torch.uint8)  # (m,)
+
+
+def spread_flags(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`gather_flags`: ``(..., m)`` bytes → ``(..., 8m)`` uint8 0/1 flags."""
+    words = packed.to(torch.int64).mul_(_ONES).bitwise_and_(_SPREAD_SELECT)  # byte j: bit j or 0
+    # Byte j is 0 or 2^j: adding 0x7F sets its top bit iff it was non-zero, without a carry.
+    flags = words.add_(_SEVENS).bitwise_right_shift_(7).bitwise_and_(_ONES)  # (..., m) 0/1 bytes
+    return flags.view(torch.uint8)  # (..., 8m)
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -63,6 +90,8 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
             small = torch.cat([small, small.new_zeros(pad)])
         if per == 1:
             return small.clone() if small.data_ptr() == flat.data_ptr() else small
+        if per == 8:
+            return gather_flags(small)  # (ceil(n/8),)
         return _shift_or_columns(small.reshape(-1, per), bits)  # (ceil(n/per),)
     # Bit planes: (n, bits) of 0/1, then 8 planes per byte.
     wide = torch.int32 if bits <= 31 else torch.int64
@@ -71,7 +100,7 @@ def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-planes.numel()) % 8
     if pad:
         planes = torch.cat([planes, planes.new_zeros(pad)])
-    return _shift_or_columns(planes.reshape(-1, 8), 1)  # (ceil(n·bits/8),)
+    return gather_flags(planes)  # (ceil(n·bits/8),)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -85,6 +114,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int, dtype: torch.dtype 
         per = 8 // bits
         if per == 1:
             return packed[..., :count].to(dtype)
+        if per == 8:
+            return spread_flags(packed)[..., :count].to(dtype)
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)  # (per,)
         values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., nbytes, per)
         return values.reshape(*lead, packed.shape[-1] * per)[..., :count].to(dtype)

@@ -37,11 +37,13 @@ Example::
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any, Callable, Iterable
 
 import torch
 
 from lynx.errors import LynxConfigError
+from lynx.optim.bitpack import gather_flags
 from lynx.optim.buckets import (
     DEFAULT_BUCKET_BYTES,
     BucketedOptimizer,
@@ -52,7 +54,7 @@ from lynx.optim.buckets import (
     unpack_bits,
 )
 
-__all__ = ["DistributedLion", "lion_wire_bytes", "shard_splits"]
+__all__ = ["DistributedLion", "lion_wire_bytes", "shard_splits", "majority_bits"]
 
 MODES = ("mavo", "avg")
 
@@ -99,6 +101,48 @@ def lion_wire_bytes(
     return {"sent": sent, "received": received, "collectives": collectives, "buckets": len(buckets)}
 
 
+def _alternate(parity: int) -> int:
+    """Packed byte whose bit ``j`` is set iff ``(j + parity)`` is even: 0x55 or 0xAA."""
+    return 0x55 if parity % 2 == 0 else 0xAA
+
+
+@lru_cache(maxsize=8)
+def _sign_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(256, 8)``: row ``b`` holds ``±1`` for the eight bits of byte ``b``, LSB first."""
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1  # (256, 8)
+    return (bits * 2 - 1).to(dtype=dtype, device=device)
+
+
+def majority_bits(ballots: torch.Tensor, tie: int = 0) -> torch.Tensor:
+    """Bitwise majority of ``W`` packed vote rows ``(W, m)`` → ``(m,)`` packed result.
+
+    Bit ``j`` of the result is set iff more than half the rows have it set; on an exact tie
+    (even ``W``) it is bit ``j`` of the byte ``tie``. Counts are kept as bit planes (a
+    ripple-carry adder on whole bytes), so the vote costs ``O(W·log W)`` byte-wide ops on
+    ``m`` bytes, never one op per bit.
+    """
+    world = ballots.shape[0]
+    planes: list[torch.Tensor] = []  # planes[i]: bit i of each position's count of set bits
+    for r in range(world):
+        carry = ballots[r]
+        for i, plane in enumerate(planes):
+            planes[i], carry = plane ^ carry, plane & carry
+        if len(planes) < (r + 1).bit_length():
+            planes.append(carry)
+    half = world // 2
+    above = torch.zeros_like(ballots[0])  # count > half, decided from the top bit down
+    equal = torch.full_like(ballots[0], 0xFF)  # count == half so far
+    for i in range(len(planes) - 1, -1, -1):
+        if (half >> i) & 1:
+            equal &= planes[i]
+        else:
+            above |= equal & planes[i]
+            equal &= ~planes[i]
+    if world % 2 == 0 and tie:
+        above |= equal & tie
+    return above
+
+
 class DistributedLion(BucketedOptimizer):
     """Lion with a majority-vote (1 bit each way) or averaged update across ranks.
 
@@ -132,7 +176,6 @@ class DistributedLion(BucketedOptimizer):
             raise LynxConfigError(f"DistributedLion: unknown mode {mode!r}; use one of {', '.join(MODES)}")
         self.mode = mode
         self.avg_gather_below = AVG_GATHER_BELOW  # "avg": all-gather codes below this W, else all-reduce
-        self._parity_cache: dict[tuple[str, int], torch.Tensor] = {}
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), process_group, bucket_bytes)
 
     def _state(self, i: int) -> dict[str, torch.Tensor]:
@@ -142,17 +185,12 @@ class DistributedLion(BucketedOptimizer):
             state["step"] = torch.zeros((), dtype=torch.int64)
         return state
 
-    def _parity(self, n: int, odd: int, device: torch.device) -> torch.Tensor:
-        """``(j + odd) % 2 == 0`` for ``j < n``, as bool — the zero-vote and tie patterns."""
-        key = (str(device), odd)
-        cached = self._parity_cache.get(key)
-        if cached is None or cached.numel() < n:
-            cached = torch.arange(n, device=device).add_(odd).remainder_(2).eq_(0)  # (n,)
-            self._parity_cache[key] = cached
-        return cached[:n]
+    def _signs(self, members: list[int], sign: bool = True) -> torch.Tensor:
+        """Lion's ``β1·m + (1−β1)·g`` for a bucket, flat, and step the momenta.
 
-    def _signs(self, members: list[int]) -> torch.Tensor:
-        """Lion's per-rank update ``δ = sign(β1·m + (1−β1)·g)`` of a bucket, flat; steps the momenta."""
+        With ``sign`` the result is ``δ = sign(·)``; without, only its sign is meaningful (it is
+        exact where the parameter's dtype is the bucket's, and already ``δ`` elsewhere).
+        """
         params = [self._params[i] for i in members]
         dtype = params[0].dtype
         for p in params[1:]:
@@ -164,24 +202,24 @@ class DistributedLion(BucketedOptimizer):
             beta1, beta2 = self._group_of[i]["betas"]
             m, n = state["exp_avg"], p.numel()
             out = delta[offset : offset + n].view(p.shape)
-            if m.dtype == dtype and m.is_contiguous():
+            if m.dtype == dtype:
                 torch.mul(m, beta1, out=out).add_(grad, alpha=1 - beta1)  # signed below, all at once
             else:  # computed in the parameter's own dtype, as Lion does
                 out.copy_(m.mul(beta1).add_(grad, alpha=1 - beta1).sign_())
             m.mul_(beta2).add_(grad, alpha=1 - beta2)
             state["step"] += 1
             offset += n
-        return delta.sign_()  # (N,) in {-1, 0, 1}
+        return delta.sign_() if sign else delta  # (N,)
 
     def _launch_bucket(self, bucket: int) -> Callable[[], None]:
         members = self.buckets[bucket]
         step = int(self._state(members[0])["step"])
-        delta = self._signs(members)  # (N,)
         world = self.comm.world_size
+        if world > 1 and self.mode == "mavo":
+            return self._launch_mavo(members, self._signs(members, sign=False), step)
+        delta = self._signs(members)  # (N,) in {-1, 0, 1}
         if world == 1:
             return lambda: self._apply(members, delta)
-        if self.mode == "mavo":
-            return self._launch_mavo(members, delta, step)
         return self._launch_avg(members, delta)
 
     def _apply(self, members: list[int], update: torch.Tensor) -> None:
@@ -195,11 +233,16 @@ class DistributedLion(BucketedOptimizer):
             p.add_(update[offset : offset + n].view(p.shape).to(p.dtype), alpha=-group["lr"])
             offset += n
 
-    def _launch_mavo(self, members: list[int], delta: torch.Tensor, step: int) -> Callable[[], None]:
-        world, rank, n, device = self.comm.world_size, self.comm.rank, delta.numel(), delta.device
-        # An exact zero votes by alternation: +1 iff (j + step + rank) is even.
-        ballot = torch.where(delta == 0, self._parity(n, (step + rank) % 2, device), delta > 0)  # (N,) bool
-        votes = pack_bits(ballot, bits=1)  # (ceil(N/8),)
+    def _launch_mavo(self, members: list[int], signal: torch.Tensor, step: int) -> Callable[[], None]:
+        """Majority vote on packed bits; ``signal`` has the sign of each rank's δ."""
+        world, rank, n, device = self.comm.world_size, self.comm.rank, signal.numel(), signal.device
+        flags = torch.zeros(math.ceil(n / 8) * 8, dtype=torch.bool, device=device)  # (8·ceil(N/8),)
+        torch.gt(signal, 0, out=flags[:n])
+        votes = gather_flags(flags.view(torch.uint8))  # (ceil(N/8),) δ = +1
+        torch.eq(signal, 0, out=flags[:n])
+        zeros = gather_flags(flags.view(torch.uint8))  # δ = 0
+        # An exact zero votes by alternation: +1 iff (j + step + rank) is even (bytes start at even j).
+        votes |= zeros & _alternate(step + rank)
         splits = shard_splits(votes.numel(), world)
         mine, widest = splits[rank], max(splits)
         received = torch.empty(world * mine, dtype=torch.uint8, device=device)  # (W·s_r,)
@@ -210,15 +253,13 @@ class DistributedLion(BucketedOptimizer):
             work.wait()
             start = sum(splits[:rank])  # first byte of my shard
             bits = min(mine * 8, max(0, n - start * 8))  # valid bits in my shard
-            ballots = unpack_bits(received.view(world, mine), bits=1, count=bits, dtype=torch.uint8)  # (W, bits)
-            ups = ballots.sum(dim=0, dtype=torch.int32)  # (bits,) ranks voting +1; Σδ = 2·ups − W
-            # A tie (Σδ = 0, even W) goes to +1 iff (j + step) is even; start·8 is even.
-            tie_up = self._parity(bits, step % 2, device)
-            result = ups > world // 2  # (bits,) Σδ > 0
-            if world % 2 == 0:
-                result = torch.where(ups == world // 2, tie_up, result)
+            ballots = received.view(world, mine)  # (W, s_r) packed votes
+            # A tie (Σδ = 0, even W) goes to +1 iff (j + step) is even.
+            result = majority_bits(ballots, tie=_alternate(step) if world % 2 == 0 else 0)  # (s_r,)
+            if bits < mine * 8:  # bits past the bucket's end stay zero, as the packer leaves them
+                result[bits // 8] &= (1 << (bits % 8)) - 1
             shard = torch.zeros(widest, dtype=torch.uint8, device=device)  # (max s,)
-            shard[:mine] = pack_bits(result, bits=1)[:mine]
+            shard[:mine] = result
             everyone = torch.empty((world, widest), dtype=torch.uint8, device=device)
             state["work"] = self.comm.all_gather(everyone, shard)
             state["everyone"] = everyone
@@ -232,9 +273,8 @@ class DistributedLion(BucketedOptimizer):
                 packed = everyone.view(-1)  # (ceil(N/8),)
             else:
                 packed = torch.cat([everyone[r, : splits[r]] for r in range(world)])  # (ceil(N/8),)
-            bits = unpack_bits(packed, bits=1, count=n, dtype=torch.uint8)  # (N,) 1 = +1
-            update = bits.to(delta.dtype).mul_(2).sub_(1)  # (N,) in {-1, 1}, exact
-            self._apply(members, update)
+            update = _sign_table(signal.dtype, device).index_select(0, packed.to(torch.int32))  # (ceil(N/8), 8)
+            self._apply(members, update.view(-1)[:n])  # (N,) in {-1, 1}
 
         # The vote and the second collective start as soon as the first one lands, when the
         # caller waits on this bucket; finish() waits on buckets in order, so every rank
