@@ -139,7 +139,7 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     best: Books | None = None
     for rep_rec, rep_where in policies:
         base = [rep_rec[to_red[i]] for i in range(lay.n)]
-        designated = lambda c, cl, w=rep_where: w[c][to_red[cl[0]]] is not None  # noqa: E731
+        designated = [[where[to_red[i]] is not None for i in range(lay.n)] for where in rep_where]
         for books in realise(lay, base, budget, designated):
             if books is not None and (best is None or books.exposed() < best.exposed() - 1e-12):
                 best = books

@@ -87,12 +87,13 @@ class Layout:
 class Books:
     """One partial plan on a :class:`Layout` with its exact peak-memory totals."""
 
-    __slots__ = ("lay", "rec", "where", "kept", "P", "T", "load", "_tmax")
+    __slots__ = ("lay", "rec", "where", "kept", "P", "T", "load", "_tmax", "_tops")
 
     def __init__(self, lay: Layout, rec: list[bool], *, _empty: bool = False) -> None:
         self.lay = lay
         self.rec = rec
-        self._tmax: list[int] | None = None
+        self._tmax: list[int] | None = None  # per class: largest on-demand group bytes
+        self._tops: list[tuple[int, int | None, int]] | None = None  # per class: see tops()
         if _empty:
             return
         n, classes = lay.n, lay.classes
@@ -114,18 +115,32 @@ class Books:
         other.P = list(self.P)
         other.T = [dict(t) for t in self.T]
         other.load = [list(ld) for ld in self.load]
-        other._tmax = None if self._tmax is None else list(self._tmax)
+        if self._tmax is not None:
+            other._tmax, other._tops = list(self._tmax), list(self._tops)
         return other
 
     def changed(self) -> None:
         """Call after changing T directly (the per-class maxima are cached)."""
-        self._tmax = None
+        self._tmax = self._tops = None
 
     def tmax(self) -> list[int]:
         """Largest on-demand group bytes per class."""
         if self._tmax is None:
-            self._tmax = [max(t.values(), default=0) for t in self.T]
+            self._tops = [_tops_of(t) for t in self.T]
+            self._tmax = [t[0] for t in self._tops]
         return self._tmax
+
+    def tops(self, c: int) -> tuple[int, int | None, int]:
+        """Class c's largest on-demand group bytes, its group, and the largest of the others."""
+        if self._tops is None:
+            self.tmax()
+        return self._tops[c]
+
+    def _retop(self, c: int) -> None:
+        """Class c's T changed: refresh its cached maxima (if cached)."""
+        if self._tmax is not None:
+            self._tops[c] = top = _tops_of(self.T[c])
+            self._tmax[c] = top[0]
 
     def peak(self) -> int:
         return self.lay.in_flight * self.kept + max(self.P, default=0) + max(self.tmax(), default=0)
@@ -183,7 +198,18 @@ class Books:
             self.P[c] += lay.wbytes[i]
             tc[lay.group[i]] -= lay.tbytes[i]
             load[k] += lay.wcost[i]
-        self._tmax = None
+        self._retop(c)  # only class c's maxima moved
+
+
+def _tops_of(tc: dict[int, int]) -> tuple[int, int | None, int]:
+    """(largest value, its key, largest of the other values); 0 and None when empty (bytes >= 0)."""
+    top, top_group, second = 0, None, 0
+    for g, v in tc.items():
+        if v > top:
+            top, top_group, second = v, g, top
+        elif v > second:
+            second = v
+    return top, top_group, second
 
 
 def clusters_of(lay: Layout, rec: list[bool]) -> list[list[int]]:
@@ -249,17 +275,29 @@ def first_window(lay: Layout, books: Books, c: int, cl: list[int], cost: float) 
     return None
 
 
+def _tmax_after(books: Books, c: int, drop: dict[int, int]) -> int:
+    """Class c's largest on-demand group bytes after lowering groups by ``drop``."""
+    tc = books.T[c]
+    if len(drop) == 1:
+        top, top_group, second = books.tops(c)
+        for g, d in drop.items():
+            if g != top_group:
+                return top  # another group holds the maximum
+            return max(second, tc[g] - d)
+    return max((v - drop.get(g, 0) for g, v in tc.items()), default=0)
+
+
 def peak_if_placed_all(lay: Layout, books: Books, spots: list[tuple[int, int, list[int]]]) -> int:
     """The peak after prefetching each (class, window, unit) of ``spots`` (not applied)."""
     P = list(books.P)
     tmax = list(books.tmax())
     wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
     for c, _, unit in spots:
-        P[c] += sum(wbytes[i] for i in unit)
         drop: dict[int, int] = {}
         for i in unit:
+            P[c] += wbytes[i]
             drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
-        tmax[c] = max((v - drop.get(g, 0) for g, v in books.T[c].items()), default=0)
+        tmax[c] = _tmax_after(books, c, drop)
     return lay.in_flight * books.kept + max(P, default=0) + max(tmax, default=0)
 
 
@@ -281,10 +319,7 @@ def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
                 drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
         if p > pmax:
             pmax = p
-        if drop is None:
-            t = tmax[c]
-        else:
-            t = max((v - drop.get(g, 0) for g, v in books.T[c].items()), default=0)
+        t = tmax[c] if drop is None else _tmax_after(books, c, drop)
         if t > tmax_all:
             tmax_all = t
     return lay.in_flight * (books.kept + nbytes) + pmax + tmax_all
@@ -306,7 +341,7 @@ def apply_keep(lay: Layout, books: Books, cl: list[int]) -> None:
     books.kept += sum(wbytes[i] for i in cl)
     for i in cl:
         books.rec[i] = False
-    books._tmax = None
+    books.changed()
 
 
 def unplace(lay: Layout, books: Books, c: int, i: int) -> None:
@@ -317,7 +352,7 @@ def unplace(lay: Layout, books: Books, c: int, i: int) -> None:
     tc = books.T[c]
     tc[lay.group[i]] = tc.get(lay.group[i], 0) + lay.tbytes[i]
     books.load[c][k] -= lay.wcost[i]
-    books._tmax = None
+    books._retop(c)  # only class c's maxima moved
 
 
 def repair_order(lay: Layout, books: Books) -> None:

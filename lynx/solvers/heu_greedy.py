@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 from lynx.solvers.heu_books import (
+    CAPACITY_SLACK,
     Books,
     Layout,
     apply_keep,
@@ -74,6 +75,7 @@ def greedy(lay: Layout, budget: int) -> Books | None:
         return None
     rec = books.rec
     counts, wcost, classes = lay.counts, lay.wcost, range(len(lay.classes))
+    srcs, out_saved, wheres = lay.srcs, lay.out_saved, books.where
     while True:
         now = books.peak()
         best, best_key = None, (0.0, 0.0)
@@ -82,11 +84,14 @@ def greedy(lay: Layout, budget: int) -> Books | None:
         for i in range(lay.n):
             if not rec[i]:
                 continue
-            unit = _keep_unit(lay, rec, i)
-            gain = sum(
-                counts[c] * sum(wcost[j] for j in unit if books.where[c][j] is None)
-                for c in classes
-            )
+            if out_saved[i]:
+                unit = [i]
+                gain = 0  # Σ_c |c| · (cost if on demand for c), summed as below for a longer unit
+                for c in classes:
+                    gain += counts[c] * (wcost[i] if wheres[c][i] is None else 0)
+            else:
+                unit = _keep_unit(lay, rec, i)
+                gain = sum(counts[c] * sum(wcost[j] for j in unit if wheres[c][j] is None) for c in classes)
             if gain <= 0:
                 continue
             after = peak_if_kept(lay, books, unit)
@@ -94,29 +99,67 @@ def greedy(lay: Layout, budget: int) -> Books | None:
                 key = _ratio(gain, after - now)
                 if key > best_key:
                     best, best_key = ("keep", unit, None), key
+        # Peak after placing a cluster in class c, from per-iteration maxima (no calls)
+        base = lay.in_flight * books.kept
+        p_other = _max_excluding(books.P)
+        tmax = books.tmax()
+        t_other = _max_excluding(tmax)
         for cl in clusters:
-            spots = []  # (class, window, items) where the cluster could go now, with its prerequisites
+            members = set(cl)
+            outside = [u for i in cl for u in srcs[i] if rec[u] and u not in members]
+            cl_cost = lay.cost(cl)
+            cl_bytes = lay.nbytes(cl)
+            drop = None
+            spots = []  # (class, window, items, cost) where the cluster could go now, with its prerequisites
             for c in classes:
-                if books.where[c][cl[0]] is not None:
+                where = wheres[c]
+                if where[cl[0]] is not None:
                     continue
-                unit = with_prereqs(lay, books, c, cl, cluster_of)
-                cost = lay.cost(unit)
-                k = first_window(lay, books, c, unit, cost)
-                if k is None or cost <= 0:
-                    continue
-                spots.append((c, k, unit))
-                after = books.peak_if_placed(c, unit)
+                ready = 0  # earliest window all recomputed inputs are placed by (None: one is not)
+                for u in outside:
+                    w = where[u]
+                    if w is None:
+                        ready = None
+                        break
+                    if w > ready:
+                        ready = w
+                if ready is None:  # prefetch the missing inputs with it
+                    unit = with_prereqs(lay, books, c, cl, cluster_of)
+                    cost = lay.cost(unit)
+                    k = first_window(lay, books, c, unit, cost)
+                    if k is None or cost <= 0:
+                        continue
+                    after = books.peak_if_placed(c, unit)
+                else:
+                    unit, cost = cl, cl_cost
+                    k = _first_fit(lay, books, c, cl, cost, ready) if cost > 0 else None
+                    if k is None:
+                        continue
+                    p = books.P[c] + cl_bytes
+                    if p_other[c] > p:
+                        p = p_other[c]
+                    t = t_other[c]
+                    if tmax[c] > t:  # class c's on-demand maximum may drop below it
+                        if drop is None:
+                            drop = _group_bytes(lay, cl)
+                        for g, v in books.T[c].items():
+                            v -= drop.get(g, 0)
+                            if v > t:
+                                t = v
+                    after = base + p + t
+                spots.append((c, k, unit, cost))
                 if after <= budget:
                     key = _ratio(counts[c] * cost, after - now)
                     if key > best_key:
                         best, best_key = ("place", None, [(c, k, unit)]), key
             if len(spots) > 1:  # prefetching in every class at once: P is a max over classes
-                after = peak_if_placed_all(lay, books, spots)
-                gain_all = sum(counts[c] * lay.cost(unit) for c, _, unit in spots)
+                placed = [(c, k, unit) for c, k, unit, _ in spots]
+                after = peak_if_placed_all(lay, books, placed)
+                gain_all = sum(counts[c] * cost for c, _, _, cost in spots)
                 if after <= budget:
                     key = _ratio(gain_all, after - now)
                     if key > best_key:
-                        best, best_key = ("place", None, spots), key
+                        best, best_key = ("place", None, placed), key
         if best is None:
             return books
         kind, unit, spots = best
@@ -126,6 +169,39 @@ def greedy(lay: Layout, budget: int) -> Books | None:
         else:
             for c, k, unit in spots:
                 books.place(c, k, unit)
+
+
+def _max_excluding(values: list[int]) -> list[int]:
+    """Per position, the largest of the other values (0 when there are none)."""
+    top = second = 0
+    for v in values:
+        if v > top:
+            top, second = v, top
+        elif v > second:
+            second = v
+    return [second if v == top else top for v in values]
+
+
+def _group_bytes(lay: Layout, unit: list[int]) -> dict[int, int]:
+    """On-demand bytes of ``unit`` per group."""
+    out: dict[int, int] = {}
+    for i in unit:
+        out[lay.group[i]] = out.get(lay.group[i], 0) + lay.tbytes[i]
+    return out
+
+
+def _first_fit(lay: Layout, books: Books, c: int, cl: list[int], cost: float, ready: int) -> int | None:
+    """Earliest window of class c from ``ready`` on with room and eligibility for ``cl``
+    (what :func:`first_window` finds when every input is placed by window ``ready``)."""
+    cls = lay.classes[c]
+    load = books.load[c]
+    for k in range(ready, len(cls.capacities)):
+        if load[k] + cost > cls.capacities[k] * CAPACITY_SLACK:
+            continue
+        elig = cls.eligible[k]
+        if elig is None or all(i in elig for i in cl):
+            return k
+    return None
 
 
 def reverse_greedy(lay: Layout, budget: int) -> Books | None:

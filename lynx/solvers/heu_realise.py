@@ -16,20 +16,18 @@ Example::
     >>> from lynx.solvers.heu_realise import realise
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=0.001)
     >>> lay = Layout(model_from_problem(p))
-    >>> [b.peak() <= p.activation_budget_bytes for b in realise(lay, [True] * lay.n, p.activation_budget_bytes,
-    ...                                                        lambda c, cl: True)]
+    >>> anywhere = [[True] * lay.n for _ in lay.classes]
+    >>> [b.peak() <= p.activation_budget_bytes for b in realise(lay, [True] * lay.n, p.activation_budget_bytes, anywhere)]
     [True, True]
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from lynx.solvers.heu_books import CAPACITY_SLACK, Books, Layout, clusters_of, repair_order, with_prereqs
 
 __all__ = ["realise", "fill", "prefetch_needed", "keep_more"]
 
-Wanted = Callable[[int, list[int]], bool]  # (class, cluster) -> place it in this pass
+Wanted = list[list[bool]]  # per class, per item: place the cluster it heads in this pass
 
 
 def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted) -> list[Books | None]:
@@ -64,42 +62,50 @@ def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted) -> li
 
 
 def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, wanted: Wanted | None) -> None:
-    """Place clusters into windows in time order: inputs first, capacity and budget respected."""
+    """Place clusters into windows in time order: inputs first, capacity and budget respected.
+
+    ``wanted[c][i]``: place the cluster whose first item is i in class c in this pass (None:
+    every cluster)."""
     cluster_of = {i: cl for cl in clusters for i in cl}
-    cost = {cl[0]: lay.cost(cl) for cl in clusters}
-    group = lay.group
+    group, wbytes, in_flight = lay.group, lay.wbytes, lay.in_flight
     # Layers served by the fewest windows first: the last layer of the forward can use only
     # the windows before its backward, the first layer every one of them.
     by_need = sorted(clusters, key=lambda cl: (-group[cl[0]], cl[0]))
     # Windows any layer can use take the most recompute time per prefetched byte first.
-    by_value = sorted(clusters, key=lambda cl: (-cost[cl[0]] / max(1, lay.nbytes(cl)), cl[0]))
-    wbytes, in_flight = lay.wbytes, lay.in_flight
+    cost_of = {cl[0]: lay.cost(cl) for cl in clusters}
+    by_value = sorted(clusters, key=lambda cl: (-cost_of[cl[0]] / max(1, lay.nbytes(cl)), cl[0]))
+    orders = {}
+    # Upper bounds on the peak's terms while only placing: P only grows, T only shrinks.
+    p_max, t_max = max(books.P, default=0), max(books.tmax(), default=0)
     for c, cls in enumerate(lay.classes):
-        where, load = books.where[c], books.load[c]
+        where, load, want = books.where[c], books.load[c], wanted[c] if wanted is not None else None
         for k, cap in enumerate(cls.capacities):
             elig = cls.eligible[k]
             limit = cap * CAPACITY_SLACK
-            for cl in (by_value if elig is None else by_need):
-                if where[cl[0]] is not None or (wanted is not None and not wanted(c, cl)):
-                    continue
+            key = elig is None
+            if key not in orders:
+                order = by_value if elig is None else by_need
+                orders[key] = (order, [cost_of[cl[0]] for cl in order])
+            order, costs = orders[key]
+            for cl, cost in zip(order, costs):
+                first = cl[0]
+                if where[first] is not None or load[k] + cost > limit or (want is not None and not want[first]):
+                    continue  # (prerequisites only add to the cost)
                 if elig is not None and any(i not in elig for i in cl):
                     continue
-                if load[k] + cost[cl[0]] > limit:
-                    continue  # prerequisites only add to the cost
                 unit = with_prereqs(lay, books, c, cl, cluster_of)
-                if unit is cl:
-                    unit_cost = cost[cl[0]]
-                else:
+                if unit is not cl:
                     if elig is not None and any(i not in elig for i in unit):
                         continue
-                    unit_cost = lay.cost(unit)
-                    if load[k] + unit_cost > limit:
+                    cost = lay.cost(unit)
+                    if load[k] + cost > limit:
                         continue
                 # Cheap bound first: placing never raises the on-demand term.
                 added = sum(wbytes[i] for i in unit)
-                bound = in_flight * books.kept + max(max(books.P), books.P[c] + added) + max(books.tmax())
+                bound = in_flight * books.kept + max(p_max, books.P[c] + added) + t_max
                 if bound <= budget or books.peak_if_placed(c, unit) <= budget:
                     books.place(c, k, unit)
+                    p_max = max(p_max, books.P[c])
 
 
 def prefetch_needed(lay: Layout, books: Books, clusters: list[list[int]], budget: int) -> bool:
