@@ -101,9 +101,12 @@ def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, bud
     for s in range(pipe.pp):
         names = stage_nodes(graph, pipe, s)
         members = set(names)
+        # who saves each output: the profile's names hold only in an unfolded graph
+        savers_known = not graph.graph.get("folded")
         nodes = []
         for n in names:
             attrs = graph.nodes[n]
+            saved_by = attrs.get("output_saved_by") if savers_known else None
             nodes.append(ProblemNode(
                 name=n,
                 saved_bytes=-(-int(attrs.get("saved_bytes", 0)) // tp),
@@ -113,6 +116,7 @@ def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, bud
                 layer=attrs.get("layer"),
                 layer_class=str(attrs.get("layer_class", "")),
                 core_attention=bool(attrs.get("core_attention", False)),
+                saved_by=None if saved_by is None else tuple(v for v in saved_by if v in members),
             ))
         windows = tuple(
             ProblemWindow(id=w.id, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,

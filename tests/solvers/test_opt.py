@@ -17,6 +17,7 @@ from lynx.solvers.problem import (
     exposed_recompute_s,
     make_uniform_problem,
     peak_activation_bytes,
+    peak_upper_bound_bytes,
     validate,
 )
 from lynx.errors import LynxPlanError
@@ -25,7 +26,7 @@ SMALL = dict(layers=3, microbatches=6, in_flight=3, recv_grad_capacity_s=[0.004,
 
 
 def _brute_force(p: StageProblem) -> float:
-    """Least exposed time over every valid assignment that fits (tiny problems only)."""
+    """Least exposed time over every valid assignment within the bound the solvers enforce."""
     names = [n.name for n in p.nodes]
     best = float("inf")
     for mask in itertools.product((False, True), repeat=len(names)):
@@ -39,7 +40,7 @@ def _brute_force(p: StageProblem) -> float:
         for combo in itertools.product(*per_node_choices):
             window_of = {(name, mb): w for name, ws in zip(rec, combo) for mb, w in enumerate(ws) if w is not None}
             a = Assignment(frozenset(rec), window_of)
-            if peak_activation_bytes(p, a) > p.activation_budget_bytes:
+            if peak_upper_bound_bytes(p, a) > p.activation_budget_bytes:
                 continue
             try:
                 validate(p, a)

@@ -1,0 +1,348 @@
+"""The CP-SAT model of a stage (OPT, Checkmate, and HEU's fallback): build it, solve it.
+
+:func:`solve_model` builds, over a :class:`~lynx.solvers.opt_model.StageModel`:
+
+* ``r[i]`` — item i is recomputed; ``x[c, i, k]`` — for class c it is recomputed in the
+  class's k-th window (else on demand: ``od[c, i] = r[i] − Σ_k x[c, i, k]``).
+* validity: an input that does not keep its output must be recomputed with its consumer; a
+  recomputed input must be placed no later than its consumer (windows in time order, on
+  demand last; an input of an earlier group is regenerated on demand only *after* its
+  consumer's group, so it must be kept or prefetched).
+* memory — the bound :func:`lynx.solvers.memory.peak_upper_bound_bytes` defines, never
+  below the runtime's peak: ``in_flight·kept + P + T ≤ budget`` with ``P ≥ prefetched(c)``
+  and ``T ≥ on-demand bytes of any group`` for every class (the accounting HEU's books
+  keep), and, per class c and group g (layer or edge block, forward order),
+  ``(in_flight − 1)·kept + kept(≤ g) + held(> g) + prefetched_c(≤ g) + on-demand_c(g) +
+  early_c(g) ≤ budget``, where ``held`` counts kept inputs of recomputed items and kept stage
+  outputs (the runtime holds both to the end of the backward) and ``early`` an on-demand item of an earlier group
+  whose output g saves, with its on-demand ancestors (regenerated during g's backward).
+  HEU's reduced models (items with ``mult > 1``, standing for several groups) use the first
+  form only.
+* window capacity is soft: ``o[c, k] ≥ load − capacity`` counts as exposed.
+* objective: ``Σ_c |c| · (Σ_i cost_i · od[c, i] + Σ_k o[c, k])`` (or the peak, for
+  ``minimise="memory"``).
+
+Times are scaled to integers relative to the stage's recompute total, bytes to the tensor
+sizes' common divisor when that is at least ``budget / 2**26`` (exact), else to a unit of
+``budget / 2**26`` rounded up (so a model solution never exceeds the exact budget).
+
+Example::
+
+    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.opt_model import model_from_problem
+    >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=1.0)
+    >>> sol = solve_model(model_from_problem(p), time_limit_s=10.0)
+    >>> sol.status
+    'OPTIMAL'
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from ortools.sat.python import cp_model
+
+from lynx.solvers.opt_model import ModelSolution, StageModel
+
+__all__ = ["solve_model", "ProgressFn", "RELATIVE_GAP"]
+
+# OPTIMAL means proven within this relative gap (the customary MIP tolerance, as Gurobi's
+# and CPLEX's defaults); the exact gap is reported in SolveResult.gap.
+RELATIVE_GAP = 1e-4
+
+ProgressFn = Callable[[float, float, float], None]  # (elapsed_s, objective_s, bound_s)
+
+
+def _free_items(model: StageModel) -> list[bool]:
+    """Items worth deciding: dropping them frees memory, or a consumer may need them dropped."""
+    needed_by_drop = [False] * len(model.items)
+    for item in model.items:
+        for src, _ in item.inputs:
+            if not model.items[src].output_saved:
+                needed_by_drop[src] = True
+    # a stage output (sent) keeps its bytes whatever the plan does: never worth dropping
+    free = [(it.saved_bytes > 0 and not it.sent) or needed_by_drop[i] for i, it in enumerate(model.items)]
+    # Propagate: a zero-byte item is free only if a free consumer could force it.
+    changed = True
+    while changed:
+        changed = False
+        forced = [False] * len(model.items)
+        for i, item in enumerate(model.items):
+            if free[i]:
+                for src, _ in item.inputs:
+                    if not model.items[src].output_saved:
+                        forced[src] = True
+        for i, item in enumerate(model.items):
+            if free[i] and item.saved_bytes == 0 and not forced[i]:
+                free[i] = False
+                changed = True
+    return free
+
+
+def _byte_unit(model: StageModel) -> int:
+    """Bytes per model memory unit: exact when the tensor sizes allow it, else coarse.
+
+    Real tensor sizes share a large power-of-two factor (8 KiB on GPT stages), usually
+    coarser than ``budget / 2**26``; with that common divisor as the unit every item's bytes
+    are exact and ``peak <= budget`` holds in units exactly when it holds in bytes, so a plan
+    that fits the budget to the byte (e.g. `full` at a budget of its own peak) stays feasible.
+    Otherwise bytes round up per item (never optimistic), which may reject a plan within a
+    few KiB of the budget.
+    """
+    coarse = max(1, model.budget_bytes // 2**26, max((it.mult * it.saved_bytes for it in model.items), default=1) // 2**40)
+    common = math.gcd(*(it.saved_bytes for it in model.items))
+    return common if common >= coarse else coarse
+
+
+def solve_model(
+    model: StageModel,
+    *,
+    time_limit_s: float,
+    minimise: str = "exposed",
+    hint: tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]] | None = None,
+    progress: ProgressFn | None = None,
+    workers: int = 1,
+    deterministic_limit: float | None = None,
+) -> ModelSolution:
+    """Build and solve the CP-SAT model; ``minimise`` is "exposed" or "memory" (no budget).
+
+    ``deterministic_limit`` caps CP-SAT's deterministic time (work units independent of
+    machine load), so a short search gives the same answer on every run.
+    """
+    start = time.perf_counter()
+    items, classes = model.items, model.classes
+    total_cost = sum(it.mult * it.recompute_s for it in items) or 1.0
+    tau = total_cost / 1e6  # seconds per time unit
+    unit = _byte_unit(model)
+    mem_w = [-(-it.mult * it.saved_bytes // unit) for it in items]  # ceil: never optimistic
+    mem_t = [-(-it.saved_bytes // unit) for it in items]
+    cost = [round(it.mult * it.recompute_s / tau) for it in items]
+    budget = model.budget_bytes // unit
+    total_w = sum(mem_w)
+
+    m = cp_model.CpModel()
+    free = _free_items(model)
+    r = [m.new_bool_var(f"r{i}") if free[i] else m.new_constant(0) for i in range(len(items))]
+    x: list[dict[tuple[int, int], cp_model.IntVar]] = []
+    od: list[list] = []
+    for c, cls in enumerate(classes):
+        xc = {}
+        for k, elig in enumerate(cls.eligible):
+            for i in range(len(items)):
+                if free[i] and (elig is None or i in elig):
+                    xc[i, k] = m.new_bool_var(f"x{c}_{i}_{k}")
+        x.append(xc)
+        odc = []
+        for i in range(len(items)):
+            placed = [xc[i, k] for k in range(len(cls.capacities)) if (i, k) in xc]
+            if placed:
+                m.add(sum(placed) <= r[i])
+            odc.append(r[i] - sum(placed))
+        od.append(odc)
+
+    for i, item in enumerate(items):
+        if not free[i]:
+            continue
+        for u, cross in item.inputs:
+            if not items[u].output_saved:
+                m.add_implication(r[i], r[u]) if free[u] else m.add(r[i] == 0)
+            if not free[u]:
+                continue  # kept forever: available whenever its output is saved
+            if not items[u].output_saved:
+                # Its output is not a saved tensor, so nothing accounts for it living across
+                # windows: it runs in the same window as each recomputed consumer.
+                for c, cls in enumerate(classes):
+                    xc = x[c]
+                    for k in range(len(cls.capacities)):
+                        if (i, k) in xc:
+                            m.add(xc[i, k] <= xc[u, k]) if (u, k) in xc else m.add(xc[i, k] == 0)
+                    m.add(od[c][i] <= od[c][u])
+                continue
+            for c, cls in enumerate(classes):
+                xc = x[c]
+                for k in range(len(cls.capacities)):
+                    if (i, k) in xc:  # placed in window k: u kept or placed in a window <= k
+                        before = [xc[u, q] for q in range(k + 1) if (u, q) in xc]
+                        m.add(xc[i, k] <= 1 - r[u] + sum(before))
+                if cross:  # on demand for c: u kept or prefetched for c
+                    upre = [xc[u, q] for q in range(len(cls.capacities)) if (u, q) in xc]
+                    m.add(od[c][i] <= 1 - r[u] + sum(upre))
+
+    # memory
+    peaks = [_coarse_peak(m, model, free, r, x, od, mem_w, mem_t)]
+    if all(it.mult == 1 for it in items):
+        peaks += _group_peaks(m, model, free, r, x, od, mem_w)
+
+    # exposed time
+    exposed_terms = []
+    for c, cls in enumerate(classes):
+        terms = [cost[i] * od[c][i] for i in range(len(items)) if free[i] and cost[i]]
+        for k, cap in enumerate(cls.capacities):
+            load = [cost[i] * v for (i, q), v in x[c].items() if q == k and cost[i]]
+            if load:
+                ov = m.new_int_var(0, sum(cost), f"o{c}_{k}")
+                m.add(ov >= sum(load) - round(cap / tau))
+                terms.append(ov)
+        if terms:
+            exposed_terms.append(cls.count * sum(terms))
+    exposed = sum(exposed_terms) if exposed_terms else 0
+
+    if minimise == "memory":
+        peak = m.new_int_var(0, (model.in_flight + 3) * total_w + 1, "peak")
+        for bound in peaks:
+            m.add(peak >= bound)
+        m.minimize(peak)
+        scale = float(unit)
+    else:
+        for bound in peaks:
+            m.add(bound <= budget)
+        m.minimize(exposed)
+        scale = tau
+
+    if hint is not None:
+        rec, plc = hint
+        for i in range(len(items)):
+            if free[i]:
+                m.add_hint(r[i], bool(rec[i]))
+        for c, xc in enumerate(x):
+            for (i, k), v in xc.items():
+                m.add_hint(v, plc[c][i] == k)
+
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.001, time_limit_s - (time.perf_counter() - start))
+    solver.parameters.num_workers = workers
+    if deterministic_limit is not None:
+        solver.parameters.max_deterministic_time = deterministic_limit
+    solver.parameters.random_seed = 0
+    solver.parameters.relative_gap_limit = RELATIVE_GAP
+    solver.parameters.linearization_level = 2  # cuts: proves these knapsack-like models far faster
+    if workers > 1:
+        solver.parameters.interleave_search = True  # deterministic with several workers
+    callback = _Progress(progress, scale, start) if progress else None
+    code = solver.solve(m, callback) if callback else solver.solve(m)
+    status = solver.status_name(code)
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        bound = solver.best_objective_bound * scale if code == cp_model.UNKNOWN else math.inf
+        return ModelSolution(status, (), (), math.inf, bound, time.perf_counter() - start)
+    rec = tuple(bool(solver.value(v)) for v in r)
+    placement = []
+    for c, cls in enumerate(classes):
+        where = [None] * len(items)
+        for (i, k), v in x[c].items():
+            if solver.value(v):
+                where[i] = k
+        placement.append(tuple(where))
+    return ModelSolution(
+        status,
+        rec,
+        tuple(placement),
+        solver.objective_value * scale,
+        solver.best_objective_bound * scale,
+        time.perf_counter() - start,
+    )
+
+
+class _Progress(cp_model.CpSolverSolutionCallback):
+    def __init__(self, fn: ProgressFn, scale: float, start: float) -> None:
+        super().__init__()
+        self._fn, self._scale, self._start = fn, scale, start
+
+    def on_solution_callback(self) -> None:
+        self._fn(time.perf_counter() - self._start, self.objective_value * self._scale, self.best_objective_bound * self._scale)
+
+
+def _coarse_peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t):
+    """in_flight · kept + max prefetched + max on-demand group: for HEU's reduced models,
+    whose replicated items stand for several groups at once."""
+    items, classes = model.items, model.classes
+    P = m.new_int_var(0, sum(mem_w), "prefetched")
+    T = m.new_int_var(0, max(sum(mem_t), 0), "transient")
+    groups: dict[int, list[int]] = {}
+    for i, item in enumerate(items):
+        if free[i] and mem_t[i] > 0:
+            groups.setdefault(item.group, []).append(i)
+    for c in range(len(classes)):
+        if x[c]:
+            m.add(P >= sum(mem_w[i] * v for (i, _), v in x[c].items()))
+    for members in groups.values():
+        if classes:
+            for c in range(len(classes)):
+                m.add(T >= sum(mem_t[i] * od[c][i] for i in members))
+        else:
+            m.add(T >= sum(mem_t[i] * r[i] for i in members))
+    return model.in_flight * (sum(mem_w) - sum(mem_w[i] * r[i] for i in range(len(items)) if free[i])) + P + T
+
+
+def _group_peaks(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem):
+    """One bound per (class, group) on the peak during that group's backward (module docstring)."""
+    items, f = model.items, model.in_flight
+    n_groups = max((it.group for it in items), default=-1) + 1
+    in_group: list[list[int]] = [[] for _ in range(n_groups)]
+    for i, it in enumerate(items):
+        if mem[i] > 0:
+            in_group[it.group].append(i)
+    # kept bytes per group, and kept inputs of recomputed items (held to the end of the backward)
+    kept, held = [], []
+    for g, members in enumerate(in_group):
+        total = sum(mem[i] for i in members)
+        k = m.new_int_var(0, total, f"kept{g}")
+        m.add(k == sum(mem[i] * (1 - r[i]) for i in members))
+        kept.append(k)
+        held.append(m.new_int_var(0, total, f"held{g}"))
+    consumers: list[list[int]] = [[] for _ in items]
+    for c, it in enumerate(items):
+        for u, _ in it.inputs:
+            consumers[u].append(c)
+    held_terms: list[list] = [[] for _ in range(n_groups)]
+    for g, members in enumerate(in_group):
+        for i in members:
+            readers = [c for c in consumers[i] if free[c]]
+            if items[i].sent:
+                held_terms[g].append(mem[i] * (1 - r[i]))
+            elif readers:
+                h = m.new_int_var(0, mem[i], f"h{i}")
+                for c in readers:
+                    m.add(h >= mem[i] * (r[c] - r[i]))
+                held_terms[g].append(h)
+        m.add(held[g] == sum(held_terms[g]))
+    ancestors = [_group_ancestors(items, i) for i in range(len(items))]
+    early_items = [i for i, it in enumerate(items) if free[i] and it.saved_until is not None]
+    on_demand = od if model.classes else [[r[i] for i in range(len(items))]]
+    placements = x if model.classes else [{}]
+    bounds = []
+    for c, odc in enumerate(on_demand):
+        prefetched = []
+        for g, members in enumerate(in_group):
+            terms = [mem[i] * v for (i, _), v in placements[c].items() if items[i].group == g and mem[i] > 0]
+            p = m.new_int_var(0, sum(mem[i] for i in members), f"pf{c}_{g}")
+            m.add(p == sum(terms))
+            prefetched.append(p)
+        early: dict[int, list] = {}
+        for i in early_items:
+            closure = [k for k in ancestors[i] | {i} if mem[k] > 0 and free[k]]
+            reach = sum(mem[k] for k in closure)
+            if not reach:
+                continue
+            u = m.new_int_var(0, reach, f"early{c}_{i}")
+            m.add(u >= sum(mem[k] * odc[k] for k in closure) - reach * (1 - odc[i]))
+            for g in range(items[i].group + 1, items[i].saved_until + 1):
+                early.setdefault(g, []).append(u)
+        for g, members in enumerate(in_group):
+            bounds.append(f * sum(kept[: g + 1]) + (f - 1) * sum(kept[g + 1:]) + sum(held[g + 1:])
+                          + sum(prefetched[: g + 1]) + sum(mem[i] * odc[i] for i in members)
+                          + sum(early.get(g, [])))
+    return bounds
+
+
+def _group_ancestors(items, i: int) -> set[int]:
+    """Items item i reads, directly or through others, within its own group."""
+    seen: set[int] = set()
+    stack = [i]
+    while stack:
+        for u, cross in items[stack.pop()].inputs:
+            if not cross and items[u].group == items[i].group and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return seen

@@ -1,0 +1,108 @@
+"""Validity of an assignment: what a plan may recompute, where, and in which order.
+
+:func:`validate` raises :class:`~lynx.errors.LynxPlanError` naming the first rule an
+assignment breaks (unknown nodes or windows, a window serving another microbatch or not
+eligible for the node's layer, an input regenerated after its consumer);
+:func:`required_recompute_closure` adds the inputs that must be recomputed with a node
+because they do not keep their output. See :mod:`lynx.solvers.problem` for the conventions.
+
+Example::
+
+    >>> from lynx.solvers.problem import Assignment, make_uniform_problem
+    >>> p = make_uniform_problem(layers=1, microbatches=1, in_flight=1)
+    >>> sorted(required_recompute_closure(p, {"l0.drop1"}))
+    ['l0.drop1', 'l0.proj']
+    >>> validate(p, Assignment(frozenset({"l0.drop1", "l0.proj"})))
+"""
+
+from __future__ import annotations
+
+from lynx.errors import LynxPlanError
+from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem, group_key, group_ranks
+
+__all__ = ["validate", "required_recompute_closure"]
+
+
+def required_recompute_closure(problem: StageProblem, recompute: frozenset[str] | set[str]) -> frozenset[str]:
+    """Smallest superset of ``recompute`` in which every recomputed node's inputs are available.
+
+    An in-stage input that is kept but does not keep its output (``output_saved=False``)
+    cannot feed a recomputation, so it is recomputed too, transitively.
+    """
+    by_name = {n.name: n for n in problem.nodes}
+    closed = set(recompute)
+    stack = list(closed)
+    while stack:
+        node = by_name.get(stack.pop())
+        if node is None:
+            continue
+        for src in node.inputs:
+            producer = by_name.get(src)
+            if producer is not None and not producer.output_saved and src not in closed:
+                closed.add(src)
+                stack.append(src)
+    return frozenset(closed)
+
+
+def validate(problem: StageProblem, assignment: Assignment) -> None:
+    """Raise LynxPlanError naming the first rule the assignment breaks (see PROBLEM_SPEC)."""
+    by_name = {n.name: n for n in problem.nodes}
+    windows = {w.id: (i, w) for i, w in enumerate(problem.windows)}
+    where = f"stage {problem.stage}"
+    unknown = sorted(assignment.recompute - by_name.keys())
+    if unknown:
+        raise LynxPlanError(f"{where}: recompute names nodes not in the stage: {unknown[:5]}")
+    for (name, mb), wid in assignment.window_of.items():
+        if name not in assignment.recompute:
+            raise LynxPlanError(f"{where}: node {name!r} is placed in window {wid!r} but is not recomputed")
+        if not 0 <= mb < problem.microbatches:
+            raise LynxPlanError(f"{where}: node {name!r} placed for microbatch {mb}, stage has {problem.microbatches}")
+        if wid not in windows:
+            raise LynxPlanError(f"{where}: node {name!r} (microbatch {mb}) placed in unknown window {wid!r}")
+        _, window = windows[wid]
+        if window.microbatch != mb:
+            raise LynxPlanError(
+                f"{where}: node {name!r} recomputed for microbatch {mb} in window {wid!r}, "
+                f"which serves microbatch {window.microbatch}"
+            )
+        if not _eligible(by_name[name], window):
+            raise LynxPlanError(
+                f"{where}: node {name!r} (layer {by_name[name].layer}) is not eligible for window {wid!r} "
+                f"(eligible layers {window.eligible_layers})"
+            )
+    ranks = group_ranks(problem)
+
+    def when(node: ProblemNode, mb: int) -> tuple[int, int]:
+        # windows (0, index) precede on-demand (1, -rank): later groups regenerate first
+        w = assignment.window_of.get((node.name, mb))
+        return (0, windows[w][0]) if w is not None else (1, -ranks[group_key(node)])
+
+    for name in assignment.recompute:
+        node = by_name[name]
+        for src in node.inputs:
+            producer = by_name.get(src)
+            if producer is None:
+                continue  # outside the stage: always available
+            if src not in assignment.recompute:
+                if not producer.output_saved:
+                    raise LynxPlanError(
+                        f"{where}: recomputing {name!r} needs the output of {src!r}, which is kept but does "
+                        f"not keep its output (output_saved=False); recompute {src!r} too"
+                    )
+                continue
+            for mb in range(problem.microbatches):
+                if when(producer, mb) > when(node, mb):
+                    w_src = assignment.window_of.get((src, mb))
+                    w_dst = assignment.window_of.get((name, mb))
+                    raise LynxPlanError(
+                        f"{where}: for microbatch {mb}, {name!r} is recomputed "
+                        f"({'on demand, ' + group_key(node) if w_dst is None else 'in ' + w_dst}) before its "
+                        f"input {src!r} is ({'on demand, ' + group_key(producer) if w_src is None else w_src}); "
+                        f"keep {src!r} or prefetch it earlier"
+                    )
+
+
+def _eligible(node: ProblemNode, window: ProblemWindow) -> bool:
+    if window.eligible_layers is None:
+        return True
+    return node.layer is not None and node.layer in window.eligible_layers
