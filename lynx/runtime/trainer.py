@@ -127,7 +127,13 @@ class RankTrainer:
                 if value.data_ptr() != self.tensors[name].data_ptr():
                     self.tensors[name].copy_(value)
         if self.optimizer is not None and state.get("optimizer") is not None:
+            groups = self.optimizer.param_groups
             self.optimizer.load_state_dict(state["optimizer"])
+            # torch replaces the group dicts; keep the originals, which an optimizer may hold on to
+            # (lynx.optim's bucketed optimizers read lr from them), with the loaded values
+            for old, new in zip(groups, self.optimizer.param_groups):
+                old.update(new)
+            self.optimizer.param_groups = groups
         self.next_step = int(state["step"])
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and torch.cuda.is_available():

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 STEPS, EVERY = 6, 4           # one checkpoint, at step 4; the run goes on to step 6
 
 
-def launch(args: list[str], world: int = 2, cwd: Path | None = None, timeout: float = 150.0) -> list[tuple[int, str, str]]:
-    """Run the script on ``world`` ranks; (exit code, stdout, stderr) per rank."""
+def start(args: list[str], world: int = 2, cwd: Path | None = None) -> list[subprocess.Popen]:
+    """Start the script on ``world`` ranks with torchrun's environment."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -32,16 +33,29 @@ def launch(args: list[str], world: int = 2, cwd: Path | None = None, timeout: fl
                    OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, cwd=cwd,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def launch(args: list[str], world: int = 2, cwd: Path | None = None, timeout: float = 150.0) -> list[tuple[int, str, str]]:
+    """Run the script on ``world`` ranks; (exit code, stdout, stderr) per rank."""
+    return launch_many([args], world, cwd, timeout)[0]
+
+
+def launch_many(runs: list[list[str]], world: int = 2, cwd: Path | None = None,
+                timeout: float = 150.0) -> list[list[tuple[int, str, str]]]:
+    """Several independent runs at once (they mostly wait on imports: cheaper side by side)."""
+    started = [start(args, world, cwd) for args in runs]
     out = []
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            out.append((p.returncode, stdout, stderr))
+        for procs in started:
+            out.append([(p.returncode, *p.communicate(timeout=timeout)) for p in procs])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return out
+        for procs in started:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    return [[(p.returncode, stdout, stderr) for p, (_, stdout, stderr) in zip(procs, rows)]
+            for procs, rows in zip(started, out)]
 
 
 def snapshot(path: Path) -> dict[str, str]:
@@ -77,16 +91,26 @@ def test_training_loss_falls_and_reports_plan_vs_measured(full_run) -> None:
     assert not [p for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")]   # no temporary left
 
 
-def test_resume_gives_bitwise_the_same_losses(full_run, tmp_path) -> None:
+def test_killed_run_resumes_with_bitwise_the_same_losses(full_run, tmp_path) -> None:
     tmp, _ = full_run
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(tmp / "ckpt", ckpt)          # a fresh run that only has what the killed one saved
+    procs = start(["--steps", "1000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"])
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpt / "step_2" / "lynx_meta.json").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint written"
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.kill()           # SIGKILL: no clean-up of any kind, possibly in the middle of a save
+            p.communicate()
     result = launch(["--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--resume",
                      "--log-json", str(tmp_path / "resumed.json")])
     assert all(code == 0 for code, _, _ in result), [err[-2000:] for _, _, err in result]
     resumed = json.loads((tmp_path / "resumed.json").read_text())
-    assert resumed["start_step"] == EVERY
-    assert losses(tmp_path / "resumed.json") == losses(tmp / "full.json")[EVERY:]
+    first = resumed["start_step"]
+    assert 2 <= first < STEPS and first % 2 == 0
+    assert losses(tmp_path / "resumed.json") == losses(tmp / "full.json")[first:]
 
 
 def _refused(result: list[tuple[int, str, str]], message: str) -> None:
@@ -119,10 +143,11 @@ def test_plan_for_another_mesh_or_model_is_refused(tmp_path) -> None:
                         optimizer="demo", solver="heu").plan
     plan.save(tmp_path / "dp2.json")
     before = snapshot(tmp_path)
-    _refused(launch(["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--dp", "1"], cwd=tmp_path),
-             "differs in dp: plan 2, now 1")
-    _refused(launch(["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--seq", "32", "--dp", "1"], cwd=tmp_path),
-             "differs in the model graph")
+    other_mesh, other_model = launch_many([["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--dp", "1"],
+                                           ["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--seq", "32",
+                                            "--dp", "1"]], cwd=tmp_path)
+    _refused(other_mesh, "differs in dp: plan 2, now 1")
+    _refused(other_model, "differs in the model graph")
     assert snapshot(tmp_path) == before
 
 
@@ -131,9 +156,9 @@ def test_checkpoint_of_another_configuration_is_refused(full_run, tmp_path) -> N
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tmp / "ckpt", ckpt)
     before = snapshot(ckpt)
-    _refused(launch(["--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "lion",
-                     "--microbatches", "2"], cwd=tmp_path),
-             "optimizer: checkpoint 'demo', this run 'lion'")
-    _refused(launch(["--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"], cwd=tmp_path),
-             "pass --resume to continue")
+    other_config, no_resume = launch_many([
+        ["--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "lion", "--microbatches", "2"],
+        ["--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]], cwd=tmp_path)
+    _refused(other_config, "optimizer: checkpoint 'demo', this run 'lion'")
+    _refused(no_resume, "pass --resume to continue")
     assert snapshot(ckpt) == before

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 import lynx
@@ -32,7 +31,7 @@ def _build():
 
 
 def _lr(step: int) -> float:
-    return 3e-3 * min(1.0, (step + 1) / 2)
+    return 3e-3 / (step + 1)     # changes every step: a resumed optimizer must follow it
 
 
 def _demo(params, group):
@@ -111,6 +110,7 @@ def test_run_summary_against_a_plan() -> None:
             step_time_s, exposed_recompute_s, hidden_recompute_s = 0.1, 0.0, 0.0
 
         stages = []
+        timeline = []
 
     steps = [[StepStats(rank=r, stage=r, dp_rank=0, step_s=t + r * 0.01, peak_saved_bytes=100 * (r + 1))
               for r in range(2)] for t in (1.0, 0.1, 0.12, 0.11)]
