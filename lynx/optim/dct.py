@@ -145,21 +145,36 @@ def chunk_view(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return x.view(rows // cr, cr, cols // cc, cc).permute(0, 2, 1, 3)  # (R, C, cr, cc)
 
 
-def encode_chunks(blocks: torch.Tensor) -> torch.Tensor:
-    """DCT-II of a stack of chunks ``(N, c)`` or ``(N, cr, cc)``: returns ``(N, chunk_elements)``."""
+def encode_chunks(blocks: torch.Tensor, mid: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """DCT-II of a stack of chunks ``(N, c)`` or ``(N, cr, cc)``: returns ``(N, chunk_elements)``.
+
+    ``mid`` (``blocks``' shape) and ``out`` (``(N, chunk_elements)``) are optional reusable
+    buffers. The ops are exactly those ``dr @ blocks @ dc.T`` dispatches to (a batched matmul
+    of the expanded left factor, then one matmul over all rows), so results match it bitwise.
+    """
     if blocks.dim() == 2:
         d = dct_matrix(blocks.shape[1], blocks.dtype, blocks.device)
-        return blocks @ d.T  # (N, c)
+        return torch.mm(blocks, d.T, out=out)  # (N, c)
     n, cr, cc = blocks.shape
     dr, dc = dct_matrix(cr, blocks.dtype, blocks.device), dct_matrix(cc, blocks.dtype, blocks.device)
-    return (dr @ blocks @ dc.T).reshape(n, cr * cc)  # (N, cr·cc)
+    left = torch.bmm(dr.expand(n, cr, cr), blocks, out=mid)  # (N, cr, cc)
+    result = torch.mm(left.view(n * cr, cc), dc.T, out=None if out is None else out.view(n * cr, cc))
+    return result.view(n, cr * cc)  # (N, cr·cc)
 
 
-def decode_chunks(coeffs: torch.Tensor, chunk_shape: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of :func:`encode_chunks`: ``(N, chunk_elements)`` → ``(N, *chunk_shape)``."""
+def decode_chunks(
+    coeffs: torch.Tensor, chunk_shape: tuple[int, ...], mid: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of :func:`encode_chunks`: ``(N, chunk_elements)`` → ``(N, *chunk_shape)``.
+
+    ``mid`` and ``out`` are optional reusable ``(N, *chunk_shape)`` buffers.
+    """
     if len(chunk_shape) == 1:
         d = dct_matrix(chunk_shape[0], coeffs.dtype, coeffs.device)
-        return coeffs @ d  # (N, c)
+        return torch.mm(coeffs, d, out=out)  # (N, c)
     cr, cc = chunk_shape
+    n = coeffs.shape[0]
     dr, dc = dct_matrix(cr, coeffs.dtype, coeffs.device), dct_matrix(cc, coeffs.dtype, coeffs.device)
-    return dr.T @ coeffs.reshape(-1, cr, cc) @ dc  # (N, cr, cc)
+    left = torch.bmm(dr.T.expand(n, cr, cr), coeffs.view(n, cr, cc), out=mid)  # (N, cr, cc)
+    result = torch.mm(left.view(n * cr, cc), dc, out=None if out is None else out.view(n * cr, cc))
+    return result.view(n, cr, cc)  # (N, cr, cc)

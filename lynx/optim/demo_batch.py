@@ -52,6 +52,12 @@ class ChunkGroup:
     bit_pos: torch.Tensor  # (N·k·bits,) bit positions in the row's index region
     first_byte: torch.Tensor  # (span, N·k) row bytes each index is read from
     shift: torch.Tensor  # (N·k,) bit offset of each index in its first byte
+    # Reused every step: chunk stack, a zero (N, E) canvas for scattered coefficients (put
+    # back to zero after use) and a zero per-coefficient sender count.
+    blocks: torch.Tensor | None = None
+    canvas: torch.Tensor | None = None
+    senders: torch.Tensor | None = None
+    work: dict[str, torch.Tensor] | None = None  # DCT intermediates and outputs, (N, ...) each
 
 
 class BucketKernel:
@@ -112,17 +118,19 @@ class BucketKernel:
         lo, hi = self.index_range
         planes = torch.zeros((hi - lo) * 8, dtype=torch.uint8, device=device)  # (index bits,)
         for g in self.groups:
-            blocks = torch.empty((g.n_chunks, *g.chunk_shape), dtype=g.dtype, device=device)  # (N, cr, cc)
+            blocks, canvas, _ = _buffers(g, device)
+            work = g.work
             for j, start in zip(g.members, g.starts):
                 tp = plan.tensors[j]
                 blocks[start : start + tp.layout.n_chunks].view(_grid(tp.layout, g.chunk_shape)).copy_(
                     chunk_view(momenta[j].contiguous(), tp.layout)
                 )
-            coeffs = encode_chunks(blocks)  # (N, E)
-            idx = coeffs.abs().topk(g.k, dim=1, sorted=False).indices  # (N, k)
+            coeffs = encode_chunks(blocks, mid=work["mid"], out=work["coeffs"])  # (N, E)
+            idx = torch.abs(coeffs, out=work["magnitude"]).topk(g.k, dim=1, sorted=False).indices  # (N, k)
             vals = coeffs.gather(1, idx).to(self.value_dtype)  # (N, k)
-            sent = torch.zeros_like(coeffs).scatter_(1, idx, vals.to(coeffs.dtype))  # (N, E)
-            back = decode_chunks(sent, g.chunk_shape)  # (N, cr, cc)
+            canvas.scatter_(1, idx, vals.to(coeffs.dtype))  # what was sent, zeros elsewhere
+            back = decode_chunks(canvas, g.chunk_shape, mid=work["mid"], out=work["back"])  # (N, cr, cc)
+            canvas.scatter_(1, idx, 0.0)
             for j, start in zip(g.members, g.starts):  # error feedback: the rounded values left m
                 tp, m = plan.tensors[j], momenta[j]
                 part = back[start : start + tp.layout.n_chunks].view(_grid(tp.layout, g.chunk_shape))
@@ -159,16 +167,37 @@ class BucketKernel:
             idx = (word >> g.shift) & ((1 << g.bits) - 1)  # (W, N·k)
             vals = vals.view(world, n, k).permute(1, 0, 2).reshape(n, world * k)  # (N, W·k)
             idx = idx.view(world, n, k).permute(1, 0, 2).reshape(n, world * k)  # (N, W·k)
-            elements = 1
-            for s in g.chunk_shape:
-                elements *= s
-            mean = torch.zeros((n, elements), dtype=g.dtype, device=gathered.device)
-            mean.scatter_reduce_(1, idx, vals, reduce="mean", include_self=False)  # (N, E)
-            signs = decode_chunks(mean, g.chunk_shape).sign_()  # (N, cr, cc)
+            # The mean over the ranks that sent each coefficient, as scatter_reduce_(mean,
+            # include_self=False) computes it — (0 + v_r0) + v_r1 ... in rank order, then divided
+            # by the sender count — but only ever touching the W·k coefficients sent per chunk.
+            _, canvas, senders = _buffers(g, gathered.device)
+            canvas.scatter_add_(1, idx, vals)  # (N, E) sums
+            senders.scatter_add_(1, idx, torch.ones_like(vals))  # (N, E) sender counts
+            mean = canvas.gather(1, idx).div_(senders.gather(1, idx))  # (N, W·k)
+            canvas.scatter_(1, idx, mean)
+            senders.scatter_(1, idx, 0.0)
+            work = g.work
+            signs = decode_chunks(canvas, g.chunk_shape, mid=work["mid"], out=work["back"]).sign_()  # (N, cr, cc)
+            canvas.scatter_(1, idx, 0.0)
             for j, start in zip(g.members, g.starts):
                 tp = plan.tensors[j]
                 out[j] = signs[start : start + tp.layout.n_chunks].view(_grid(tp.layout, g.chunk_shape))
         return out
+
+
+def _buffers(g: ChunkGroup, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group's reusable chunk stack ``(N, cr, cc)``, zero canvas and zero counts ``(N, E)``."""
+    if g.blocks is None or g.blocks.device != device:
+        g.blocks = torch.empty((g.n_chunks, *g.chunk_shape), dtype=g.dtype, device=device)
+        g.canvas = torch.zeros((g.n_chunks, g.blocks[0].numel()), dtype=g.dtype, device=device)
+        g.senders = torch.zeros_like(g.canvas)
+        g.work = {
+            "mid": torch.empty_like(g.blocks),
+            "back": torch.empty_like(g.blocks),
+            "coeffs": torch.empty_like(g.canvas),
+            "magnitude": torch.empty_like(g.canvas),
+        }
+    return g.blocks, g.canvas, g.senders
 
 
 def _grid(layout, chunk_shape: tuple[int, ...]) -> tuple[int, ...]:
