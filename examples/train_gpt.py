@@ -382,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         if code == 0:
             dist.destroy_process_group()
         else:
+            sys.stdout.flush()
+            sys.stderr.flush()
             os._exit(code)   # peers may be gone: no collective teardown
     return code
 

@@ -2,11 +2,12 @@
 
 Every rank loads the same plan, builds the same model, checks the plan's fingerprint against
 it (and against rank 0's) before anything runs, then trains ``--steps`` steps of its stage and
-prints its measured statistics beside the plan's predictions (rank 0 prints the table).
+prints its measured statistics beside the plan's predictions (rank 0 prints the table). No
+optimizer, data or checkpoints: for training with those see ``examples/train_gpt.py``.
 
 Usage::
 
-    lynx plan gpt-tiny --pp 2 --microbatches 8 --out plan.json        # once
+    lynx plan gpt-tiny --pp 2 --microbatches 8 -o plan.json          # once
     torchrun --nproc-per-node 2 -m lynx.runtime.torchrun gpt-tiny --plan plan.json --steps 3
 """
 
