@@ -247,10 +247,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     tokens = spec.dp * m * args.microbatch * args.seq
     log: dict[str, Any] = {"meta": run.meta, "start_step": start, "steps": []}
     history: list[Any] = []
+    cpu_s: list[float] = []
     progress = _Progress(rank == 0, args.steps, start)
     for step in range(start, args.steps):
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         stats = trainer.step(step)
+        cpu_s.append(time.process_time() - cpu0)   # this process's CPU time: what other load cannot inflate
         losses, exposed, hidden = _global_losses(stats, topo, m, run.device)
         wall = time.perf_counter() - t0
         history.append(stats)
@@ -266,7 +268,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             _write_json(args.log_json, log)
     progress.close()
     trainer.close()
-    _finish(args, run.plan, history, log)
+    _finish(args, run.plan, history, cpu_s, log)
     return log
 
 
@@ -280,24 +282,30 @@ def _banner(args: argparse.Namespace, run: Setup, start: int) -> str:
             + (f"; resuming from {run.resume_from} at step {start}" if run.resume_from else ""))
 
 
-def _finish(args: argparse.Namespace, plan: Any, history: list[Any], log: dict[str, Any]) -> None:
+def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list[float], log: dict[str, Any]) -> None:
     """Rank 0 prints the plan's predictions beside what every rank measured."""
     from lynx.runtime.report import format_summary, run_summary
     from lynx.runtime.stats import format_stats
 
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, history)
+    dist.all_gather_object(everyone, (history, cpu_s))
     if dist.get_rank() != 0:
         return
     if not history:
         _say(f"nothing to train: the run is already at step {log['start_step']} of --steps {args.steps}")
         return
-    per_step = [[ranks[i] for ranks in everyone] for i in range(len(history))]
+    per_step = [[ranks[i] for ranks, _ in everyone] for i in range(len(history))]
     summary = run_summary(per_step, plan)
     print(format_stats(per_step[-1], plan))
-    print(format_summary(summary, plan), flush=True)
+    print(format_summary(summary, plan))
+    cpu = [statistics.median(c[1:] or c) for _, c in everyone]        # per rank, after the warm-up step
+    print(f"CPU time per step, busiest rank: {max(cpu) * 1e3:.1f} ms (the step on cores of its own; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
     log["summary"] = dataclasses.asdict(summary)
     log["per_rank"] = _per_rank_medians(per_step)
+    for row, c in zip(log["per_rank"], cpu):
+        row["cpu_s"] = c
+    log["loadavg"] = os.getloadavg()
     if args.log_json:
         _write_json(args.log_json, log)
 
