@@ -64,6 +64,11 @@ class Pollable:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
+    def block(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for completion (woken at once when it completes, unlike
+        polling with sleeps); never raises — :meth:`wait` reports a failure."""
+        return self._done.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> bool:
         finished = self._done.wait(timeout)
         if self._error is not None:

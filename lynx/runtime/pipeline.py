@@ -34,8 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from lynx.errors import LynxConfigError, LynxError, LynxRuntimeError
 from lynx.runtime.data_parallel import AllReduceSync, BucketLauncher
-from lynx.runtime.faults import FaultMonitor
-from lynx.runtime.p2p import ACT, FLAGS, GRAD, boundary_meta, post_recv, post_send
+from lynx.runtime.faults import FaultMonitor, PeerTimeoutError
+from lynx.runtime.p2p import ACT, FLAGS, GRAD, Pollable, boundary_meta, post_recv, post_send
 from lynx.runtime.schedule import stage_actions
 from lynx.runtime.stats import StepStats
 from lynx.runtime.step import InFlight, as_received, backward_step, forward_step, needs_grad
@@ -55,6 +55,7 @@ class RuntimeConfig(BaseModel):
     loss_scale: float = 1.0
     bucket_bytes: int = Field(1 << 20, gt=0)
     prefetch: bool = True          # False: ignore the plan's windows (everything on demand)
+    trace: bool = False            # record (what, microbatch, start s, end s) per action in StepStats.events
 
 
 class PipelineRunner:
@@ -73,6 +74,7 @@ class PipelineRunner:
         self.send_flags: list[bool] | None = None   # which sent values need a gradient back
         self.recv_flags: list[bool] | None = None
         self._windows = self._index_windows(schedule)
+        self._t0 = time.perf_counter()
         self.optimizer = optimizer
         params = [p for p in stage.parameters() if p.requires_grad]
         # parameters in the order their final gradients appear (last used in forward first)
@@ -96,14 +98,39 @@ class PipelineRunner:
             return {}
         windows: dict[str, list[tuple[int, list[str]]]] = {}
         s = self.topo.stage
+        # forward order: a node recomputed before a dropped input it reads would recompute that
+        # input on the way, release it, and a later entry for it would recompute it again
+        position = {name: k for k, name in enumerate(self.stage.spec.nodes)}
         for j, entries in schedule.prefetch.items():
             for wid, nodes in entries:
                 if ".dp." in wid or ".tp." in wid:
                     continue  # served on demand while those collectives run
                 if not (wid.startswith(f"s{s}.recv_act.mb") or wid.startswith(f"s{s}.recv_grad.mb")):
                     wid = f"s{s}.recv_grad.mb{j}"  # unknown anchor: just before B(j)
-                windows.setdefault(wid, []).append((int(j), list(nodes)))
+                windows.setdefault(wid, []).append((int(j), sorted(nodes, key=lambda n: position.get(n, -1))))
         return windows
+
+    def _wait(self, work: Any, what: str, peer: int | None) -> float:
+        """The monitor's bounded wait, but blocking on a :class:`Pollable`'s completion event in
+        slices instead of the monitor's sleep-polling, so a receive on the critical path is
+        picked up at once (the monitor polls every 2 ms: ~1 ms lost per message on average)."""
+        start = time.monotonic()
+        if isinstance(work, Pollable):
+            slice_s = min(self.monitor.check_every_s, 0.05)
+            while not work.block(slice_s):
+                self.monitor.check()
+                if time.monotonic() - start > self.monitor.timeout_s:
+                    who = f" from rank {peer}" if peer is not None else ""
+                    raise PeerTimeoutError(
+                        f"rank {self.topo.rank}: {what}{who} did not complete within {self.monitor.timeout_s:g} s "
+                        "and no rank reported an error; a peer may be hung or the link down (raise timeout_s "
+                        "if links are slow)")
+        return time.monotonic() - start + self.monitor.wait(work, what, peer)
+
+    def _mark(self, stats: StepStats, what: str, j: int, t0: float) -> None:
+        if self.config.trace:
+            # absolute perf_counter (CLOCK_MONOTONIC on Linux): comparable across the ranks of a machine
+            stats.events.append((what, j, t0, time.perf_counter()))
 
     def _run_window(self, wid: str, works: Sequence[Any], stats: StepStats) -> None:
         for j, nodes in self._windows.get(wid, ()):
@@ -114,6 +141,7 @@ class PipelineRunner:
                 start = time.perf_counter()
                 self.stage.recompute(j, [node])
                 elapsed = time.perf_counter() - start
+                self._mark(stats, "R" if (works and not arrived) else "Rx", j, start)
                 if arrived or not works:
                     stats.recompute_window_exposed_s += elapsed
                 else:
@@ -145,7 +173,8 @@ class PipelineRunner:
         stage.meter.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        start = time.perf_counter()
+        start = self._t0 = time.perf_counter()
+        self._mark(stats, "start", -1, start)
         first, last = topo.stage == 0, topo.stage == topo.pp - 1
         act_recv: dict[int, tuple[list, list]] = {}
         grad_recv: dict[int, tuple[list, list]] = {}
@@ -165,12 +194,14 @@ class PipelineRunner:
                 if not first:
                     buffers, works = act_recv.pop(j)
                     self._run_window(f"s{topo.stage}.recv_act.mb{j}", works, stats)
+                    t0 = time.perf_counter()
                     for w in works:
-                        stats.wait_act_s += self.monitor.wait(w, f"activation receive of microbatch {j}",
+                        stats.wait_act_s += self._wait(w, f"activation receive of microbatch {j}",
                                                               topo.prev_rank)
+                    self._mark(stats, "wait_act", j, t0)
                     if flag_recv is not None:
                         for w in flag_recv[1]:
-                            self.monitor.wait(w, "boundary flags receive", topo.prev_rank)
+                            self._wait(w, "boundary flags receive", topo.prev_rank)
                         self.recv_flags = [bool(v) for v in flag_recv[0].tolist()]
                         flag_recv = None
                     received = as_received(buffers, self.recv_flags)
@@ -179,6 +210,7 @@ class PipelineRunner:
                 t0 = time.perf_counter()
                 flight = forward_step(stage, j, batches[j], received)
                 stats.forward_s += time.perf_counter() - t0
+                self._mark(stats, "F", j, t0)
                 flights[j] = flight
                 if last:
                     stats.losses.append(float(flight.output.detach()))
@@ -193,14 +225,17 @@ class PipelineRunner:
             else:
                 buffers, works = grad_recv.pop(j) if not last else ([], [])
                 self._run_window(f"s{topo.stage}.recv_grad.mb{j}", works, stats)
+                t0 = time.perf_counter()
                 for w in works:
-                    stats.wait_grad_s += self.monitor.wait(w, f"gradient receive of microbatch {j}", topo.next_rank)
+                    stats.wait_grad_s += self._wait(w, f"gradient receive of microbatch {j}", topo.next_rank)
+                self._mark(stats, "wait_grad", j, t0)
                 is_last_backward = j == m - 1
                 if is_last_backward and self.launcher is not None:
                     self.launcher.arm()
                 t0 = time.perf_counter()
                 in_grads = backward_step(stage, j, flights.pop(j), buffers, self.config.loss_scale)
                 stats.backward_s += time.perf_counter() - t0
+                self._mark(stats, "B", j, t0)
                 if self.launcher is not None:
                     self.launcher.disarm()
                 mb = stage.release(j)
@@ -215,7 +250,7 @@ class PipelineRunner:
         t0 = time.perf_counter()
         for works, _payload in sends:
             for w in works:
-                self.monitor.wait(w, "send", None)
+                self._wait(w, "send", None)
         self._sync_tied()
         if self.sync is not None:
             wait = self.monitor.wait
@@ -228,6 +263,7 @@ class PipelineRunner:
         elif self.optimizer is not None:
             self.optimizer.step()
         stats.wait_sync_s += time.perf_counter() - t0
+        self._mark(stats, "sync", -1, t0)
         stats.step_s = time.perf_counter() - start
         stats.peak_saved_bytes = stage.meter.peak_by.get("stage", 0)
         stats.peak_held_bytes = stage.meter.peak_bytes

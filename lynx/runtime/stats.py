@@ -39,6 +39,7 @@ class StepStats:
     peak_held_bytes: int = 0               # + received boundary values and recompute inputs held
     cuda_max_memory_allocated: int | None = None
     losses: list[float] = field(default_factory=list)
+    events: list[tuple[str, int, float, float]] = field(default_factory=list)  # (what, microbatch, start, end) perf_counter s, with RuntimeConfig(trace=True)
 
     @property
     def wait_s(self) -> float:
