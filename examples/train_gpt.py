@@ -80,7 +80,7 @@ def mesh_from_env(args: argparse.Namespace, plan_config: dict[str, Any] | None) 
     if pp * dp != world:
         source = " (the plan's)" if plan_config and not (args.pp and args.dp) else ""
         raise LynxConfigError(
-            f"{world} processes were started but the mesh{source} is pp {pp} × dp {dp} = {pp * dp}: start "
+            f"{world} {'process was' if world == 1 else 'processes were'} started but the mesh{source} is pp {pp} × dp {dp} = {pp * dp}: start "
             f"`torchrun --nproc_per_node {pp * dp}` or choose --pp/--dp with pp × dp = {world}")
     return pp, dp
 
@@ -206,6 +206,10 @@ def setup(args: argparse.Namespace) -> Setup:
     # a missing or corrupt plan file stops here, on every rank, before any process group
     saved_config = Plan.load(args.plan).config if args.plan is not None else None
     pp, dp = mesh_from_env(args, saved_config)
+    if "MASTER_ADDR" not in os.environ:   # plain `python train_gpt.py --pp 1`: a world of one
+        from lynx.runtime.launch import free_port
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
