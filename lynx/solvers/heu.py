@@ -15,7 +15,9 @@
 
 The contraction and the layer families depend only on the stage's nodes, not on its
 windows or budget, so they are cached per node set: the planner's fixed point re-solves the
-same stages with re-derived windows (:func:`clear_cache` empties the cache).
+same stages with re-derived windows. A stage solved again with the same windows and budget
+(HEU is deterministic) returns the earlier result. :func:`clear_cache` empties both caches;
+benchmarks call it to time cold solves.
 
 Example::
 
@@ -53,7 +55,6 @@ from lynx.solvers.problem import (
     StageProblem,
     exposed_recompute_s,
     microbatch_classes,
-    peak_activation_bytes,
 )
 
 __all__ = ["solve_heu", "clear_cache"]
@@ -62,6 +63,8 @@ __all__ = ["solve_heu", "clear_cache"]
 REP_SEARCH = 0.0
 # Node sets whose structure is cached (a plan has one per stage; a grid a few hundred)
 CACHE_SIZE = 64
+# Results remembered per node set (the fixed point's iterations, a grid's budgets)
+RESULTS_PER_STAGE = 16
 
 
 @dataclass
@@ -75,6 +78,8 @@ class _Structure:
     to_red: list[int]  # full item -> reduced item
     layout: Layout  # of the full model
     reduced_layout: Layout
+    # results by (windows, microbatches, in_flight, budget, stage, time limit)
+    results: dict[tuple, SolveResult] = dataclasses.field(default_factory=dict)
 
 
 _CACHE: OrderedDict[tuple, _Structure] = OrderedDict()
@@ -120,6 +125,12 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     """HEU plan for one stage (see module docstring); raises LynxBudgetError when none fits."""
     start = time.perf_counter()
     cached, model, lay, red, red_lay = _structure(problem)
+    # The planner's fixed point re-solves stages whose windows did not change: same answer.
+    key = (problem.windows, problem.microbatches, problem.in_flight, problem.activation_budget_bytes, problem.stage,
+           time_limit_s)  # (the time limit matters only to the exact fallback)
+    if key in cached.results:
+        hit = cached.results[key]
+        return dataclasses.replace(hit, search_time_s=time.perf_counter() - start)
     to_red = cached.to_red
     budget = problem.activation_budget_bytes
     policies: list[tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]]] = []
@@ -130,7 +141,7 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
             if found not in policies:  # the same policy realises the same way
                 policies.append(found)
     if not policies:
-        return _fallback(problem, model, time_limit_s, start)
+        return _remember(cached, key, _fallback(problem, model, time_limit_s, start))
     # A short, deterministic exact search on the small representative model, from the greedy.
     if REP_SEARCH > 0:
         sol = solve_model(red, time_limit_s=min(time_limit_s, 1.0), hint=policies[0], deterministic_limit=REP_SEARCH)
@@ -144,12 +155,21 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
             if books is not None and (best is None or books.exposed() < best.exposed() - 1e-12):
                 best = books
     if best is None:
-        return _fallback(problem, model, time_limit_s, start)
+        return _remember(cached, key, _fallback(problem, model, time_limit_s, start))
     msol = ModelSolution("HEURISTIC", tuple(best.rec), tuple(tuple(w) for w in best.where), 0.0, 0.0, 0.0)
+    # The item bookkeeping never counts less than peak_activation_bytes (the tests check it on
+    # every plan), and the planner's simulator re-checks every plan: no node-level re-check here.
     assignment = expand_solution(problem, model, msol)
-    if peak_activation_bytes(problem, assignment) > budget:  # item bookkeeping is exact; belt and braces
-        return _fallback(problem, model, time_limit_s, start)
-    return SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None, time.perf_counter() - start)
+    result = SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None,
+                         time.perf_counter() - start)
+    return _remember(cached, key, result)
+
+
+def _remember(cached: _Structure, key: tuple, result: SolveResult) -> SolveResult:
+    if len(cached.results) >= RESULTS_PER_STAGE:
+        cached.results.clear()
+    cached.results[key] = result
+    return result
 
 
 def _fallback(problem: StageProblem, model: StageModel, time_limit_s: float, start: float) -> SolveResult:

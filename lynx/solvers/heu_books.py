@@ -33,6 +33,7 @@ __all__ = [
     "clusters_of",
     "with_prereqs",
     "first_window",
+    "first_fit",
     "peak_if_placed_all",
     "peak_if_kept",
     "apply_keep",
@@ -76,12 +77,10 @@ class Layout:
 
     def cost(self, unit: list[int]) -> float:
         """Window seconds of a unit (summed in the unit's order, so results are reproducible)."""
-        wcost = self.wcost
-        return sum(wcost[i] for i in unit)
+        return sum(map(self.wcost.__getitem__, unit))
 
     def nbytes(self, unit: list[int]) -> int:
-        wbytes = self.wbytes
-        return sum(wbytes[i] for i in unit)
+        return sum(map(self.wbytes.__getitem__, unit))
 
 
 class Books:
@@ -261,16 +260,29 @@ def with_prereqs(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: d
 
 def first_window(lay: Layout, books: Books, c: int, cl: list[int], cost: float) -> int | None:
     """Earliest window of class c with room, eligibility and the cluster's inputs ready."""
+    where, rec, srcs = books.where[c], books.rec, lay.srcs
+    members = set(cl)
+    ready = 0  # every recomputed input from outside is placed by window `ready`
+    for i in cl:
+        for u in srcs[i]:
+            if rec[u] and u not in members:
+                w = where[u]
+                if w is None:
+                    return None  # regenerated on demand: after every window
+                if w > ready:
+                    ready = w
+    return first_fit(lay, books, c, cl, cost, ready)
+
+
+def first_fit(lay: Layout, books: Books, c: int, cl: list[int], cost: float, ready: int) -> int | None:
+    """Earliest window of class c from ``ready`` on with room and eligibility for ``cl``."""
     cls = lay.classes[c]
-    where, rec, srcs, load = books.where[c], books.rec, lay.srcs, books.load[c]
-    members = None
-    for k, cap in enumerate(cls.capacities):
-        elig = cls.eligible[k]
-        if load[k] + cost > cap * CAPACITY_SLACK or (elig is not None and any(i not in elig for i in cl)):
+    load = books.load[c]
+    for k in range(ready, len(cls.capacities)):
+        if load[k] + cost > cls.capacities[k] * CAPACITY_SLACK:
             continue
-        if members is None:
-            members = set(cl)
-        if all(not rec[u] or u in members or (where[u] is not None and where[u] <= k) for i in cl for u in srcs[i]):
+        elig = cls.eligible[k]
+        if elig is None or all(i in elig for i in cl):
             return k
     return None
 

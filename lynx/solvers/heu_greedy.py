@@ -23,11 +23,11 @@ Example::
 from __future__ import annotations
 
 from lynx.solvers.heu_books import (
-    CAPACITY_SLACK,
     Books,
     Layout,
     apply_keep,
     clusters_of,
+    first_fit,
     first_window,
     peak_if_kept,
     peak_if_placed_all,
@@ -104,6 +104,7 @@ def greedy(lay: Layout, budget: int) -> Books | None:
         p_other = _max_excluding(books.P)
         tmax = books.tmax()
         t_other = _max_excluding(tmax)
+        memos: list[dict[int, frozenset[int] | None]] = [{} for _ in classes]
         for cl in clusters:
             members = set(cl)
             outside = [u for i in cl for u in srcs[i] if rec[u] and u not in members]
@@ -124,7 +125,7 @@ def greedy(lay: Layout, budget: int) -> Books | None:
                     if w > ready:
                         ready = w
                 if ready is None:  # prefetch the missing inputs with it
-                    unit = with_prereqs(lay, books, c, cl, cluster_of)
+                    unit = _with_prereqs_memo(lay, books, c, cl, cluster_of, memos[c])
                     cost = lay.cost(unit)
                     k = first_window(lay, books, c, unit, cost)
                     if k is None or cost <= 0:
@@ -132,7 +133,7 @@ def greedy(lay: Layout, budget: int) -> Books | None:
                     after = books.peak_if_placed(c, unit)
                 else:
                     unit, cost = cl, cl_cost
-                    k = _first_fit(lay, books, c, cl, cost, ready) if cost > 0 else None
+                    k = first_fit(lay, books, c, cl, cost, ready) if cost > 0 else None
                     if k is None:
                         continue
                     p = books.P[c] + cl_bytes
@@ -171,6 +172,38 @@ def greedy(lay: Layout, budget: int) -> Books | None:
                 books.place(c, k, unit)
 
 
+def _with_prereqs_memo(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[int, list[int]],
+                       memo: dict[int, frozenset[int] | None]) -> list[int]:
+    """:func:`with_prereqs`, sharing the ancestors' closures within one greedy step."""
+    closure = _closure(lay, books, c, cl, cluster_of, memo, set())
+    return with_prereqs(lay, books, c, cl, cluster_of) if closure is None else sorted(closure)
+
+
+def _closure(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[int, list[int]],
+             memo: dict[int, frozenset[int] | None], visiting: set[int]) -> frozenset[int] | None:
+    """The cluster and every cluster it reaches through recomputed, unplaced inputs (None on a
+    cycle between clusters, which :func:`with_prereqs` handles)."""
+    key = cl[0]
+    if key in memo:
+        return memo[key]
+    if key in visiting:
+        return None
+    visiting.add(key)
+    where, rec, srcs = books.where[c], books.rec, lay.srcs
+    out = set(cl)
+    for i in cl:
+        for u in srcs[i]:
+            if rec[u] and where[u] is None and u not in out:
+                sub = _closure(lay, books, c, cluster_of[u], cluster_of, memo, visiting)
+                if sub is None:
+                    memo[key] = None
+                    return None
+                out |= sub
+    visiting.discard(key)
+    memo[key] = result = frozenset(out)
+    return result
+
+
 def _max_excluding(values: list[int]) -> list[int]:
     """Per position, the largest of the other values (0 when there are none)."""
     top = second = 0
@@ -188,20 +221,6 @@ def _group_bytes(lay: Layout, unit: list[int]) -> dict[int, int]:
     for i in unit:
         out[lay.group[i]] = out.get(lay.group[i], 0) + lay.tbytes[i]
     return out
-
-
-def _first_fit(lay: Layout, books: Books, c: int, cl: list[int], cost: float, ready: int) -> int | None:
-    """Earliest window of class c from ``ready`` on with room and eligibility for ``cl``
-    (what :func:`first_window` finds when every input is placed by window ``ready``)."""
-    cls = lay.classes[c]
-    load = books.load[c]
-    for k in range(ready, len(cls.capacities)):
-        if load[k] + cost > cls.capacities[k] * CAPACITY_SLACK:
-            continue
-        elig = cls.eligible[k]
-        if elig is None or all(i in elig for i in cl):
-            return k
-    return None
 
 
 def reverse_greedy(lay: Layout, budget: int) -> Books | None:
@@ -279,8 +298,31 @@ def _try_drop(lay: Layout, books: Books, unit: list[int]) -> Books:
         for c, k, u in spots:
             if trial.peak_if_placed(c, u) <= trial.peak():
                 trial.place(c, k, u)
-    repair_order(lay, trial)  # consumers prefetched before their newly dropped input
+    if _needs_repair(lay, trial, unit):  # consumers prefetched before their newly dropped input
+        repair_order(lay, trial)
     return trial
+
+
+def _needs_repair(lay: Layout, books: Books, unit: list[int]) -> bool:
+    """Whether :func:`repair_order` has anything to do after ``unit`` was dropped (and
+    perhaps placed) in books that were in order before: only the unit and its consumers can
+    break a rule."""
+    rec, srcs, out_saved = books.rec, lay.srcs, lay.out_saved
+    touched = set(unit)
+    for i in unit:
+        touched.update(lay.consumers[i])
+    for where in books.where:
+        for i in touched:
+            k = where[i]
+            if k is not None:
+                for u in srcs[i]:
+                    if rec[u] and (where[u] is None or where[u] > k or (not out_saved[u] and where[u] != k)):
+                        return True
+            elif rec[i]:
+                for u in srcs[i]:
+                    if rec[u] and not out_saved[u] and where[u] is not None:
+                        return True
+    return False
 
 
 def _keep_unit(lay: Layout, rec: list[bool], i: int) -> list[int]:
