@@ -2,16 +2,19 @@
 
 Each link rate gets a fresh :class:`lynx.testbed.NetBed` (one network namespace per rank, each
 rank's link limited by ``tc tbf`` in both directions); its throughput is measured with gloo
-send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains the small GPT
-of ``benchmarks/convergence.py`` (byte vocabulary, 2 layers, hidden 128, seq 64, 4 sequences
-per rank = its global batch of 16 over 4 ranks) with every optimizer, interleaved step by step
+send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains a GPT shaped like
+``benchmarks/convergence.py``'s (byte vocabulary, seq 64, 4 sequences per rank = its global
+batch of 16 over 4 ranks) but wider and deeper by default — 4 layers, hidden 256, 3.2 M
+parameters, so that the fp32 all-reduce is what a data-parallel user on a slow link waits for
+(``--hidden 128 --layers 2`` is the convergence model itself) — with every optimizer, interleaved step by step
 (AdamW, DeMo, Lion, AdamW, ...) so that background load hits all alike. A step is timed from a
 barrier to the end of ``optimizer.step()``; its time is the slowest rank's. AdamW runs under
 ``DistributedDataParallel`` (gloo, default buckets, fp32 all-reduce overlapped with backward),
 exactly as DDP would; DeMo and DistributedLion communicate inside their ``step()``.
 
-    .venv/bin/python benchmarks/step_time.py          # 3, 10, 100, 1000 Mbit/s, 4 ranks (~8 min)
+    .venv/bin/python benchmarks/step_time.py          # 3, 10, 100, 1000 Mbit/s, 4 ranks (~10 min)
     .venv/bin/python benchmarks/step_time.py --rates 100 --steps 4
+    .venv/bin/python benchmarks/step_time.py --rates 100 --hidden 128 --layers 2   # convergence model
 
 Writes ``benchmarks/results/step_time.{md,json,png}``. Needs root + iproute2 for real links;
 otherwise the bed falls back to loopback and the table says "unlimited (loopback)".
@@ -39,12 +42,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=20, help="timed steps per optimizer and rate")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer first")
+    p.add_argument("--budget", type=float, default=150.0,
+                   help="seconds of timed steps per rate: slow links stop early (after --min-steps)")
+    p.add_argument("--min-steps", type=int, default=3, help="timed steps per optimizer at least")
     p.add_argument("--optimizers", default="adamw,demo,lion")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=4,
                    help="sequences per rank per step (convergence.py: global 16 / 4 ranks)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per rate")
@@ -99,7 +105,11 @@ def worker(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {n: [] for n in names}
     in_step: dict[str, list[float]] = {n: [] for n in names}  # of which optimizer.step()
     sent: dict[str, float | None] = {}
+    timed_since = None
+    stop = torch.zeros(1, dtype=torch.int64)
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            timed_since = time.perf_counter()
         for name in names:
             net, opt = runs[name]
             tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
@@ -115,6 +125,13 @@ def worker(args: argparse.Namespace) -> None:
                 times[name].append(end - start)
                 in_step[name].append(end - before_step)
             sent[name] = wire_bytes(name, opt, n_params, world)
+        # Slow links: stop after --budget seconds of timed steps (at least --min-steps), as
+        # rank 0 decides — one 8-byte broadcast per round, outside the timed region.
+        if timed_since is not None and step + 1 - args.warmup >= args.min_steps:
+            stop[0] = int(rank == 0 and time.perf_counter() - timed_since > args.budget)
+            dist.broadcast(stop, src=0)
+            if stop.item():
+                break
     # Step time = the slowest rank's: gather every rank's times (one small collective).
     # optimizer.step() share: rank 0's own (ranks differ in how long they wait for others).
     mine = torch.tensor([times[n] for n in names], dtype=torch.float64)  # (optimizers, steps)
@@ -151,8 +168,8 @@ def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
         print(f"[{rate:g} Mbit/s] link: {link}; {bed}", flush=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker",
                "--optimizers", ",".join(names)]
-        for key in ("steps", "warmup", "vocab", "seq", "hidden", "heads", "layers", "batch"):
-            cmd += [f"--{key}", str(getattr(args, key))]
+        for key in ("steps", "warmup", "budget", "min_steps", "vocab", "seq", "hidden", "heads", "layers", "batch"):
+            cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         started = time.perf_counter()
         results = bed.run(cmd, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
@@ -179,16 +196,17 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
             f"`{' '.join(['benchmarks/step_time.py', *sys.argv[1:]])}` — {args.world_size} ranks "
             f"(one thread each, {os.cpu_count()} CPU cores), GPT {args.layers} layers × hidden "
             f"{args.hidden} ({first['n_params'] / 1e6:.2f} M parameters), "
-            f"{first['tokens_per_rank']} tokens per rank per step, {args.steps} timed steps per "
-            f"optimizer after {args.warmup} warm-up, optimizers interleaved step by step. "
+            f"{first['tokens_per_rank']} tokens per rank per step, up to {args.steps} timed steps per "
+            f"optimizer (column `steps`: slow links stop after {args.budget:g} s of timed steps, "
+            f"at least {args.min_steps}) after {args.warmup} warm-up, optimizers interleaved step by step. "
             f"Step time: barrier → forward → backward → `optimizer.step()`, slowest rank.\n\n")
     cols = [f"{LABEL[n]} (s)" for n in names] + [f"{LABEL[n]} / AdamW" for n in names if n != "adamw"]
-    lines = ["| link (nominal) | measured | " + " | ".join(cols) + " |",
-             "|" + " --- |" * (2 + len(cols))]
+    lines = ["| link (nominal) | measured | steps | " + " | ".join(cols) + " |",
+             "|" + " --- |" * (3 + len(cols))]
     for row in rows:
         mean = {n: statistics.mean(row["steps"][n]) for n in names}
         nominal = f"{row['rate_mbit']:g} Mbit/s" if row["rate_limited"] else "unlimited (loopback)"
-        cells = [nominal, f"{row['measured_mbit']:.1f} Mbit/s"]
+        cells = [nominal, f"{row['measured_mbit']:.1f} Mbit/s", str(len(row["steps"][names[0]]))]
         cells += [f"{mean[n]:.3f} ± {statistics.pstdev(row['steps'][n]):.3f}" for n in names]
         if "adamw" in mean:
             cells += [f"{mean[n] / mean['adamw']:.3f}×" for n in names if n != "adamw"]
