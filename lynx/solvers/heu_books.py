@@ -36,6 +36,7 @@ __all__ = [
     "first_fit",
     "peak_if_placed_all",
     "peak_if_kept",
+    "tmax_after",
     "apply_keep",
     "unplace",
     "repair_order",
@@ -287,7 +288,7 @@ def first_fit(lay: Layout, books: Books, c: int, cl: list[int], cost: float, rea
     return None
 
 
-def _tmax_after(books: Books, c: int, drop: dict[int, int]) -> int:
+def tmax_after(books: Books, c: int, drop: dict[int, int]) -> int:
     """Class c's largest on-demand group bytes after lowering groups by ``drop``."""
     tc = books.T[c]
     if len(drop) == 1:
@@ -309,7 +310,7 @@ def peak_if_placed_all(lay: Layout, books: Books, spots: list[tuple[int, int, li
         for i in unit:
             P[c] += wbytes[i]
             drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
-        tmax[c] = _tmax_after(books, c, drop)
+        tmax[c] = tmax_after(books, c, drop)
     return lay.in_flight * books.kept + max(P, default=0) + max(tmax, default=0)
 
 
@@ -331,7 +332,7 @@ def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
                 drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
         if p > pmax:
             pmax = p
-        t = tmax[c] if drop is None else _tmax_after(books, c, drop)
+        t = tmax[c] if drop is None else tmax_after(books, c, drop)
         if t > tmax_all:
             tmax_all = t
     return lay.in_flight * (books.kept + nbytes) + pmax + tmax_all

@@ -31,6 +31,7 @@ from lynx.solvers.heu_books import (
     first_window,
     peak_if_kept,
     peak_if_placed_all,
+    tmax_after,
     repair_order,
     with_prereqs,
 )
@@ -73,103 +74,125 @@ def greedy(lay: Layout, budget: int) -> Books | None:
     books = Books(lay, boundary_kept(lay))
     if books.peak() > budget:
         return None
-    rec = books.rec
-    counts, wcost, classes = lay.counts, lay.wcost, range(len(lay.classes))
-    srcs, out_saved, wheres = lay.srcs, lay.out_saved, books.where
     while True:
         now = books.peak()
-        best, best_key = None, (0.0, 0.0)
-        clusters = clusters_of(lay, rec)
-        cluster_of = {i: cl for cl in clusters for i in cl}
-        for i in range(lay.n):
-            if not rec[i]:
+        clusters = clusters_of(lay, books.rec)
+        best, best_key = _best_keep(lay, books, budget, now)
+        best, best_key = _best_place(lay, books, budget, now, clusters, best, best_key)
+        if best is None:
+            return books
+        kind, moves = best
+        if kind == "keep":
+            apply_keep(lay, books, moves)
+            _drop_unneeded(lay, books)
+        else:
+            for c, k, unit in moves:
+                books.place(c, k, unit)
+
+
+def _best_keep(lay: Layout, books: Books, budget: int, now: int) -> tuple[tuple | None, tuple[float, float]]:
+    """The best "keep this recomputed item (and the consumers that need it)" move."""
+    rec, wheres = books.rec, books.where
+    counts, wcost, out_saved, classes = lay.counts, lay.wcost, lay.out_saved, range(len(lay.classes))
+    wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
+    best, best_key = None, (0.0, 0.0)
+    kept_base = lay.in_flight * books.kept
+    tmax = books.tmax()
+    tops = [books.tops(c) for c in classes]
+    for i in range(lay.n):
+        if not rec[i]:
+            continue
+        if out_saved[i]:
+            unit = [i]
+            gain = 0  # Σ_c |c| · (cost if on demand for c), summed as below for a longer unit
+            for c in classes:
+                gain += counts[c] * (wcost[i] if wheres[c][i] is None else 0)
+            if gain <= 0:
                 continue
-            if out_saved[i]:
-                unit = [i]
-                gain = 0  # Σ_c |c| · (cost if on demand for c), summed as below for a longer unit
-                for c in classes:
-                    gain += counts[c] * (wcost[i] if wheres[c][i] is None else 0)
-            else:
-                unit = _keep_unit(lay, rec, i)
-                gain = sum(counts[c] * sum(wcost[j] for j in unit if wheres[c][j] is None) for c in classes)
+            # peak_if_kept for one item, from the per-class top groups
+            g, tb, wb = group[i], tbytes[i], wbytes[i]
+            pmax = tall = 0
+            for c in classes:
+                if wheres[c][i] is not None:
+                    p, t = books.P[c] - wb, tmax[c]
+                else:
+                    top, top_group, second = tops[c]
+                    p, t = books.P[c], (top if g != top_group else max(second, books.T[c][g] - tb))
+                if p > pmax:
+                    pmax = p
+                if t > tall:
+                    tall = t
+            after = kept_base + lay.in_flight * wb + pmax + tall
+        else:
+            unit = _keep_unit(lay, rec, i)
+            gain = sum(counts[c] * sum(wcost[j] for j in unit if wheres[c][j] is None) for c in classes)
             if gain <= 0:
                 continue
             after = peak_if_kept(lay, books, unit)
-            if after <= budget:
-                key = _ratio(gain, after - now)
-                if key > best_key:
-                    best, best_key = ("keep", unit, None), key
-        # Peak after placing a cluster in class c, from per-iteration maxima (no calls)
-        base = lay.in_flight * books.kept
-        p_other = _max_excluding(books.P)
-        tmax = books.tmax()
-        t_other = _max_excluding(tmax)
-        memos: list[dict[int, frozenset[int] | None]] = [{} for _ in classes]
-        for cl in clusters:
-            members = set(cl)
-            outside = [u for i in cl for u in srcs[i] if rec[u] and u not in members]
-            cl_cost = lay.cost(cl)
-            cl_bytes = lay.nbytes(cl)
-            drop = None
-            spots = []  # (class, window, items, cost) where the cluster could go now, with its prerequisites
-            for c in classes:
-                where = wheres[c]
-                if where[cl[0]] is not None:
+        if after <= budget:
+            key = _ratio(gain, after - now)
+            if key > best_key:
+                best, best_key = ("keep", unit), key
+    return best, best_key
+
+
+def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list[list[int]],
+                best: tuple | None, best_key: tuple[float, float]) -> tuple[tuple | None, tuple[float, float]]:
+    """The best "prefetch this cluster (with its unplaced inputs) in the earliest window with
+    room" move, in one class or in every class at once (P is a maximum over classes)."""
+    rec, wheres, srcs = books.rec, books.where, lay.srcs
+    counts, classes = lay.counts, range(len(lay.classes))
+    cluster_of = {i: cl for cl in clusters for i in cl}
+    base = lay.in_flight * books.kept
+    P, tmax = books.P, books.tmax()
+    p_other, t_other = _max_excluding(P), _max_excluding(tmax)
+    memos: list[dict[int, frozenset[int] | None]] = [{} for _ in classes]
+    for cl in clusters:
+        members = set(cl)
+        outside = [u for i in cl for u in srcs[i] if rec[u] and u not in members]
+        cl_cost, cl_bytes, cl_drop = lay.cost(cl), lay.nbytes(cl), _group_bytes(lay, cl)
+        spots = []  # (class, window, unit, cost, P[c] after, class c's on-demand maximum after)
+        for c in classes:
+            where = wheres[c]
+            if where[cl[0]] is not None:
+                continue
+            ready = 0  # earliest window all recomputed inputs are placed by (None: one is not)
+            for u in outside:
+                w = where[u]
+                if w is None:
+                    ready = None
+                    break
+                if w > ready:
+                    ready = w
+            if ready is None:  # prefetch the missing inputs with it
+                unit = _with_prereqs_memo(lay, books, c, cl, cluster_of, memos[c])
+                cost = lay.cost(unit)
+                k = first_window(lay, books, c, unit, cost)
+                if k is None or cost <= 0:
                     continue
-                ready = 0  # earliest window all recomputed inputs are placed by (None: one is not)
-                for u in outside:
-                    w = where[u]
-                    if w is None:
-                        ready = None
-                        break
-                    if w > ready:
-                        ready = w
-                if ready is None:  # prefetch the missing inputs with it
-                    unit = _with_prereqs_memo(lay, books, c, cl, cluster_of, memos[c])
-                    cost = lay.cost(unit)
-                    k = first_window(lay, books, c, unit, cost)
-                    if k is None or cost <= 0:
-                        continue
-                    after = books.peak_if_placed(c, unit)
-                else:
-                    unit, cost = cl, cl_cost
-                    k = first_fit(lay, books, c, cl, cost, ready) if cost > 0 else None
-                    if k is None:
-                        continue
-                    p = books.P[c] + cl_bytes
-                    if p_other[c] > p:
-                        p = p_other[c]
-                    t = t_other[c]
-                    if tmax[c] > t:  # class c's on-demand maximum may drop below it
-                        if drop is None:
-                            drop = _group_bytes(lay, cl)
-                        for g, v in books.T[c].items():
-                            v -= drop.get(g, 0)
-                            if v > t:
-                                t = v
-                    after = base + p + t
-                spots.append((c, k, unit, cost))
-                if after <= budget:
-                    key = _ratio(counts[c] * cost, after - now)
-                    if key > best_key:
-                        best, best_key = ("place", None, [(c, k, unit)]), key
-            if len(spots) > 1:  # prefetching in every class at once: P is a max over classes
-                placed = [(c, k, unit) for c, k, unit, _ in spots]
-                after = peak_if_placed_all(lay, books, placed)
-                gain_all = sum(counts[c] * cost for c, _, _, cost in spots)
-                if after <= budget:
-                    key = _ratio(gain_all, after - now)
-                    if key > best_key:
-                        best, best_key = ("place", None, placed), key
-        if best is None:
-            return books
-        kind, unit, spots = best
-        if kind == "keep":
-            apply_keep(lay, books, unit)
-            _drop_unneeded(lay, books)
-        else:
-            for c, k, unit in spots:
-                books.place(c, k, unit)
+                p_c, t_c = P[c] + lay.nbytes(unit), tmax_after(books, c, _group_bytes(lay, unit))
+            else:
+                unit, cost = cl, cl_cost
+                k = first_fit(lay, books, c, cl, cost, ready) if cost > 0 else None
+                if k is None:
+                    continue
+                p_c, t_c = P[c] + cl_bytes, tmax_after(books, c, cl_drop)
+            spots.append((c, k, unit, cost, p_c, t_c))
+            after = base + max(p_c, p_other[c]) + max(t_c, t_other[c])
+            if after <= budget:
+                key = _ratio(counts[c] * cost, after - now)
+                if key > best_key:
+                    best, best_key = ("place", [(c, k, unit)]), key
+        if len(spots) > 1:
+            p_all, t_all = list(P), list(tmax)
+            for c, _, _, _, p_c, t_c in spots:
+                p_all[c], t_all[c] = p_c, t_c
+            after = base + max(p_all) + max(t_all)
+            if after <= budget:
+                key = _ratio(sum(counts[c] * cost for c, _, _, cost, _, _ in spots), after - now)
+                if key > best_key:
+                    best, best_key = ("place", [(c, k, unit) for c, k, unit, _, _, _ in spots]), key
+    return best, best_key
 
 
 def _with_prereqs_memo(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[int, list[int]],
