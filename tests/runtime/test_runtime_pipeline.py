@@ -70,7 +70,7 @@ def _reference(schedule: str, dp: int) -> tuple[list[list[float]], dict[str, tor
 
 def _spec(dp: int, **kw) -> WorkerSpec:
     nodes, schedules, batches = _split()
-    runtimes = [RuntimeConfig(schedule="1f1b", microbatches=M, timeout_s=60, bucket_bytes=64 << 10),
+    runtimes = [RuntimeConfig(schedule="1f1b", microbatches=M, timeout_s=60, bucket_bytes=64 << 10, trace=True),
                 RuntimeConfig(schedule="gpipe", microbatches=M, timeout_s=60, bucket_bytes=64 << 10)]
     return WorkerSpec(build=BUILD, pp=2, dp=dp, runtime=runtimes, stage_nodes=nodes, schedules=schedules,
                       batches=batches, seed=SEED, return_grads=True, **kw)
@@ -90,6 +90,8 @@ def test_pipeline_equals_single_process_reference(dp: int) -> None:
             if r.stage == 0:
                 assert stats[0].recompute_hidden_s + stats[0].recompute_window_exposed_s > 0, "no window recompute ran"
             assert stats[0].peak_saved_bytes > 0
+            if schedule == "1f1b":
+                _check_trace(stats[0].events, r.stage)
         assert set(grads) == set(ref_grads)
         differ = [n for n in ref_grads if not torch.equal(grads[n], ref_grads[n])]
         assert not differ, f"{schedule} pp2×dp{dp}: gradients differ for {differ[:4]}"
@@ -98,6 +100,24 @@ def test_pipeline_equals_single_process_reference(dp: int) -> None:
             for s in range(2):
                 for n, g in by_rank[(s, 0)].items():
                     assert torch.equal(g, by_rank[(s, 1)][n])
+
+
+def _check_trace(events: list, stage: int) -> None:
+    """The traced actions follow the schedule; a window's recompute runs after the gradient receive
+    was posted (after the forward that sent the activations) and before its wait and backward."""
+    from lynx.runtime.schedule import stage_actions
+
+    actions = [f"{w}{j}" for w, j, _t0, _t1 in events if w in ("F", "B")]
+    assert actions == [str(a) for a in stage_actions("1f1b", stage=stage, stages=2, microbatches=M)]
+    start = {(w, j): t0 for w, j, t0, _t1 in events}
+    end = {(w, j): t1 for w, j, _t0, t1 in events}
+    for w, j, t0, t1 in events:
+        if w in ("R", "Rx"):  # window recompute of microbatch j (stage 0 anchors recv_grad windows)
+            assert end[("F", j)] <= t0 and t1 <= start[("B", j)], f"window of mb{j} outside F{j}..B{j}"
+            if ("wait_grad", j) in start:
+                assert t1 <= start[("wait_grad", j)] + 1e-6, f"window of mb{j} ran after waiting for its gradient"
+    if stage == 0:
+        assert any(w in ("R", "Rx") for w, *_ in events), "no window recompute traced"
 
 
 def _small_gpt():
