@@ -93,20 +93,36 @@ def retimed(graph: Any, hardware: str) -> Any:
 
 
 def windows_suffice(outcome: Any) -> bool:
-    """Every stage's windows serving each microbatch have room for that microbatch's
-    recomputation (and something is recomputed): there, Lynx should hide nearly all of it."""
+    """Every stage's windows serving each microbatch can take that microbatch's recomputation
+    (and something is recomputed): there, Lynx should hide nearly all of it.
+
+    A window serves only the layers it is eligible for (a tensor-parallel collective inside
+    layer l's backward serves layers below l; edge blocks only recv windows), so "can take"
+    is Hall's condition, checked on the sets that matter: with eligible sets that are
+    prefixes of the stage's layers, the hardest set for a given lowest layer x is every
+    layer ≥ x plus the edge blocks, served by the windows eligible for some layer ≥ x.
+    """
     needed_any = False
     for problem, result in zip(outcome.problems, outcome.results):
-        cost = {n.name: n.recompute_s for n in problem.nodes}
-        need = sum(cost[name] for name in result.assignment.recompute)
-        if need <= 0:
+        need: dict[int | None, float] = {}
+        for n in problem.nodes:
+            if n.name in result.assignment.recompute:
+                need[n.layer] = need.get(n.layer, 0.0) + n.recompute_s
+        if sum(need.values()) <= 0:
             continue
         needed_any = True
-        capacity = [0.0] * problem.microbatches
-        for w in problem.windows:
-            capacity[w.microbatch] += w.capacity_s
-        if min(capacity) < need:
-            return False
+        edges = need.get(None, 0.0)
+        layers = sorted(layer for layer in need if layer is not None)
+        for mb in range(problem.microbatches):
+            windows = [w for w in problem.windows if w.microbatch == mb]
+            if edges > sum(w.capacity_s for w in windows if w.eligible_layers is None) + 1e-15:
+                return False
+            for x in layers:
+                upper = edges + sum(v for layer, v in need.items() if layer is not None and layer >= x)
+                room = sum(w.capacity_s for w in windows
+                           if w.eligible_layers is None or any(layer >= x for layer in w.eligible_layers))
+                if upper > room + 1e-15:
+                    return False
     return needed_any
 
 

@@ -25,13 +25,12 @@ kept and everything prefetched for it, so the state just before its backward
 what the runtime's saved-bytes meter measures.
 
 :func:`peak_upper_bound_bytes` is the coarser bound the solvers enforce (linear in the
-decisions), the larger of two: ``in_flight · kept + max_j prefetched(j) + the largest
-on-demand group`` (what HEU's books and the CP-SAT model both keep), and, per microbatch j
-and group g (layer or edge block, in forward order), ``(in_flight − 1) · kept`` + everything
-kept or prefetched in groups ≤ g + the kept inputs of recomputed nodes in later groups + all
-of g's on-demand bytes + for an on-demand node of an earlier group whose output a node of a
-later group (up to g) saves, that node and its on-demand ancestors in its group. It is never
-below :func:`peak_activation_bytes`; the difference is memory the solvers leave unused.
+decisions): ``in_flight · kept + max_j prefetched(j) + max_j (largest on-demand group of j +
+early(j))``, where ``early(j)`` counts each on-demand node whose output a later group saves
+(it comes back during that group's backward) with its on-demand ancestors in its group. It
+is never below :func:`peak_activation_bytes` (at any step, what microbatch j holds is at most
+its kept bytes, its prefetched bytes, one group's on-demand bytes and the early ones); the
+difference is memory the solvers leave unused.
 
 Example::
 
@@ -173,46 +172,29 @@ def peak_activation_bytes(problem: StageProblem, assignment: Assignment) -> int:
 
 
 def peak_upper_bound_bytes(problem: StageProblem, assignment: Assignment) -> int:
-    """The group-level bound the CP-SAT model enforces (see module docstring)."""
+    """The bound the solvers enforce (see module docstring); never below the prediction."""
     ranks = group_ranks(problem)
     group = {n.name: ranks[group_key(n)] for n in problem.nodes}
     by_name = {n.name: n for n in problem.nodes}
     savers = savers_of(problem)
     kept = kept_bytes(problem, assignment)
-    best = (problem.in_flight * kept + max(prefetched_bytes(problem, assignment).values(), default=0)
-            + on_demand_transient_bytes(problem, assignment))
+    transient = 0
     for pf in _signatures(problem, assignment):
-        on_demand = {n.name for n in problem.nodes if n.name in assignment.recompute and n.name not in pf}
-        consumers = _consumers(problem)
-        held = [0] * len(ranks)  # kept or prefetched, per group
-        held_to_end = [0] * (len(ranks) + 1)  # kept inputs of recomputed nodes, per group
-        extra = [0] * (len(ranks) + 1)  # on-demand bytes regenerated early by a later group's saver
-        transient = [0] * len(ranks)
+        on_demand = {n.name for n in problem.nodes if n.name in assignment.recompute and n.name not in pf
+                     and not is_sent(n)}
+        per_group = [0] * len(ranks)
+        early = 0
         for n in problem.nodes:
-            g = group[n.name]
-            if is_sent(n):
-                held[g] += n.saved_bytes
-                held_to_end[g] += n.saved_bytes
-            elif n.name in on_demand:
-                transient[g] += n.saved_bytes
-                latest = max((group[s] for s in savers[n.name]), default=g)
-                if latest > g:
-                    closure = _group_ancestors(by_name, group, n.name) | {n.name}
-                    nbytes = sum(by_name[a].saved_bytes for a in closure if a in on_demand)
-                    extra[g + 1] += nbytes
-                    extra[latest + 1] -= nbytes
-            else:
-                held[g] += n.saved_bytes
-                if n.name not in assignment.recompute and _held_to_end(n, consumers[n.name], assignment.recompute):
-                    held_to_end[g] += n.saved_bytes
-        cumulative, carried = 0, 0
-        later = sum(held_to_end)
-        for g in range(len(ranks)):
-            cumulative += held[g]
-            carried += extra[g]
-            later -= held_to_end[g]
-            best = max(best, (problem.in_flight - 1) * kept + cumulative + later + transient[g] + carried)
-    return best
+            if n.name not in on_demand:
+                continue
+            per_group[group[n.name]] += n.saved_bytes
+            if max((group[s] for s in savers[n.name]), default=-1) > group[n.name]:
+                closure = _group_ancestors(by_name, group, n.name) | {n.name}
+                early += sum(by_name[a].saved_bytes for a in closure if a in on_demand)
+        transient = max(transient, max(per_group, default=0) + early)
+    prefetched = max((sum(by_name[name].saved_bytes for name in pf if not is_sent(by_name[name]))
+                      for pf in _signatures(problem, assignment)), default=0)
+    return problem.in_flight * kept + prefetched + transient
 
 
 def _group_ancestors(by_name: dict, group: dict[str, int], name: str) -> set[str]:

@@ -10,14 +10,10 @@
   consumer's group, so it must be kept or prefetched).
 * memory — the bound :func:`lynx.solvers.memory.peak_upper_bound_bytes` defines, never
   below the runtime's peak: ``in_flight·kept + P + T ≤ budget`` with ``P ≥ prefetched(c)``
-  and ``T ≥ on-demand bytes of any group`` for every class (the accounting HEU's books
-  keep), and, per class c and group g (layer or edge block, forward order),
-  ``(in_flight − 1)·kept + kept(≤ g) + held(> g) + prefetched_c(≤ g) + on-demand_c(g) +
-  early_c(g) ≤ budget``, where ``held`` counts kept inputs of recomputed items and kept stage
-  outputs (the runtime holds both to the end of the backward) and ``early`` an on-demand item of an earlier group
-  whose output g saves, with its on-demand ancestors (regenerated during g's backward).
-  HEU's reduced models (items with ``mult > 1``, standing for several groups) use the first
-  form only.
+  and ``T ≥ on-demand bytes of any group + early(c)`` for every class c, where ``early(c)``
+  counts each on-demand item whose output a later group saves (it is regenerated during that
+  group's backward) with its on-demand ancestors in its group. A stage output saved only by
+  the next stage (``sent``) is never worth dropping (it stays held) and is fixed as kept.
 * window capacity is soft: ``o[c, k] ≥ load − capacity`` counts as exposed.
 * objective: ``Σ_c |c| · (Σ_i cost_i · od[c, i] + Σ_k o[c, k])`` (or the peak, for
   ``minimise="memory"``).
@@ -171,9 +167,7 @@ def solve_model(
                     m.add(od[c][i] <= 1 - r[u] + sum(upre))
 
     # memory
-    peaks = [_coarse_peak(m, model, free, r, x, od, mem_w, mem_t)]
-    if all(it.mult == 1 for it in items):
-        peaks += _group_peaks(m, model, free, r, x, od, mem_w)
+    peak = _peak(m, model, free, r, x, od, mem_w, mem_t)
 
     # exposed time
     exposed_terms = []
@@ -190,14 +184,10 @@ def solve_model(
     exposed = sum(exposed_terms) if exposed_terms else 0
 
     if minimise == "memory":
-        peak = m.new_int_var(0, (model.in_flight + 3) * total_w + 1, "peak")
-        for bound in peaks:
-            m.add(peak >= bound)
         m.minimize(peak)
         scale = float(unit)
     else:
-        for bound in peaks:
-            m.add(bound <= budget)
+        m.add(peak <= budget)
         m.minimize(exposed)
         scale = tau
 
@@ -253,9 +243,9 @@ class _Progress(cp_model.CpSolverSolutionCallback):
         self._fn(time.perf_counter() - self._start, self.objective_value * self._scale, self.best_objective_bound * self._scale)
 
 
-def _coarse_peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t):
-    """in_flight · kept + max prefetched + max on-demand group: for HEU's reduced models,
-    whose replicated items stand for several groups at once."""
+def _peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t):
+    """``in_flight · kept + P + T`` (see the module docstring), T per class including the
+    on-demand items regenerated early by a later group's saver."""
     items, classes = model.items, model.classes
     P = m.new_int_var(0, sum(mem_w), "prefetched")
     T = m.new_int_var(0, max(sum(mem_t), 0), "transient")
@@ -266,74 +256,20 @@ def _coarse_peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, 
     for c in range(len(classes)):
         if x[c]:
             m.add(P >= sum(mem_w[i] * v for (i, _), v in x[c].items()))
-    for members in groups.values():
-        if classes:
-            for c in range(len(classes)):
-                m.add(T >= sum(mem_t[i] * od[c][i] for i in members))
-        else:
-            m.add(T >= sum(mem_t[i] * r[i] for i in members))
-    return model.in_flight * (sum(mem_w) - sum(mem_w[i] * r[i] for i in range(len(items)) if free[i])) + P + T
-
-
-def _group_peaks(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem):
-    """One bound per (class, group) on the peak during that group's backward (module docstring)."""
-    items, f = model.items, model.in_flight
-    n_groups = max((it.group for it in items), default=-1) + 1
-    in_group: list[list[int]] = [[] for _ in range(n_groups)]
-    for i, it in enumerate(items):
-        if mem[i] > 0:
-            in_group[it.group].append(i)
-    # kept bytes per group, and kept inputs of recomputed items (held to the end of the backward)
-    kept, held = [], []
-    for g, members in enumerate(in_group):
-        total = sum(mem[i] for i in members)
-        k = m.new_int_var(0, total, f"kept{g}")
-        m.add(k == sum(mem[i] * (1 - r[i]) for i in members))
-        kept.append(k)
-        held.append(m.new_int_var(0, total, f"held{g}"))
-    consumers: list[list[int]] = [[] for _ in items]
-    for c, it in enumerate(items):
-        for u, _ in it.inputs:
-            consumers[u].append(c)
-    held_terms: list[list] = [[] for _ in range(n_groups)]
-    for g, members in enumerate(in_group):
-        for i in members:
-            readers = [c for c in consumers[i] if free[c]]
-            if items[i].sent:
-                held_terms[g].append(mem[i] * (1 - r[i]))
-            elif readers:
-                h = m.new_int_var(0, mem[i], f"h{i}")
-                for c in readers:
-                    m.add(h >= mem[i] * (r[c] - r[i]))
-                held_terms[g].append(h)
-        m.add(held[g] == sum(held_terms[g]))
-    ancestors = [_group_ancestors(items, i) for i in range(len(items))]
-    early_items = [i for i, it in enumerate(items) if free[i] and it.saved_until is not None]
-    on_demand = od if model.classes else [[r[i] for i in range(len(items))]]
-    placements = x if model.classes else [{}]
-    bounds = []
+    on_demand = od if classes else [[r[i] for i in range(len(items))]]
+    early_items = [i for i, it in enumerate(items) if free[i] and it.saved_until is not None and it.mult == 1]
     for c, odc in enumerate(on_demand):
-        prefetched = []
-        for g, members in enumerate(in_group):
-            terms = [mem[i] * v for (i, _), v in placements[c].items() if items[i].group == g and mem[i] > 0]
-            p = m.new_int_var(0, sum(mem[i] for i in members), f"pf{c}_{g}")
-            m.add(p == sum(terms))
-            prefetched.append(p)
-        early: dict[int, list] = {}
+        early = []
         for i in early_items:
-            closure = [k for k in ancestors[i] | {i} if mem[k] > 0 and free[k]]
-            reach = sum(mem[k] for k in closure)
-            if not reach:
-                continue
-            u = m.new_int_var(0, reach, f"early{c}_{i}")
-            m.add(u >= sum(mem[k] * odc[k] for k in closure) - reach * (1 - odc[i]))
-            for g in range(items[i].group + 1, items[i].saved_until + 1):
-                early.setdefault(g, []).append(u)
-        for g, members in enumerate(in_group):
-            bounds.append(f * sum(kept[: g + 1]) + (f - 1) * sum(kept[g + 1:]) + sum(held[g + 1:])
-                          + sum(prefetched[: g + 1]) + sum(mem[i] * odc[i] for i in members)
-                          + sum(early.get(g, [])))
-    return bounds
+            closure = [k for k in _group_ancestors(items, i) | {i} if mem_t[k] > 0 and free[k]]
+            reach = sum(mem_t[k] for k in closure)
+            if reach:
+                u = m.new_int_var(0, reach, f"early{c}_{i}")
+                m.add(u >= sum(mem_t[k] * odc[k] for k in closure) - reach * (1 - odc[i]))
+                early.append(u)
+        for members in groups.values():
+            m.add(T >= sum(mem_t[i] * odc[i] for i in members) + sum(early))
+    return model.in_flight * (sum(mem_w) - sum(mem_w[i] * r[i] for i in range(len(items)) if free[i])) + P + T
 
 
 def _group_ancestors(items, i: int) -> set[int]:

@@ -176,22 +176,36 @@ def microbatch_classes(problem: StageProblem) -> list[MicrobatchClass]:
                 f"but the stage has {problem.microbatches} microbatches"
             )
         per_mb[w.microbatch].append(w)
-    groups: dict[tuple, list[int]] = {}
+    # Capacities equal up to rounding noise (replayed timelines differ in the last bits) are
+    # one class, with the smallest capacity of its members: otherwise identical microbatches
+    # would be decided apart, multiplying the solver's variables and symmetric solutions.
+    groups: list[tuple[tuple, list[float], list[int]]] = []  # (kinds+eligibility, capacities, members)
     for mb, ws in per_mb.items():
-        signature = tuple((w.kind, w.capacity_s, w.eligible_layers) for w in ws)
-        groups.setdefault(signature, []).append(mb)
+        shape = tuple((w.kind, w.eligible_layers) for w in ws)
+        caps = [w.capacity_s for w in ws]
+        for g_shape, g_caps, g_members in groups:
+            if g_shape == shape and all(_same_capacity(a, b) for a, b in zip(g_caps, caps)):
+                g_members.append(mb)
+                g_caps[:] = [min(a, b) for a, b in zip(g_caps, caps)]
+                break
+        else:
+            groups.append((shape, caps, [mb]))
     classes = []
-    for signature, members in groups.items():
-        ids = tuple(tuple(per_mb[mb][k].id for mb in members) for k in range(len(signature)))
+    for shape, caps, members in groups:
+        ids = tuple(tuple(per_mb[mb][k].id for mb in members) for k in range(len(shape)))
         classes.append(
             MicrobatchClass(
                 members=tuple(members),
                 window_ids=ids,
-                capacities=tuple(sig[1] for sig in signature),
-                eligible_layers=tuple(sig[2] for sig in signature),
+                capacities=tuple(caps),
+                eligible_layers=tuple(sig[1] for sig in shape),
             )
         )
     return classes
+
+
+def _same_capacity(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b)) + 1e-15
 
 
 def exposed_recompute_s(problem: StageProblem, assignment: Assignment) -> float:
