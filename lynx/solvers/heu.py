@@ -71,6 +71,7 @@ RESULTS_PER_STAGE = 16
 class _Structure:
     """What HEU derives from a stage's nodes alone."""
 
+    nodes: tuple  # the stage's nodes (the cache key)
     model: StageModel  # model_from_problem of the first problem seen with these nodes
     layer_of: list[int | None]  # per model item
     family: Family
@@ -82,7 +83,7 @@ class _Structure:
     results: dict[tuple, SolveResult] = dataclasses.field(default_factory=dict)
 
 
-_CACHE: OrderedDict[tuple, _Structure] = OrderedDict()
+_CACHE: OrderedDict[int, list[_Structure]] = OrderedDict()  # by hash of the nodes, oldest first
 
 
 def clear_cache() -> None:
@@ -93,19 +94,19 @@ def clear_cache() -> None:
 def _structure(problem: StageProblem) -> tuple[_Structure, StageModel, Layout, StageModel, Layout]:
     """The cached structure and, for this problem's windows and budget, the full and reduced
     models with their layouts."""
-    cached = _CACHE.get(problem.nodes)
+    digest = hash(problem.nodes)  # (once: a tuple of nodes does not cache its hash)
+    cached = next((s for s in _CACHE.get(digest, ()) if s.nodes is problem.nodes or s.nodes == problem.nodes), None)
     if cached is None:
         model = model_from_problem(problem)
         by_name = {n.name: n for n in problem.nodes}
         fam = families(problem, model)
         red, to_red = reduced(model, fam)
-        cached = _Structure(model, [by_name[it.nodes[-1]].layer for it in model.items], fam, red, to_red,
-                            Layout(model), Layout(red))
-        _CACHE[problem.nodes] = cached
+        cached = _Structure(problem.nodes, model, [by_name[it.nodes[-1]].layer for it in model.items], fam, red,
+                            to_red, Layout(model), Layout(red))
+        _CACHE.setdefault(digest, []).append(cached)
         while len(_CACHE) > CACHE_SIZE:
             _CACHE.popitem(last=False)
         return cached, model, cached.layout, red, cached.reduced_layout
-    _CACHE.move_to_end(problem.nodes)
     # Same nodes, other windows or budget: new classes on the cached items.
     classes = []
     for mc in microbatch_classes(problem):

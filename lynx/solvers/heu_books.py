@@ -87,13 +87,14 @@ class Layout:
 class Books:
     """One partial plan on a :class:`Layout` with its exact peak-memory totals."""
 
-    __slots__ = ("lay", "rec", "where", "kept", "P", "T", "load", "_tmax", "_tops")
+    __slots__ = ("lay", "rec", "where", "kept", "P", "T", "load", "_tmax", "_tops", "_stale")
 
     def __init__(self, lay: Layout, rec: list[bool], *, _empty: bool = False) -> None:
         self.lay = lay
         self.rec = rec
         self._tmax: list[int] | None = None  # per class: largest on-demand group bytes
         self._tops: list[tuple[int, int | None, int]] | None = None  # per class: see tops()
+        self._stale: set[int] = set()  # classes whose cached maxima are out of date
         if _empty:
             return
         n, classes = lay.n, lay.classes
@@ -115,6 +116,7 @@ class Books:
         other.P = list(self.P)
         other.T = [dict(t) for t in self.T]
         other.load = [list(ld) for ld in self.load]
+        other._stale = set(self._stale)
         if self._tmax is not None:
             other._tmax, other._tops = list(self._tmax), list(self._tops)
         return other
@@ -122,25 +124,31 @@ class Books:
     def changed(self) -> None:
         """Call after changing T directly (the per-class maxima are cached)."""
         self._tmax = self._tops = None
+        self._stale.clear()
 
     def tmax(self) -> list[int]:
         """Largest on-demand group bytes per class."""
         if self._tmax is None:
             self._tops = [_tops_of(t) for t in self.T]
             self._tmax = [t[0] for t in self._tops]
+            self._stale.clear()
+        elif self._stale:
+            for c in self._stale:
+                self._tops[c] = top = _tops_of(self.T[c])
+                self._tmax[c] = top[0]
+            self._stale.clear()
         return self._tmax
 
     def tops(self, c: int) -> tuple[int, int | None, int]:
         """Class c's largest on-demand group bytes, its group, and the largest of the others."""
-        if self._tops is None:
+        if self._tops is None or self._stale:
             self.tmax()
         return self._tops[c]
 
     def _retop(self, c: int) -> None:
-        """Class c's T changed: refresh its cached maxima (if cached)."""
+        """Class c's T changed: its cached maxima are refreshed when next read."""
         if self._tmax is not None:
-            self._tops[c] = top = _tops_of(self.T[c])
-            self._tmax[c] = top[0]
+            self._stale.add(c)
 
     def peak(self) -> int:
         return self.lay.in_flight * self.kept + max(self.P, default=0) + max(self.tmax(), default=0)

@@ -31,8 +31,8 @@ from lynx.solvers.heu_books import (
     first_window,
     peak_if_kept,
     peak_if_placed_all,
-    tmax_after,
     repair_order,
+    tmax_after,
     with_prereqs,
 )
 
@@ -146,7 +146,7 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
     base = lay.in_flight * books.kept
     P, tmax = books.P, books.tmax()
     p_other, t_other = _max_excluding(P), _max_excluding(tmax)
-    memos: list[dict[int, frozenset[int] | None]] = [{} for _ in classes]
+    memos: list[dict[int, Closure | None]] = [{} for _ in classes]
     for cl in clusters:
         members = set(cl)
         outside = [u for i in cl for u in srcs[i] if rec[u] and u not in members]
@@ -165,12 +165,20 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
                 if w > ready:
                     ready = w
             if ready is None:  # prefetch the missing inputs with it
-                unit = _with_prereqs_memo(lay, books, c, cl, cluster_of, memos[c])
-                cost = lay.cost(unit)
-                k = first_window(lay, books, c, unit, cost)
+                closure = _closure(lay, books, c, cl, cluster_of, memos[c], set())
+                if closure is None:  # clusters reading each other: the plain walk
+                    unit = with_prereqs(lay, books, c, cl, cluster_of)
+                    cost = lay.cost(unit)
+                    k = first_window(lay, books, c, unit, cost)
+                    nbytes, drop = lay.nbytes(unit), _group_bytes(lay, unit)
+                else:
+                    members_c, ready_c, nbytes, drop = closure
+                    unit = sorted(members_c)
+                    cost = lay.cost(unit)
+                    k = first_fit(lay, books, c, unit, cost, ready_c)
                 if k is None or cost <= 0:
                     continue
-                p_c, t_c = P[c] + lay.nbytes(unit), tmax_after(books, c, _group_bytes(lay, unit))
+                p_c, t_c = P[c] + nbytes, tmax_after(books, c, drop)
             else:
                 unit, cost = cl, cl_cost
                 k = first_fit(lay, books, c, cl, cost, ready) if cost > 0 else None
@@ -195,17 +203,15 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
     return best, best_key
 
 
-def _with_prereqs_memo(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[int, list[int]],
-                       memo: dict[int, frozenset[int] | None]) -> list[int]:
-    """:func:`with_prereqs`, sharing the ancestors' closures within one greedy step."""
-    closure = _closure(lay, books, c, cl, cluster_of, memo, set())
-    return with_prereqs(lay, books, c, cl, cluster_of) if closure is None else sorted(closure)
+Closure = tuple[frozenset[int], int, int, dict[int, int]]  # members, ready window, bytes, bytes per group
 
 
 def _closure(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[int, list[int]],
-             memo: dict[int, frozenset[int] | None], visiting: set[int]) -> frozenset[int] | None:
-    """The cluster and every cluster it reaches through recomputed, unplaced inputs (None on a
-    cycle between clusters, which :func:`with_prereqs` handles)."""
+             memo: dict[int, Closure | None], visiting: set[int]) -> Closure | None:
+    """What :func:`with_prereqs` and :func:`first_window` find for ``cl`` in class c — the
+    cluster with every cluster it reaches through recomputed, unplaced inputs, and the window
+    its placed inputs are ready by — built from the reached clusters' own (memoised within
+    one greedy step). None on a cycle between clusters (the caller walks instead)."""
     key = cl[0]
     if key in memo:
         return memo[key]
@@ -213,17 +219,26 @@ def _closure(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[
         return None
     visiting.add(key)
     where, rec, srcs = books.where[c], books.rec, lay.srcs
-    out = set(cl)
+    members, ready = set(cl), 0
     for i in cl:
         for u in srcs[i]:
-            if rec[u] and where[u] is None and u not in out:
-                sub = _closure(lay, books, c, cluster_of[u], cluster_of, memo, visiting)
-                if sub is None:
-                    memo[key] = None
-                    return None
-                out |= sub
+            if not rec[u] or u in members:
+                continue
+            w = where[u]
+            if w is not None:
+                if w > ready:
+                    ready = w
+                continue
+            sub = _closure(lay, books, c, cluster_of[u], cluster_of, memo, visiting)
+            if sub is None:
+                memo[key] = None
+                return None
+            members |= sub[0]
+            if sub[1] > ready:
+                ready = sub[1]
     visiting.discard(key)
-    memo[key] = result = frozenset(out)
+    frozen = frozenset(members)
+    memo[key] = result = (frozen, ready, lay.nbytes(frozen), _group_bytes(lay, frozen))
     return result
 
 

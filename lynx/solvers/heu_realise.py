@@ -23,7 +23,15 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.heu_books import CAPACITY_SLACK, Books, Layout, clusters_of, repair_order, with_prereqs
+from lynx.solvers.heu_books import (
+    CAPACITY_SLACK,
+    Books,
+    Layout,
+    clusters_of,
+    peak_if_kept,
+    repair_order,
+    with_prereqs,
+)
 
 __all__ = ["realise", "fill", "prefetch_needed", "keep_more"]
 
@@ -182,18 +190,11 @@ def keep_more(lay: Layout, books: Books, clusters: list[list[int]], budget: int)
     for _, cl in scored:
         if any(books.where[c][cl[0]] is not None for c in classes):
             continue
-        nbytes = lay.nbytes(cl)
-        for tc in books.T:
-            for i in cl:
-                tc[group[i]] -= tbytes[i]
-        books.changed()
-        books.kept += nbytes
-        if books.peak() <= budget:
-            for i in cl:
-                rec[i] = False
-        else:
-            books.kept -= nbytes
+        if peak_if_kept(lay, books, cl) <= budget:  # (on demand in every class, as checked above)
             for tc in books.T:
                 for i in cl:
-                    tc[group[i]] += tbytes[i]
+                    tc[group[i]] -= tbytes[i]
             books.changed()
+            books.kept += lay.nbytes(cl)
+            for i in cl:
+                rec[i] = False
