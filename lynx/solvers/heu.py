@@ -4,13 +4,14 @@
    family of structurally identical layers (:mod:`lynx.solvers.heu_layers`).
 2. Build the reduced model (one item per family position, ``mult`` = family size; edge
    blocks and odd layers on their own; each microbatch class's windows merged into its
-   layers' share) and solve it with two greedy passes (:mod:`lynx.solvers.heu_greedy`):
-   *drop until it fits* and *keep while it fits*. ``REP_SEARCH`` > 0 adds a short
-   deterministic CP-SAT search on the reduced model (off: it costs 10-80 ms).
+   layers' share) and solve it with three greedy policies (:mod:`lynx.solvers.heu_greedy`):
+   *drop until it fits* (prefetching where that costs no peak), *keep while it fits*, and
+   *drop until it fits, hiding every drop* (``POLICIES``).
 3. Replicate each policy to every family layer and realise it on the full model
    (:mod:`lynx.solvers.heu_realise`): the representative's prefetches window by window in time
    order, then keep more where memory is left and move on-demand recompute into windows with
-   room, in both orders; the best realisation wins. If none fits, the exact model is solved
+   room, in both orders; the best realisation wins (a policy that adds nothing new, or comes
+   after a realisation exposing nothing, is skipped). If none fits, the exact model is solved
    instead.
 
 The contraction and the layer families depend only on the stage's nodes, not on its
@@ -32,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -59,8 +61,10 @@ from lynx.solvers.problem import (
 
 __all__ = ["solve_heu", "clear_cache"]
 
-# CP-SAT deterministic-time units for the representative model (0: greedy only)
-REP_SEARCH = 0.0
+# The representative's greedy policies (see lynx.solvers.heu_greedy), each realised in both orders
+_HIDE_ALL = functools.partial(reverse_greedy, hide=True)
+POLICIES = (reverse_greedy, greedy, _HIDE_ALL)
+OPTIONAL = (_HIDE_ALL,)  # realised only when its representative exposes less than the best plan so far
 # Node sets whose structure is cached (a plan has one per stage; a grid a few hundred)
 CACHE_SIZE = 64
 # Results remembered per node set (the fixed point's iterations, a grid's budgets)
@@ -134,27 +138,24 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
         return dataclasses.replace(hit, search_time_s=time.perf_counter() - start)
     to_red = cached.to_red
     budget = problem.activation_budget_bytes
-    policies: list[tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]]] = []
-    for policy in (reverse_greedy, greedy):
-        rep = policy(red_lay, budget)
-        if rep is not None:
-            found = (tuple(rep.rec), tuple(tuple(w) for w in rep.where))
-            if found not in policies:  # the same policy realises the same way
-                policies.append(found)
-    if not policies:
-        return _remember(cached, key, _fallback(problem, model, time_limit_s, start))
-    # A short, deterministic exact search on the small representative model, from the greedy.
-    if REP_SEARCH > 0:
-        sol = solve_model(red, time_limit_s=min(time_limit_s, 1.0), hint=policies[0], deterministic_limit=REP_SEARCH)
-        if sol.status in ("OPTIMAL", "FEASIBLE"):
-            policies.insert(0, (sol.recompute, sol.placement))
+    seen: list[tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]]] = []
     best: Books | None = None
-    for rep_rec, rep_where in policies:
+    best_exposed = float("inf")
+    for policy in POLICIES:
+        if best_exposed <= 1e-12:
+            break  # nothing hidden better than nothing exposed
+        rep = policy(red_lay, budget)
+        if rep is None or (policy in OPTIONAL and rep.exposed() >= best_exposed):
+            continue  # (an optional policy only when the representative alone promises better)
+        rep_rec, rep_where = tuple(rep.rec), tuple(tuple(w) for w in rep.where)
+        if (rep_rec, rep_where) in seen:
+            continue  # the same policy realises the same way
+        seen.append((rep_rec, rep_where))
         base = [rep_rec[to_red[i]] for i in range(lay.n)]
         designated = [[where[to_red[i]] is not None for i in range(lay.n)] for where in rep_where]
         for books in realise(lay, base, budget, designated):
-            if books is not None and (best is None or books.exposed() < best.exposed() - 1e-12):
-                best = books
+            if books is not None and (best is None or books.exposed() < best_exposed - 1e-12):
+                best, best_exposed = books, books.exposed()
     if best is None:
         return _remember(cached, key, _fallback(problem, model, time_limit_s, start))
     msol = ModelSolution("HEURISTIC", tuple(best.rec), tuple(tuple(w) for w in best.where), 0.0, 0.0, 0.0)

@@ -193,7 +193,7 @@ class Books:
         wcost, rec, n = lay.wcost, self.rec, lay.n
         for c, cls in enumerate(lay.classes):
             where = self.where[c]
-            on_demand = sum(wcost[i] for i in range(n) if rec[i] and where[i] is None)
+            on_demand = sum([wcost[i] for i in range(n) if rec[i] and where[i] is None])
             over = sum(max(0.0, load - cap) for load, cap in zip(self.load[c], cls.capacities))
             total += cls.count * (on_demand + over)
         return total

@@ -261,13 +261,18 @@ def _group_bytes(lay: Layout, unit: list[int]) -> dict[int, int]:
     return out
 
 
-def reverse_greedy(lay: Layout, budget: int) -> Books | None:
+def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False) -> Books | None:
     """From keep-all, drop what frees the most memory per exposed second until it fits.
 
     A dropped unit is prefetched in every class whose windows have room (hidden), else
     recomputed on demand there. Ties on exposed time go to the unit using the least window
     time per byte freed, so windows hold the bulky, cheap tensors. Outputs read across
     groups stay kept.
+
+    ``hide=True`` prefetches every dropped unit wherever a window has room, even when that
+    costs peak memory: drop-and-prefetch frees ``(in_flight - 1)`` copies instead of
+    ``in_flight``, so it drops more, but hides it (what a tight budget with roomy windows and
+    few microbatches in flight wants).
     """
     droppable = boundary_kept(lay)
     books = Books(lay, [False] * lay.n)
@@ -283,7 +288,7 @@ def reverse_greedy(lay: Layout, budget: int) -> Books | None:
             unit = _drop_unit(lay, books.rec, droppable, i)
             if unit is None:
                 continue
-            trial = _try_drop(lay, books, unit)
+            trial = _try_drop(lay, books, unit, hide)
             freed = now - trial.peak()
             if freed <= 0:
                 continue
@@ -313,8 +318,9 @@ def _drop_unit(lay: Layout, rec: list[bool], droppable: list[bool], i: int) -> l
     return sorted(unit)
 
 
-def _try_drop(lay: Layout, books: Books, unit: list[int]) -> Books:
-    """A copy of the books with ``unit`` dropped, prefetched wherever a window has room."""
+def _try_drop(lay: Layout, books: Books, unit: list[int], hide: bool = False) -> Books:
+    """A copy of the books with ``unit`` dropped, prefetched wherever a window has room (and
+    that costs no peak, unless ``hide``)."""
     trial = books.copy()
     for i in unit:
         trial.rec[i] = True
@@ -329,7 +335,7 @@ def _try_drop(lay: Layout, books: Books, unit: list[int]) -> Books:
     # Prefetch only where it costs no peak memory (memory is what dropping is short of; the
     # fill after replication spends what is left). P and T are maxima over classes, so
     # prefetching in every class at once can pay where one class alone does not.
-    if len(spots) > 1 and peak_if_placed_all(lay, trial, spots) <= trial.peak():
+    if hide or (len(spots) > 1 and peak_if_placed_all(lay, trial, spots) <= trial.peak()):
         for c, k, u in spots:
             trial.place(c, k, u)
     else:
