@@ -40,6 +40,7 @@ from lynx.solvers.problem import (
     kept_bytes,
     on_demand_transient_bytes,
     peak_activation_bytes,
+    peak_upper_bound_bytes,
     prefetched_bytes,
 )
 
@@ -126,7 +127,8 @@ def budget_error(problem: StageProblem, *, time_limit_s: float = 5.0) -> LynxBud
     if sol.status not in ("OPTIMAL", "FEASIBLE"):
         return LynxBudgetError(f"stage {problem.stage}: no plan fits the activation budget of {_fmt(problem.activation_budget_bytes)}")
     lean = expand_solution(problem, model, sol)
-    peak = peak_activation_bytes(problem, lean)
+    # what the solvers must fit (their bound, never below the runtime's predicted peak)
+    peak = peak_upper_bound_bytes(problem, lean)
     kept = kept_bytes(problem, lean)
     transient = on_demand_transient_bytes(problem, lean)
     prefetched = max(prefetched_bytes(problem, lean).values(), default=0)
