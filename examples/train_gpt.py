@@ -168,6 +168,8 @@ def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> str | N
 
     if args.checkpoint_dir is None:
         return None
+    if Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+        raise LynxConfigError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
     latest = latest_checkpoint(args.checkpoint_dir)
     if latest is None:
         return None
