@@ -509,25 +509,26 @@ def main() -> None:
     if args.plan_worker:
         spec = json.loads(Path(args.spec).read_text())
         _renice(spec["nice"])
-        plan = lynx_plan(spec["pp"], spec["microbatches"], spec["schedule"], spec["rate_mbit"], spec["solver"])
-        Path(args.spec).write_text(json.dumps({"plan": plan}))
+        if spec["solver"] == "hand":
+            plan = make_schedules(spec["pp"], spec["microbatches"])
+        else:
+            plan = lynx_plan(spec["pp"], spec["microbatches"], spec["schedule"], spec["rate_mbit"], spec["solver"])
+        Path(args.spec).write_text(json.dumps({"plan": [plan, stage_costs(plan[0], plan[1])]}))
         return
     from lynx.testbed import NetBed, measure_link
 
     dps = [int(x) for x in args.dps.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
     rates = rates if len(rates) == len(dps) else [rates[0]] * len(dps)
-    if args.plan == "hand":
-        nodes, schedules, source = make_schedules(args.pp, args.microbatches)
-    else:  # in a session of its own, niced like the ranks: measured node times see fewer other jobs
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump({"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
-                       "rate_mbit": rates[0], "solver": args.plan, "nice": args.nice}, f)
-        subprocess.run([sys.executable, __file__, "--plan-worker", "--spec", f.name], check=True,
-                       start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        nodes, schedules, source = json.loads(Path(f.name).read_text())["plan"]
-        os.unlink(f.name)
-    costs = stage_costs(nodes, schedules)
+    # Plan and stage costs in a session of their own, niced like the ranks: measured times see
+    # fewer of the other jobs on the machine.
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
+                   "rate_mbit": rates[0], "solver": args.plan, "nice": args.nice}, f)
+    subprocess.run([sys.executable, __file__, "--plan-worker", "--spec", f.name], check=True,
+                   start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (nodes, schedules, source), costs = json.loads(Path(f.name).read_text())["plan"]
+    os.unlink(f.name)
     print(f"model: GPT {CFG}, microbatch {MICROBATCH}, {args.microbatches} microbatches, {args.schedule}")
     print(f"plan: {source}")
     for s, c in enumerate(costs["stages"]):
