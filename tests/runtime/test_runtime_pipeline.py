@@ -152,3 +152,42 @@ def test_plan_fingerprint_mismatch_refused_before_running() -> None:
     _check_fingerprints(WorkerSpec(build=_small_gpt, pp=2, fingerprint="aaaa"), store, 1, 2)
     with pytest.raises(LynxFingerprintError, match="rank 1 has plan fingerprint bbbb but rank 0 has aaaa"):
         _check_fingerprints(WorkerSpec(build=_small_gpt, pp=2, fingerprint="bbbb"), store, 1, 2)
+
+
+class _NeverDone:
+    """A receive whose message never comes (``wait`` blocks until the test ends)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+
+    def wait(self) -> None:
+        self.release.wait(30)
+
+
+def test_receive_wait_is_bounded_and_names_a_failed_peer() -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from lynx.runtime.faults import FaultMonitor, PeerTimeoutError, RankFailedError
+    from lynx.runtime.p2p import Pollable
+    from lynx.runtime.pipeline import PipelineRunner
+
+    store = dist.HashStore()
+    runner = types.SimpleNamespace(monitor=FaultMonitor(store, rank=0, world_size=2, timeout_s=0.3),
+                                   topo=types.SimpleNamespace(rank=0))
+    never = _NeverDone()
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match="gradient receive of microbatch 3 from rank 1 did not complete"):
+            PipelineRunner._wait(runner, Pollable(never), "gradient receive of microbatch 3", 1)
+        assert time.monotonic() - start < 2.0
+        FaultMonitor(store, rank=1, world_size=2).report(RuntimeError("boom"))
+        start = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: boom"):
+            PipelineRunner._wait(runner, Pollable(never), "gradient receive of microbatch 3", 1)
+        assert time.monotonic() - start < 0.25  # seen at the next slice, not after the timeout
+    finally:
+        never.release.set()
