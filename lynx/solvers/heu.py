@@ -141,12 +141,12 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     to_red = cached.to_red
     budget = problem.activation_budget_bytes
     seen: list[tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]]] = []
-    plans: list[Books] = []  # every realisation, in order
+    plans: list[tuple[Books, float]] = []  # every realisation, in order, with its exposed seconds
     best_exposed = float("inf")
     for policy in POLICIES:
         if best_exposed <= 1e-12:
             break  # nothing hidden better than nothing exposed
-        rep = policy(red_lay, budget)
+        rep = policy(red_lay, budget, give_up_at=best_exposed) if policy in OPTIONAL else policy(red_lay, budget)
         if rep is None or (policy in OPTIONAL and rep.exposed() >= best_exposed):
             continue  # (an optional policy only when the representative alone promises better)
         rep_rec, rep_where = tuple(rep.rec), tuple(tuple(w) for w in rep.where)
@@ -157,9 +157,10 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
         designated = [[where[to_red[i]] is not None for i in range(lay.n)] for where in rep_where]
         for books in realise(lay, base, budget, designated):
             if books is not None:
-                plans.append(books)
-                if books.exposed() < best_exposed - 1e-12:  # (the rule _by_exposed ranks by)
-                    best_exposed = books.exposed()
+                exposed = books.exposed()
+                plans.append((books, exposed))
+                if exposed < best_exposed - 1e-12:  # (the rule _by_exposed ranks by)
+                    best_exposed = exposed
     for books in _by_exposed(plans):
         assignment = _checked(problem, model, books)
         if assignment is not None:
@@ -169,11 +170,11 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
         # input read across groups by another family layer): start from the full model's
         # layer boundaries (Megatron-full's memory) and fill windows and keep more from there.
         nothing = [[False] * lay.n for _ in lay.classes]
-        plans = [b for b in realise(lay, boundary_kept(lay), budget, nothing) if b is not None]
+        plans = [(b, b.exposed()) for b in realise(lay, boundary_kept(lay), budget, nothing) if b is not None]
         whole = greedy(lay, budget)  # the greedy on the full model: slower, rare
         if whole is not None:
             placed = [[k is not None for k in where] for where in whole.where]
-            plans += [b for b in realise(lay, list(whole.rec), budget, placed) if b is not None]
+            plans += [(b, b.exposed()) for b in realise(lay, list(whole.rec), budget, placed) if b is not None]
         for books in _by_exposed(plans):
             assignment = _checked(problem, model, books)
             if assignment is not None:
@@ -185,16 +186,16 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     return _remember(cached, key, result)
 
 
-def _by_exposed(plans: list[Books]) -> list[Books]:
+def _by_exposed(plans: list[tuple[Books, float]]) -> list[Books]:
     """Plans best first: the first of any that expose within 1e-12 s of each other wins."""
     order: list[Books] = []
     rest = list(plans)
     while rest:
         best = rest[0]
-        for books in rest[1:]:
-            if books.exposed() < best.exposed() - 1e-12:
-                best = books
-        order.append(best)
+        for entry in rest[1:]:
+            if entry[1] < best[1] - 1e-12:
+                best = entry
+        order.append(best[0])
         rest.remove(best)
     return order
 

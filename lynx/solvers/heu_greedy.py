@@ -261,7 +261,7 @@ def _group_bytes(lay: Layout, unit: list[int]) -> dict[int, int]:
     return out
 
 
-def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False) -> Books | None:
+def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False, give_up_at: float = float("inf")) -> Books | None:
     """From keep-all, drop what frees the most memory per exposed second until it fits.
 
     A dropped unit is prefetched in every class whose windows have room (hidden), else
@@ -273,6 +273,10 @@ def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False) -> Books | N
     costs peak memory: drop-and-prefetch frees ``(in_flight - 1)`` copies instead of
     ``in_flight``, so it drops more, but hides it (what a tight budget with roomy windows and
     few microbatches in flight wants).
+
+    Exposed time only grows as units are dropped, so the search gives up (None) once it
+    exposes more than ``give_up_at`` (with a relative margin for rounding): a caller that
+    only wants plans better than that is told so early.
     """
     droppable = boundary_kept(lay)
     books = Books(lay, [False] * lay.n)
@@ -300,6 +304,8 @@ def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False) -> Books | N
         if best is None:
             return None
         books = best
+        if books.exposed() > give_up_at * (1 + 1e-9) + 1e-15:
+            return None
     return books
 
 
