@@ -234,7 +234,3 @@ def _fallback(problem: StageProblem, model: StageModel, time_limit_s: float, sta
         raise LynxBudgetError(f"stage {problem.stage}: HEU found no plan within the budget in {time_limit_s} s")
     assignment = expand_solution(problem, model, sol)
     return SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None, time.perf_counter() - start)
-
-
-# Kept for callers of the pre-split module
-_families = families
