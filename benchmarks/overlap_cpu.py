@@ -16,7 +16,9 @@ step, 1F1B, and in the same processes and run alternates four variants step by s
 It prints, per topology, the median step time of each variant, the ratios (median over
 repetitions of the per-repetition ratio: variants of one repetition run back to back), the
 exposed and hidden recompute and the measured peak saved-activation bytes per stage, the link
-rate and what a boundary transfer costs next to a stage's compute, and the load average.
+rate and what a boundary transfer costs next to a stage's compute, the load average, and
+what a no-noise event model of 2-stage 1F1B gives for the measured costs (the best ratio
+they allow).
 Results go to ``benchmarks/results/overlap_cpu.json``.
 
 Usage::
@@ -219,7 +221,8 @@ def lynx_plan(pp: int, microbatches: int, schedule: str, rate_mbit: float, solve
 
 def make_schedules(pp: int, microbatches: int) -> tuple[list[list[str]], list[dict], str]:
     """A hand-made plan of the solvers' shape (Megatron-full drops on all but the last stage,
-    the stage's last layer in each recv_grad window), for when the planner cannot be used."""
+    the stage's last layer in each recv_grad window) — the shape OPT finds for this model on
+    this machine's measured costs when it places windows (see docs/runtime.md)."""
     import lynx
 
     model, inputs = build_model()
