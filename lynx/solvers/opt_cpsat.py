@@ -123,12 +123,22 @@ def solve_model(
     r = [m.new_bool_var(f"r{i}") if free[i] else m.new_constant(0) for i in range(len(items))]
     x: list[dict[tuple[int, int], cp_model.IntVar]] = []
     od: list[list] = []
+    # Classes with a single window open to every item prefetch the same set WLOG: P is the
+    # largest class's prefetched bytes, so each such class can take the set of the class that
+    # hides the most (no more bytes, no less hidden, no more on-demand bytes than that class,
+    # which the transient bound already covers). One set of variables for all of them.
+    single = None
     for c, cls in enumerate(classes):
-        xc = {}
-        for k, elig in enumerate(cls.eligible):
-            for i in range(len(items)):
-                if free[i] and (elig is None or i in elig):
-                    xc[i, k] = m.new_bool_var(f"x{c}_{i}_{k}")
+        if single is not None and cls.eligible == (None,):
+            xc = single
+        else:
+            xc = {}
+            for k, elig in enumerate(cls.eligible):
+                for i in range(len(items)):
+                    if free[i] and (elig is None or i in elig):
+                        xc[i, k] = m.new_bool_var(f"x{c}_{i}_{k}")
+            if cls.eligible == (None,):
+                single = xc
         x.append(xc)
         odc = []
         for i in range(len(items)):
@@ -196,7 +206,11 @@ def solve_model(
         for i in range(len(items)):
             if free[i]:
                 m.add_hint(r[i], bool(rec[i]))
+        hinted: set[int] = set()
         for c, xc in enumerate(x):
+            if id(xc) in hinted:
+                continue
+            hinted.add(id(xc))
             for (i, k), v in xc.items():
                 m.add_hint(v, plc[c][i] == k)
 
