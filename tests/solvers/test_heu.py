@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from lynx.errors import LynxBudgetError
-from lynx.solvers.heu import clear_cache, solve_heu
+from lynx.solvers.heu import _structure, clear_cache, solve_heu
 from lynx.solvers.heu_layers import families
 from lynx.solvers.opt import model_from_problem, solve_opt
 from lynx.solvers.problem import (
@@ -161,6 +161,7 @@ def test_cached_structure_and_results_answer_as_a_cold_solve():
     clear_cache()
     solve_heu(first)
     for p, expected in zip(others, cold):
+        assert _structure(p)[1] == model_from_problem(p)  # the cached items with this problem's classes
         assert solve_heu(p).assignment == expected  # structure cached, classes rebuilt
         assert solve_heu(p).assignment == expected  # result cached
 
