@@ -41,6 +41,7 @@ from collections.abc import Callable
 from ortools.sat.python import cp_model
 
 from lynx.solvers.opt_model import ModelSolution, StageModel
+from lynx.solvers.opt_symmetry import break_layer_symmetry
 
 __all__ = ["solve_model", "ProgressFn", "RELATIVE_GAP"]
 
@@ -101,11 +102,13 @@ def solve_model(
     progress: ProgressFn | None = None,
     workers: int = 1,
     deterministic_limit: float | None = None,
+    symmetry: bool = True,
 ) -> ModelSolution:
     """Build and solve the CP-SAT model; ``minimise`` is "exposed" or "memory" (no budget).
 
     ``deterministic_limit`` caps CP-SAT's deterministic time (work units independent of
-    machine load), so a short search gives the same answer on every run.
+    machine load), so a short search gives the same answer on every run. ``symmetry`` orders
+    identical layers (:mod:`lynx.solvers.opt_symmetry`; the optimum is kept).
     """
     start = time.perf_counter()
     items, classes = model.items, model.classes
@@ -175,6 +178,9 @@ def solve_model(
                 if cross:  # on demand for c: u kept or prefetched for c
                     upre = [xc[u, q] for q in range(len(cls.capacities)) if (u, q) in xc]
                     m.add(od[c][i] <= 1 - r[u] + sum(upre))
+
+    if symmetry:
+        break_layer_symmetry(m, model, free, r, x)
 
     # memory
     peak = _peak(m, model, free, r, x, od, mem_w, mem_t)

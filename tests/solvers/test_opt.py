@@ -159,3 +159,18 @@ def test_budget_of_exactly_full_peak_is_feasible(solver):
     res = solve(solver, p, time_limit_s=10.0)
     validate(p, res.assignment)
     assert peak_activation_bytes(p, res.assignment) <= full_peak
+
+
+@pytest.mark.parametrize("fraction, caps", [(0.2, [0.004, 0.002, 0.002, 0.001]), (0.35, [0.0, 0.003, 0.003, 0.0]),
+                                            (0.5, [0.01, 0.0, 0.0, 0.0])])
+def test_layer_symmetry_breaking_keeps_the_optimum(fraction, caps):
+    from lynx.solvers.opt_cpsat import solve_model
+    from lynx.solvers.opt_model import model_from_problem
+
+    p = make_uniform_problem(layers=5, microbatches=4, in_flight=3, budget_fraction=fraction, views=True,
+                             recv_grad_capacity_s=caps, pre=True, post=True)
+    model = model_from_problem(p)
+    ordered = solve_model(model, time_limit_s=60.0, symmetry=True)
+    free = solve_model(model, time_limit_s=60.0, symmetry=False)
+    assert ordered.status == free.status == "OPTIMAL"
+    assert ordered.objective_s == pytest.approx(free.objective_s, rel=1e-4, abs=1e-9)
