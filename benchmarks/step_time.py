@@ -7,7 +7,8 @@ send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains a
 batch of 16 over 4 ranks) but wider and deeper by default — 4 layers, hidden 256, 3.2 M
 parameters, so that the fp32 all-reduce is what a data-parallel user on a slow link waits for
 (``--hidden 128 --layers 2`` is the convergence model itself) — with every optimizer, interleaved step by step
-(AdamW, DeMo, Lion, AdamW, ...) so that background load hits all alike. A step is timed from a
+(AdamW, DeMo, Lion, then DeMo, Lion, AdamW, ...: the order rotates every round) so that
+background load hits all alike. A step is timed from a
 barrier to the end of ``optimizer.step()``; its time is the slowest rank's. AdamW runs under
 ``DistributedDataParallel`` (gloo, default buckets, fp32 all-reduce overlapped with backward),
 exactly as DDP would; DeMo and DistributedLion communicate inside their ``step()``.
@@ -110,7 +111,8 @@ def worker(args: argparse.Namespace) -> None:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             timed_since = time.perf_counter()
-        for name in names:
+        # Rotate the order each round so that no optimizer always follows AdamW's bulk transfer.
+        for name in names[step % len(names):] + names[: step % len(names)]:
             net, opt = runs[name]
             tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
             dist.barrier()
@@ -171,6 +173,7 @@ def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
         for key in ("steps", "warmup", "budget", "min_steps", "vocab", "seq", "hidden", "heads", "layers", "batch"):
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         started = time.perf_counter()
+        load_before = os.getloadavg()[0]
         results = bed.run(cmd, env={"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
                           timeout_s=args.timeout)
@@ -183,7 +186,7 @@ def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
     else:
         raise SystemExit(f"rank 0 printed no result; stderr:\n{results[0].stderr[-3000:]}")
     data.update(rate_mbit=rate, rate_limited=limited, measured_mbit=link.measured_mbit,
-                wall_s=wall)
+                wall_s=wall, load=[load_before, os.getloadavg()[0]])
     mean = {n: statistics.mean(v) for n, v in data["steps"].items()}
     print(f"[{rate:g} Mbit/s] mean step: " + ", ".join(f"{n} {mean[n]:.3f} s" for n in names)
           + f"  ({wall:.0f} s for the run)", flush=True)
@@ -198,7 +201,7 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
             f"{args.hidden} ({first['n_params'] / 1e6:.2f} M parameters), "
             f"{first['tokens_per_rank']} tokens per rank per step, up to {args.steps} timed steps per "
             f"optimizer (column `steps`: slow links stop after {args.budget:g} s of timed steps, "
-            f"at least {args.min_steps}) after {args.warmup} warm-up, optimizers interleaved step by step. "
+            f"at least {args.min_steps}) after {args.warmup} warm-up, optimizers interleaved step by step, their order rotated every round. "
             f"Step time: barrier → forward → backward → `optimizer.step()`, slowest rank.\n\n")
     cols = [f"{LABEL[n]} (s)" for n in names] + [f"{LABEL[n]} / AdamW" for n in names if n != "adamw"]
     lines = ["| link (nominal) | measured | steps | " + " | ".join(cols) + " |",
@@ -210,6 +213,21 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
         cells += [f"{mean[n]:.3f} ± {statistics.pstdev(row['steps'][n]):.3f}" for n in names]
         if "adamw" in mean:
             cells += [f"{mean[n] / mean['adamw']:.3f}×" for n in names if n != "adamw"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Medians (a step's time is the slowest rank's; CPU load from other jobs on the shared "
+              "machine inflates DeMo's and DistributedLion's compute-bound steps, not AdamW's "
+              "link-bound ones, and comes in bursts), with the 1-min load average before and after "
+              "each rate:", "",
+              "| link (nominal) | load | " + " | ".join(f"{LABEL[n]} median (s)" for n in names)
+              + " | " + " | ".join(f"{LABEL[n]} / AdamW (medians)" for n in names if n != "adamw") + " |",
+              "|" + " --- |" * (2 + len(names) + len([n for n in names if n != "adamw"]))]
+    for row in rows:
+        med = {n: statistics.median(row["steps"][n]) for n in names}
+        nominal = f"{row['rate_mbit']:g} Mbit/s" if row["rate_limited"] else "unlimited"
+        load = f"{row['load'][0]:.1f} → {row['load'][1]:.1f}" if "load" in row else "?"
+        cells = [nominal, load] + [f"{med[n]:.3f}" for n in names]
+        if "adamw" in med:
+            cells += [f"{med[n] / med['adamw']:.3f}×" for n in names if n != "adamw"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Of which inside `optimizer.step()` (rank 0, mean; DeMo's and DistributedLion's "
               "communication happens here, AdamW's all-reduce during backward under DDP):", "",
@@ -234,8 +252,12 @@ def bar_check(rows: list[dict], names: list[str], rate: float = 100.0,
     adamw = statistics.mean(row["steps"]["adamw"])
     ratios = {n: statistics.mean(row["steps"][n]) / adamw for n in names if n != "adamw"}
     verdict = "met" if all(v <= bar for v in ratios.values()) else "NOT met"
-    return (f"\nBar at {rate:g} Mbit/s, {row['world_size']} ranks (step <= {bar}x AdamW's): "
-            + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in ratios.items()) + f" -> {verdict}.\n")
+    adamw_med = statistics.median(row["steps"]["adamw"])
+    medians = {n: statistics.median(row["steps"][n]) / adamw_med for n in names if n != "adamw"}
+    return (f"\nBar at {rate:g} Mbit/s, {row['world_size']} ranks (mean step <= {bar}x AdamW's): "
+            + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in ratios.items()) + f" -> {verdict} "
+            + "(ratios of medians: " + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in medians.items())
+            + ").\n")
 
 
 def plot(rows: list[dict], names: list[str], path: Path) -> None:
