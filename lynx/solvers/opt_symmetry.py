@@ -17,8 +17,9 @@ equal, a's inner vector ≥ b's* (lexicographic, as a weighted sum over its firs
 these constraints keeps that plan and removes its rearrangements.
 
 Layers are identical when their items match position by position (bytes, cost, output kept,
-stage output, droppable, wiring inside the layer and to other groups by relative position)
-and every window treats them alike (both eligible or neither, position by position).
+boundary or not, droppable for inner items, wiring inside the layer) and every window treats
+them alike (both eligible or neither, position by position); a boundary item's wiring outside
+its layer does not matter, since its decisions stay where they are.
 
 Example::
 
@@ -64,14 +65,21 @@ def identical_layer_pairs(model: StageModel, free: list[bool]) -> list[tuple[lis
             if items[u].group != it.group:
                 read_across.add(u)
 
+    def boundary(i: int) -> bool:
+        it = items[i]
+        return (i in read_across or it.saved_until is not None
+                or any(items[u].group != it.group for u, _ in it.inputs))
+
     def signature(g: int) -> tuple:
+        # What an exchange of inner decisions must find alike: the items and their wiring inside
+        # the layer (boundary items stay put, so their wiring outside does not matter).
         sig = []
         for i in groups[g]:
             it = items[i]
-            wiring = tuple(sorted((position[u][0] - g, position[u][1], cross) for u, cross in it.inputs))
-            until = None if it.saved_until is None else it.saved_until - g
-            sig.append((it.saved_bytes, round(it.recompute_s, 15), it.output_saved, it.sent, free[i], wiring, until,
-                        i in read_across))
+            wiring = tuple(sorted(position[u][1] for u, _ in it.inputs if items[u].group == g))
+            edge = boundary(i)
+            sig.append((it.saved_bytes, round(it.recompute_s, 15), it.output_saved, wiring, edge,
+                        None if edge else free[i]))
         windows = tuple(tuple(None if elig is None else tuple(i in elig for i in groups[g]) for elig in cls.eligible)
                         for cls in model.classes)
         return tuple(sig), windows
@@ -84,15 +92,10 @@ def identical_layer_pairs(model: StageModel, free: list[bool]) -> list[tuple[lis
         for a, b in zip(members, members[1:]):
             inner_a, inner_b, edge_a, edge_b = [], [], [], []
             for i, j in zip(groups[a], groups[b]):
-                it = items[i]
-                boundary = (i in read_across or it.saved_until is not None
-                            or any(items[u].group != it.group for u, _ in it.inputs))
-                if not free[i]:
-                    continue
-                if boundary:
+                if boundary(i):
                     edge_a.append(i)
                     edge_b.append(j)
-                else:
+                elif free[i]:
                     inner_a.append(i)
                     inner_b.append(j)
             if inner_a:
@@ -114,15 +117,30 @@ def break_layer_symmetry(m: cp_model.CpModel, model: StageModel, free: list[bool
                 out.extend(v for (j, _), v in sorted(xc.items()) if j == i)
         return out
 
+    def boundary_decisions(ids_a: list[int], ids_b: list[int]) -> tuple[list, list]:
+        # a boundary item that cannot be dropped (e.g. a stage output) has constant decisions
+        ea, eb = [r[i] for i in ids_a], [r[j] for j in ids_b]
+        for xc in distinct_x:
+            keys = sorted({k for (i, k) in xc if i in ids_a or i in ids_b})
+            for i, j in zip(ids_a, ids_b):
+                for k in keys:
+                    ea.append(xc.get((i, k), 0))
+                    eb.append(xc.get((j, k), 0))
+        return ea, eb
+
     count = 0
     for inner_a, inner_b, edge_a, edge_b in identical_layer_pairs(model, free):
         va, vb = decisions(inner_a), decisions(inner_b)
         if len(va) != len(vb):
             continue
-        ea, eb = decisions(edge_a), decisions(edge_b)
+        ea, eb = boundary_decisions(edge_a, edge_b)
+        if any(isinstance(p, int) and isinstance(q, int) and p != q for p, q in zip(ea, eb)):
+            continue  # boundaries that can never agree: no exchange to exclude
         same = m.new_bool_var(f"same_boundary{count}")
         differ = []
         for p, q in zip(ea, eb):
+            if isinstance(p, int) and isinstance(q, int):
+                continue
             d = m.new_bool_var("")
             m.add(d >= p - q)
             m.add(d >= q - p)
