@@ -6,7 +6,8 @@
    blocks and odd layers on their own; each microbatch class's windows merged into its
    layers' share) and solve it with three greedy policies (:mod:`lynx.solvers.heu_greedy`):
    *drop until it fits* (prefetching where that costs no peak), *keep while it fits*, and
-   *drop until it fits, hiding every drop* (``POLICIES``).
+   *drop until it fits, hiding every drop* (``POLICIES``); a tiny stage (``EXACT_ITEMS``)
+   adds a short deterministic CP-SAT search on the representative model.
 3. Replicate each policy to every family layer and realise it on the full model
    (:mod:`lynx.solvers.heu_realise`): the representative's prefetches window by window in time
    order, then keep more where memory is left and move on-demand recompute into windows with
@@ -67,6 +68,11 @@ __all__ = ["solve_heu", "clear_cache"]
 _HIDE_ALL = functools.partial(reverse_greedy, hide=True)
 POLICIES = (reverse_greedy, greedy, _HIDE_ALL)
 OPTIONAL = (_HIDE_ALL,)  # realised only when its representative exposes less than the best plan so far
+# A stage of at most this many items (a layer or two of a small model) also gets a short exact
+# search on its representative model, when the greedy plans expose anything: there the greedy
+# can be far from OPT in relative terms (if not in step time), and the search costs little.
+EXACT_ITEMS = 40
+EXACT_WORK = 0.05  # CP-SAT deterministic time units (load-independent, so plans are reproducible)
 # Node sets whose structure is cached (a plan has one per stage; a grid a few hundred)
 CACHE_SIZE = 64
 # Results remembered per node set (the fixed point's iterations, a grid's budgets)
@@ -143,16 +149,22 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     seen: list[tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]]] = []
     plans: list[tuple[Books, float]] = []  # every realisation, in order, with its exposed seconds
     best_exposed = float("inf")
-    for policy in POLICIES:
+    for policy in (*POLICIES, _exact):
         if best_exposed <= 1e-12:
             break  # nothing hidden better than nothing exposed
-        rep = policy(red_lay, budget, give_up_at=best_exposed) if policy in OPTIONAL else policy(red_lay, budget)
-        if rep is None or (policy in OPTIONAL and rep.exposed() >= best_exposed):
-            continue  # (an optional policy only when the representative alone promises better)
-        rep_rec, rep_where = tuple(rep.rec), tuple(tuple(w) for w in rep.where)
-        if (rep_rec, rep_where) in seen:
+        if policy is _exact:
+            if lay.n > EXACT_ITEMS or not seen:
+                break
+            found = _exact(red, seen[0], time_limit_s)
+        else:
+            rep = policy(red_lay, budget, give_up_at=best_exposed) if policy in OPTIONAL else policy(red_lay, budget)
+            if rep is None or (policy in OPTIONAL and rep.exposed() >= best_exposed):
+                continue  # (an optional policy only when the representative alone promises better)
+            found = (tuple(rep.rec), tuple(tuple(w) for w in rep.where))
+        if found is None or found in seen:
             continue  # the same policy realises the same way
-        seen.append((rep_rec, rep_where))
+        seen.append(found)
+        rep_rec, rep_where = found
         base = [rep_rec[to_red[i]] for i in range(lay.n)]
         designated = [[where[to_red[i]] is not None for i in range(lay.n)] for where in rep_where]
         for books in realise(lay, base, budget, designated):
@@ -184,6 +196,15 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     result = SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None,
                          time.perf_counter() - start)
     return _remember(cached, key, result)
+
+
+def _exact(red: StageModel, hint: tuple, time_limit_s: float) -> tuple | None:
+    """A short, deterministic CP-SAT search on a tiny stage's representative model, from the
+    first greedy policy (None when it finds nothing)."""
+    sol = solve_model(red, time_limit_s=time_limit_s, hint=hint, deterministic_limit=EXACT_WORK)
+    if sol.status not in ("OPTIMAL", "FEASIBLE"):
+        return None
+    return tuple(sol.recompute), tuple(tuple(w) for w in sol.placement)
 
 
 def _by_exposed(plans: list[tuple[Books, float]]) -> list[Books]:
