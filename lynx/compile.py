@@ -80,6 +80,14 @@ class Compiled:
         """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.config.pp:
             raise LynxConfigError(f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}")
+        gm = self.analysis.captured.gm
+        meta = [name for name, t in (*gm.named_parameters(), *gm.named_buffers()) if t.is_meta]
+        if meta:
+            raise LynxConfigError(
+                f"cannot build stage {index}: the model was compiled on the meta device ({len(meta)} "
+                f"parameter(s)/buffer(s) have no data, e.g. {meta[0]!r}), so the stage could not run. "
+                f"A meta model can be planned but not executed: build the model on cpu or cuda (or load "
+                f"its weights) and compile it again, reusing the saved plan with plan=.")
         from lynx.rewrite import build_stage_module
 
         return build_stage_module(self, index)
