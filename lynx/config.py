@@ -87,7 +87,9 @@ class CompileConfig(BaseModel):
     """Settings of one compilation: parallelism, schedule, budget, hardware, optimizer, solver.
 
     ``memory_budget`` is per device (``None``: the hardware's memory); ``target`` defaults to
-    ``"cpu"`` for the ``cpu-local`` hardware and ``"cuda"`` otherwise; ``plan`` (a saved plan's
+    the hardware's device (``"cpu"`` for ``cpu-local``, ``"cuda"`` for the GPU presets);
+    ``hardware`` is a preset name, a :class:`lynx.HardwareSpec` or its fields as a dict (as a
+    saved plan records it); ``plan`` (a saved plan's
     path or a :class:`lynx.Plan`) is used instead of solving.
     """
 
@@ -159,7 +161,18 @@ class CompileConfig(BaseModel):
             return value
         if hasattr(value, "model_dump") and hasattr(value, "links"):
             return value
-        raise ValueError(f"hardware must be a preset name or a lynx.HardwareSpec, got {value!r}")
+        if isinstance(value, dict):  # a spec as a saved plan records it (hardware_record)
+            from lynx.hardware import HardwareSpec
+
+            try:
+                return HardwareSpec.model_validate(value)
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(str(part) for part in first.get("loc", ()))
+                raise ValueError(f"hardware spec is invalid at {where or 'top level'}: {first.get('msg')} "
+                                 f"({err.error_count()} problem(s)); see lynx.HardwareSpec's fields") from None
+        raise ValueError(
+            f"hardware must be a preset name, a lynx.HardwareSpec or its fields as a dict, got {value!r}")
 
     @field_validator("plan", mode="before")
     @classmethod
@@ -175,8 +188,10 @@ class CompileConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> "CompileConfig":
         if self.target is None:
-            name = self.hardware if isinstance(self.hardware, str) else getattr(self.hardware, "name", "")
-            object.__setattr__(self, "target", "cpu" if str(name).startswith("cpu") else "cuda")
+            device = getattr(self.hardware, "device", None)  # a spec says its device
+            if device not in ("cpu", "cuda"):
+                device = "cpu" if str(self.hardware).startswith("cpu") else "cuda"
+            object.__setattr__(self, "target", device)
         if self.schedule == "1f1b" and self.microbatches < self.pp:
             raise ValueError(
                 f"schedule '1f1b' needs microbatches >= pp ({self.microbatches} < {self.pp}): "

@@ -37,7 +37,7 @@ def _build(model: str, seq: int | None, microbatch: int | None) -> tuple[torch.n
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="preset name or module:factory returning (model, example_inputs)")
-    ap.add_argument("--plan", required=True, help="plan JSON made for this model (lynx plan ... --out)")
+    ap.add_argument("--plan", required=True, help="plan JSON made for this model (lynx plan ... --output/-o)")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--microbatch", type=int)
