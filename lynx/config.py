@@ -89,8 +89,8 @@ class CompileConfig(BaseModel):
     ``memory_budget`` is per device (``None``: the hardware's memory); ``target`` defaults to
     the hardware's device (``"cpu"`` for ``cpu-local``, ``"cuda"`` for the GPU presets);
     ``hardware`` is a preset name, a :class:`lynx.HardwareSpec` or its fields as a dict (as a
-    saved plan records it); ``plan`` (a saved plan's
-    path or a :class:`lynx.Plan`) is used instead of solving.
+    saved plan records it); ``plan`` (a saved plan's path or a :class:`lynx.Plan`) is used
+    instead of solving.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.console import Console
 
 from lynx.errors import LynxError
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "table_console"]
 
 app = typer.Typer(
     name="lynx",
@@ -24,6 +25,13 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def table_console() -> Console:
+    """Console for tables on stdout: the terminal's width, or 200 columns when stdout is a file
+    or pipe (rich would assume 80 and truncate wide columns)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
 
 # Sub-command modules: importing one registers its commands on `app`.
 from lynx.cli import inspect_cmd  # noqa: E402,F401

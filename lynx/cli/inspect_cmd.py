@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lynx.cli import app
+from lynx.cli import app, table_console
 from lynx.config import format_size
 from lynx.inspect import InspectReport, inspect_model
 from lynx.models import resolve_model
@@ -81,4 +81,4 @@ def inspect(
     if as_json:
         print(json.dumps(report.json_record(), indent=2))
     else:
-        _print_report(report, Console())
+        _print_report(report, table_console())

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lynx.cli import app
+from lynx.cli import app, table_console
 from lynx.config import SOLVERS, CompileConfig, format_size
 from lynx.errors import LynxConfigError, LynxError
 
@@ -30,9 +30,6 @@ __all__ = ["plan_command", "show_command", "compare_command", "bench_search_comm
 console = Console(stderr=True)
 
 
-def _table_console() -> Console:
-    """Wide tables stay readable when stdout is a file or pipe (rich assumes 80 columns)."""
-    return Console() if sys.stdout.isatty() else Console(width=200)
 bench_app = typer.Typer(help="Benchmarks that print their figures.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 
@@ -81,7 +78,7 @@ _HW = typer.Option("h100-sxm", "--hardware", help="a100-80g | h100-sxm | h200 | 
 _OPTIM = typer.Option("adamw", "--optimizer", help="adamw | demo | lion (sets the DP windows)")
 _TL = typer.Option(60.0, "--time-limit", help="seconds per stage solve (opt)")
 _TARGET = typer.Option(None, "--target", help="cuda | cpu (default from the hardware)")
-_SEED = typer.Option(0, "--seed")
+_SEED = typer.Option(0, "--seed", help="recorded in the plan's config (the solvers are deterministic and do not read it)")
 _ITER = typer.Option(3, "--iterations", help="re-derive windows and re-solve at most this often")
 _SEQ = typer.Option(None, "--seq", help="sequence length (presets)")
 _MB = typer.Option(None, "--microbatch", help="microbatch size (presets)")
@@ -154,7 +151,7 @@ def show_command(
                       format_size(stage.peak_memory_bytes), format_size(stage.budget_bytes),
                       "yes" if stage.peak_memory_bytes <= stage.budget_bytes else "[red]no[/]",
                       *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("compute", "recompute", "comm", "idle")))
-    _table_console().print(table)
+    table_console().print(table)
     _summary(plan)
     target = picture or plan_path.parent / (plan_path.stem + ".timeline")
     written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target,
@@ -224,14 +221,15 @@ def compare_command(
                       f"{r['exposed_recompute_s'] * 1e3:.2f}", f"{r['hidden_recompute_s'] * 1e3:.2f}",
                       " ".join(format_size(b) for b in r["peak_memory_bytes"]),
                       "yes" if r["fits_budget"] else "[red]no[/]", f"{r['search_time_s']:.3f}")
-    _table_console().print(table)
+    table_console().print(table)
 
 
 @bench_app.command("search")
 def bench_search_command(
-    models: str = typer.Option("gpt-1.3b,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-20b", "--models"),
+    models: str = typer.Option("gpt-1.3b,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-20b", "--models",
+                               help="comma-separated presets to time"),
     repeats: int = typer.Option(5, "--repeats", help="HEU timings per model (median reported)"),
-    opt_time_limit: float = typer.Option(60.0, "--opt-time-limit"),
+    opt_time_limit: float = typer.Option(60.0, "--opt-time-limit", help="seconds per stage for each OPT solve"),
     out: Path = typer.Option(Path("benchmarks/results"), "--out", help="folder for search.md and search.png"),
 ) -> None:
     """OPT vs HEU search time over the GPT presets (markdown table and plot)."""
