@@ -4,8 +4,10 @@
 same model on every rank), how the graph is split and what each stage drops — from a
 :class:`lynx.Plan` (checked against the model's fingerprint before anything runs, and across
 ranks) or from plain stage node lists and :class:`~lynx.plan.StageSchedule` objects — and the
-microbatches of each step. :func:`run_rank` is the body of one rank; :func:`spawn` runs all
-ranks on this machine (gloo over 127.0.0.1) and returns each rank's :class:`RankResult`, or
+microbatches of each step. :func:`run_rank` is the body of one rank: it picks NCCL and ``cuda:<LOCAL_RANK>`` where CUDA
+is available, gloo and the CPU otherwise (:func:`lynx.runtime.topology.select_backend`), and
+under NCCL moves the model to the rank's GPU before the stage is built; :func:`spawn` runs all
+ranks on this machine (over 127.0.0.1) and returns each rank's :class:`RankResult`, or
 raises :class:`~lynx.errors.LynxRuntimeError` naming the failed rank. Under ``torchrun`` call
 :func:`run_rank` with ``init="env://"`` (see ``python -m lynx.runtime.torchrun``).
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from lynx.errors import LynxConfigError, LynxFingerprintError, LynxRuntimeError
 from lynx.runtime.pipeline import RuntimeConfig
 from lynx.runtime.stats import StepStats
-from lynx.runtime.topology import make_topology
+from lynx.runtime.topology import make_topology, rank_device, select_backend
 
 __all__ = ["WorkerSpec", "RankResult", "TokenBatches", "run_rank", "spawn", "free_port", "rank_seed"]
 
@@ -109,6 +111,10 @@ def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple,
     from lynx.capture import capture
     from lynx.rewrite.build import build_stages, split_cached, stage_node_lists
 
+    device = rank_device()  # CUDA under NCCL: the model moves before the stage is cut out of it
+    if device.type != "cpu":
+        model = model.to(device)
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
     if spec.plan is not None:
         import lynx
         from lynx.plan import Plan
@@ -152,12 +158,15 @@ def _check_fingerprints(spec: WorkerSpec, store: Any, rank: int, world: int) -> 
 def run_rank(spec: WorkerSpec, rank: int, world: int, init: str = "env://") -> RankResult:
     """Everything one rank does; ``init`` is the process-group init method."""
     torch.set_num_threads(spec.threads)
+    backend, device = select_backend(int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=max(30.0, _first(spec).timeout_s)))
     from lynx.runtime.trainer import RankTrainer
 
-    topo = make_topology(spec.pp, spec.dp)
+    topo = make_topology(spec.pp, spec.dp, device_type=rank_device().type)
     trainer = None
     try:
         _check_fingerprints(spec, topo.store, rank, world)

@@ -182,7 +182,7 @@ class PipelineRunner:
         sends: list[tuple[list, list]] = []
         flag_recv = None
         if not first and self.recv_flags is None:
-            flag_buf, flag_works = _recv_flags(len(self.recv_meta), topo.prev_rank)
+            flag_buf, flag_works = _recv_flags(len(self.recv_meta), topo.prev_rank, self.device)
             flag_recv = (flag_buf, flag_works)
         if not first:
             act_recv[0] = post_recv(self.recv_meta, topo.prev_rank, 0, ACT, self.device)
@@ -208,7 +208,7 @@ class PipelineRunner:
                     if j + 1 < m:
                         act_recv[j + 1] = post_recv(self.recv_meta, topo.prev_rank, j + 1, ACT, self.device)
                 t0 = time.perf_counter()
-                flight = forward_step(stage, j, batches[j], received)
+                flight = forward_step(stage, j, _to(batches[j], self.device), received)
                 stats.forward_s += time.perf_counter() - t0
                 self._mark(stats, "F", j, t0)
                 flights[j] = flight
@@ -217,7 +217,7 @@ class PipelineRunner:
                 else:
                     if self.send_flags is None:
                         self.send_flags = [needs_grad(o) for o in flight.output]
-                        flags = torch.tensor(self.send_flags, dtype=torch.uint8)
+                        flags = torch.tensor(self.send_flags, dtype=torch.uint8, device=self.device)
                         sends.append(post_send([flags], topo.next_rank, 0, FLAGS))
                     sends.append(post_send(list(flight.output), topo.next_rank, j, ACT))
                     grad_recv[j] = post_recv(self.send_meta, topo.next_rank, j, GRAD, self.device,
@@ -243,7 +243,8 @@ class PipelineRunner:
                 if is_last_backward and self.sync is not None:
                     stats.recompute_on_demand_dp_s += mb.on_demand_s
                 if not first:
-                    payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype)) if flag else None
+                    payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
+                               if flag else None
                                for g, flag, meta in zip(in_grads, self.recv_flags or [], self.recv_meta)]
                     sends.append(post_send(payload, topo.prev_rank, j, GRAD))
 
@@ -289,10 +290,18 @@ class PipelineRunner:
             self.monitor.wait(dist.all_reduce(p.grad, group=group, async_op=True), f"tied-weight sum of {name}")
 
 
-def _recv_flags(n: int, peer: int) -> tuple[torch.Tensor, list[Any]]:
+def _to(batch: Mapping[str, torch.Tensor], device: torch.device) -> Mapping[str, torch.Tensor]:
+    """The microbatch's tensors on the stage's device (the same dict when they already are)."""
+    if all(not isinstance(v, torch.Tensor) or v.device == device for v in batch.values()):
+        return batch
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _recv_flags(n: int, peer: int, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
+    """Receive the boundary's requires-grad flags, on the stage's device (NCCL refuses CPU tensors)."""
     import torch.distributed as dist
 
     from lynx.runtime.p2p import Pollable, tag
 
-    buf = torch.empty(n, dtype=torch.uint8)
+    buf = torch.empty(n, dtype=torch.uint8, device=device)
     return buf, [Pollable(dist.irecv(buf, peer, tag=tag(0, FLAGS)))]

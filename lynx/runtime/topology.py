@@ -5,10 +5,16 @@ mesh_dim_names=("pp", "dp"))`` does: rank ``s * dp + d`` runs stage ``s`` of rep
 Weights used by several stages (tied embeddings) get one process group per replica joining
 those stages, so their gradient contributions can be summed.
 
+:func:`select_backend` picks the process-group backend and this rank's device: NCCL and
+``cuda:<local rank>`` where CUDA is available, gloo and the CPU otherwise (one code path for
+both; :func:`lynx.runtime.launch.run_rank` uses it).
+
 Example (inside an initialised process group)::
 
     topo = make_topology(pp=2, dp=2)
     topo.stage, topo.dp_rank, topo.prev_rank, topo.next_rank
+    >>> select_backend(0, cuda=False)
+    ('gloo', device(type='cpu'))
 """
 
 from __future__ import annotations
@@ -17,11 +23,36 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["Topology", "make_topology", "tied_groups"]
+__all__ = ["Topology", "make_topology", "select_backend", "rank_device", "tied_groups"]
+
+
+def select_backend(local_rank: int = 0, *, cuda: bool | None = None) -> tuple[str, torch.device]:
+    """``("nccl", cuda:<local_rank>)`` when CUDA (and NCCL) are available, else ``("gloo", cpu)``.
+
+    ``cuda`` overrides the detection (tests). With fewer GPUs than local ranks the device
+    index wraps around (several ranks per GPU: works with NCCL only on one process per GPU,
+    so torchrun should start ``--nproc-per-node`` = number of GPUs).
+    """
+    if cuda is None:
+        cuda = torch.cuda.is_available() and dist.is_nccl_available()
+    if local_rank < 0:
+        raise LynxConfigError(f"local rank must be >= 0, got {local_rank}")
+    if not cuda:
+        return "gloo", torch.device("cpu")
+    count = max(1, torch.cuda.device_count())
+    return "nccl", torch.device("cuda", local_rank % count)
+
+
+def rank_device() -> torch.device:
+    """The device this rank computes on: its current CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass
