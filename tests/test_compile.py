@@ -89,3 +89,13 @@ def test_compile_tiny_model_and_plan_reuse(tiny, tmp_path) -> None:
         lynx.compile(model, inputs, pp=2, microbatches=8, hardware="cpu-local", plan=path)
     config = lynx.CompileConfig(pp=2, microbatches=4, hardware="cpu-local")
     assert lynx.compile(model, inputs, config, solver="full").plan.solver == "full"
+
+
+def test_fixed_point_stops_when_a_round_gains_under_a_tenth_of_a_percent() -> None:
+    from lynx.compile import CONVERGED_REL, _converged
+
+    best = (False, 1.0, 10)
+    assert _converged(best, (False, 1.0 - CONVERGED_REL / 2, 10))  # a tiny gain: settled
+    assert not _converged(best, (False, 1.0 - 2 * CONVERGED_REL, 10))  # a real gain: go on
+    assert not _converged((True, 1.0, 10), (False, 1.0, 10))  # the best did not fit: go on
+    assert not _converged(best, (True, 0.5, 10))  # this round does not fit: go on
