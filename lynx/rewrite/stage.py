@@ -11,6 +11,12 @@ forward saved it). During backward the unpack hook reads the cache, recomputing 
 what was not prefetched, and frees each entry once its last reader has unpacked it.
 Gradients are bitwise those of the original model.
 
+``stage.meter`` (:class:`lynx.rewrite.saved.SavedBytesMeter`) counts, under ``"stage"``, what
+the stage holds for backward, as the plan's prediction does: kept saved tensors, what
+recomputation brings back (what the re-run op saves and, when a consumer saved the dropped
+node's output, that output) until its last reader, and the values it sends, held until the
+microbatch's backward (a later stage saves them; the plan counts them on the producer).
+
 Example::
 
     >>> import torch
@@ -86,6 +92,7 @@ class _MicrobatchState:
     packs: dict[str, list[torch.Tensor]] = field(default_factory=dict)  # recomputed saved tensors
     refs: Counter = field(default_factory=Counter)               # outstanding readers per dropped node
     needed: set[str] = field(default_factory=set)                # dropped nodes something will read
+    viewed: set[str] = field(default_factory=set)                # dropped nodes whose output a saved tensor views
     stats: MicrobatchStats = field(default_factory=MicrobatchStats)
     forward_done: bool = False
 
@@ -183,6 +190,15 @@ class StageModule(nn.Module):
             for t in tensor_leaves(value):
                 if storage_key(t) not in self._constant_keys:
                     self.meter.add(t, "held")
+        if not self.spec.is_last:
+            # What the stage sends stays referenced until this microbatch's backward (the sent
+            # values are its roots); the plan counts a value a later stage saves on the stage
+            # that produced it (lynx.solvers.memory.is_sent), so the meter does too.
+            for name, value in zip(self.spec.send, out):
+                if name in self._stage_nodes:
+                    for t in tensor_leaves(value):
+                        if storage_key(t) not in self._constant_keys:
+                            self.meter.add(t, "stage")
         state.forward_done = True
         self._count_dependents(state)
         if self.spec.is_last and self._out_spec is not None:
@@ -220,6 +236,7 @@ class StageModule(nn.Module):
                 raise LynxRuntimeError(f"stage {self.index}: cannot locate saved tensor of {owner} "
                                        f"(saved while {self._running} ran)")
             handle = _Handle(microbatch, owner, "view", leaf, (t.dtype, t.size(), t.stride(), t.storage_offset()))
+            state.viewed.add(owner)
         state.refs[owner] += 1
         state.stats.dropped_handles += 1
         return handle
@@ -277,7 +294,11 @@ class StageModule(nn.Module):
             else:
                 out = node.target(*args, **kwargs)
         state.outputs[name], state.packs[name] = out, packs
-        for t in packs:  # kept inputs are registered already (deduplicated); parameters never count
+        # resident until the last reader unpacks them: what the re-run op saved and, when a saved
+        # tensor views this node's output (a consumer saved it), the output itself; kept inputs
+        # are registered already (the meter deduplicates storages) and parameters never count
+        resident = packs + (tensor_leaves(out) if name in state.viewed else [])
+        for t in resident:
             if storage_key(t) not in self._constant_keys:
                 self.meter.add(t, "stage")
         for a in node.all_input_nodes:
