@@ -179,6 +179,24 @@ class _Bookkeeping:
     handles: dict[int, BucketHandle] = field(default_factory=dict)
 
 
+class _GroupOf:
+    """``group_of[i]``: the *current* param-group dict of parameter ``i``.
+
+    It holds group indices, not dicts: ``load_state_dict`` replaces ``param_groups`` with new
+    dicts, and a learning rate set on those afterwards must be the one used.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, index: list[int]):
+        self._optimizer = optimizer
+        self._index = index
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self._optimizer.param_groups[self._index[i]]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
 class BucketedOptimizer(torch.optim.Optimizer):
     """Base of the communication-compressed optimizers: buckets, async handles, counters."""
 
@@ -190,13 +208,14 @@ class BucketedOptimizer(torch.optim.Optimizer):
         self.bucket_bytes = int(bucket_bytes)
         self._params: list[torch.Tensor] = []
         self._names: list[str] = []
-        self._group_of: list[dict[str, Any]] = []
+        group_index: list[int] = []
         for g, group in enumerate(self.param_groups):
             names = group.get("param_names")
             for i, p in enumerate(group["params"]):
                 self._params.append(p)
-                self._group_of.append(group)
+                group_index.append(g)
                 self._names.append(names[i] if names else f"param_groups[{g}]['params'][{i}] {tuple(p.shape)}")
+        self._group_of = _GroupOf(self, group_index)  # looked up per use: survives load_state_dict
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self.buckets: list[list[int]] = assign_buckets(
             [p.numel() * p.element_size() for p in self._params], self.bucket_bytes

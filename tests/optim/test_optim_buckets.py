@@ -95,3 +95,30 @@ def test_no_param_groups_after_construction():
     opt = DistributedLion([torch.nn.Parameter(torch.zeros(3))])
     with pytest.raises(LynxConfigError, match="constructor"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+
+
+@pytest.mark.parametrize("name", ["demo", "lion"])
+def test_lr_set_after_load_state_dict_is_used(name):
+    """load_state_dict replaces the group dicts: an lr set on the new ones must take effect."""
+    from lynx.optim import DeMo, DistributedLion
+
+    def make(params):
+        return DeMo(params, lr=0.1) if name == "demo" else DistributedLion(params, lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(16, 8, generator=g)), torch.nn.Parameter(torch.randn(8, generator=g))]
+    opt = make(params)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    resumed = make(params)
+    resumed.load_state_dict(opt.state_dict())
+    for group in resumed.param_groups:
+        group["lr"] = 0.0  # no update at all
+    before = [p.detach().clone() for p in params]
+    resumed.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    for group in resumed.param_groups:
+        group["lr"] = 0.1
+    resumed.step()
+    assert not all(torch.equal(p, b) for p, b in zip(params, before))
