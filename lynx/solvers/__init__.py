@@ -10,7 +10,9 @@
 * ``checkmate`` — ILP minimising on-demand recompute, no overlap (:mod:`lynx.solvers.checkmate`)
 
 ``progress``, when given, is called as ``progress(elapsed_s, objective_s, bound_s)`` on each
-improving solution of the CP-SAT based solvers.
+improving solution of the CP-SAT based solvers. Every result is validated
+(:func:`~lynx.solvers.problem.validate`): an invalid plan raises ``LynxPlanError`` naming the
+solver instead of being returned.
 
 Example::
 
@@ -26,8 +28,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from lynx.errors import LynxConfigError
-from lynx.solvers.problem import SolveResult, StageProblem
+from lynx.errors import LynxConfigError, LynxPlanError
+from lynx.solvers.problem import SolveResult, StageProblem, validate
 
 __all__ = ["solve", "SOLVERS"]
 
@@ -59,4 +61,10 @@ def solve(
     check_time_limit(time_limit_s)
     module, attr = _REGISTRY[name]
     fn = getattr(importlib.import_module(module), attr)
-    return fn(problem, time_limit_s=time_limit_s, progress=progress)
+    result = fn(problem, time_limit_s=time_limit_s, progress=progress)
+    try:  # every plan is checked here, so an invalid one never reaches a caller unnoticed
+        validate(problem, result.assignment)
+    except LynxPlanError as err:
+        raise LynxPlanError(f"solver {name!r} returned an invalid plan: {err}. This is a bug in the solver; "
+                            f"try another solver (e.g. 'heu' or 'full') and report it") from None
+    return result

@@ -2,7 +2,8 @@
 
 :func:`solve_opt` contracts the stage (:func:`~lynx.solvers.opt_model.model_from_problem`),
 starts CP-SAT (:func:`~lynx.solvers.opt_cpsat.solve_model`) from HEU's plan as a hint, and
-expands the solution back to nodes. Status OPTIMAL (within ``RELATIVE_GAP``) or FEASIBLE
+expands the solution back to nodes (validated: an invalid expansion — a modelling bug — is
+never returned; HEU's plan is, with a warning). Status OPTIMAL (within ``RELATIVE_GAP``) or FEASIBLE
 with the gap to CP-SAT's bound when the time limit stops the search. :func:`budget_error`
 says how much memory the leanest plan needs and what dominates it. The model's pieces are
 re-exported here (``from lynx.solvers.opt import solve_model`` keeps working).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 from lynx.errors import LynxBudgetError, LynxConfigError, LynxPlanError
 from lynx.solvers.opt_cpsat import RELATIVE_GAP, ProgressFn, solve_model
@@ -34,6 +36,7 @@ from lynx.solvers.opt_model import (
     model_from_problem,
 )
 from lynx.solvers.problem import (
+    Assignment,
     SolveResult,
     StageProblem,
     exposed_recompute_s,
@@ -42,6 +45,7 @@ from lynx.solvers.problem import (
     peak_activation_bytes,
     peak_upper_bound_bytes,
     prefetched_bytes,
+    validate,
 )
 
 __all__ = [
@@ -99,7 +103,7 @@ def solve_opt(
     if sol.status == "INFEASIBLE":
         raise budget_error(problem)
     if sol.status not in ("OPTIMAL", "FEASIBLE"):
-        if hint is None or peak_activation_bytes(problem, hint) > problem.activation_budget_bytes:
+        if hint is None or not _usable(problem, hint):
             raise LynxPlanError(
                 f"stage {problem.stage}: OPT found no plan within time_limit_s={time_limit_s}; "
                 f"raise the time limit or use solver='heu'"
@@ -108,9 +112,29 @@ def solve_opt(
         gap = (exposed - sol.bound_s) / exposed if exposed > 0 and math.isfinite(sol.bound_s) else 0.0
         return SolveResult(hint, "FEASIBLE", exposed, max(gap, 0.0), time.perf_counter() - start)
     assignment = expand_solution(problem, model, sol)
+    try:
+        validate(problem, assignment)
+    except LynxPlanError as err:  # a modelling bug: never return it; say so and fall back to the hint
+        if hint is None or not _usable(problem, hint):
+            raise LynxPlanError(f"OPT's plan is invalid ({err}) and there is no valid plan to fall back to; "
+                                f"use solver='heu' and report this") from None
+        warnings.warn(f"OPT's plan is invalid ({err}); returning HEU's plan (status FEASIBLE) instead",
+                      RuntimeWarning, stacklevel=2)
+        exposed = exposed_recompute_s(problem, hint)
+        gap = (exposed - sol.bound_s) / exposed if exposed > 0 and math.isfinite(sol.bound_s) else 0.0
+        return SolveResult(hint, "FEASIBLE", exposed, max(gap, 0.0), time.perf_counter() - start)
     exposed = exposed_recompute_s(problem, assignment)
     gap = (sol.objective_s - sol.bound_s) / sol.objective_s if sol.objective_s > 0 else 0.0
     return SolveResult(assignment, sol.status, exposed, max(gap, 0.0), time.perf_counter() - start)
+
+
+def _usable(problem: StageProblem, assignment: Assignment) -> bool:
+    """Valid and within the activation budget."""
+    try:
+        validate(problem, assignment)
+    except LynxPlanError:
+        return False
+    return peak_activation_bytes(problem, assignment) <= problem.activation_budget_bytes
 
 
 def _fmt(nbytes: float) -> str:

@@ -4,10 +4,11 @@
 
 * ``r[i]`` — item i is recomputed; ``x[c, i, k]`` — for class c it is recomputed in the
   class's k-th window (else on demand: ``od[c, i] = r[i] − Σ_k x[c, i, k]``).
-* validity: an input that does not keep its output must be recomputed with its consumer; a
-  recomputed input must be placed no later than its consumer (windows in time order, on
-  demand last; an input of an earlier group is regenerated on demand only *after* its
-  consumer's group, so it must be kept or prefetched).
+* validity: an input that does not keep its output must be recomputed with its consumer, in
+  the same window or on demand with it; a recomputed input must be placed no later than its
+  consumer (windows in time order, on demand last; an input of an earlier group is
+  regenerated on demand only *after* its consumer's group, so it must be kept or
+  prefetched — and a consumer of an earlier group's not-saved output is never on demand).
 * memory — the bound :func:`lynx.solvers.memory.peak_upper_bound_bytes` defines, never
   below the runtime's peak: ``in_flight·kept + P + T ≤ budget`` with ``P ≥ prefetched(c)``
   and ``T ≥ on-demand bytes of any group + early(c)`` for every class c, where ``early(c)``
@@ -162,12 +163,16 @@ def solve_model(
             if not items[u].output_saved:
                 # Its output is not a saved tensor, so nothing accounts for it living across
                 # windows: it runs in the same window as each recomputed consumer.
+                # From an earlier group it is regenerated on demand only after its consumer,
+                # so the consumer cannot be on demand at all: it is placed (with u).
                 for c, cls in enumerate(classes):
                     xc = x[c]
                     for k in range(len(cls.capacities)):
                         if (i, k) in xc:
                             m.add(xc[i, k] <= xc[u, k]) if (u, k) in xc else m.add(xc[i, k] == 0)
                     m.add(od[c][i] <= od[c][u])
+                    if cross:
+                        m.add(od[c][i] == 0)
                 continue
             for c, cls in enumerate(classes):
                 xc = x[c]
