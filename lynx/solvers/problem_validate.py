@@ -71,11 +71,19 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                 f"(eligible layers {window.eligible_layers})"
             )
     ranks = group_ranks(problem)
+    placed = assignment.window_of
+    order: dict[str, list[tuple[int, int]]] = {}  # node -> per microbatch, when it is regenerated
 
-    def when(node: ProblemNode, mb: int) -> tuple[int, int]:
+    def when(node: ProblemNode) -> list[tuple[int, int]]:
         # windows (0, index) precede on-demand (1, -rank): later groups regenerate first
-        w = assignment.window_of.get((node.name, mb))
-        return (0, windows[w][0]) if w is not None else (1, -ranks[group_key(node)])
+        got = order.get(node.name)
+        if got is None:
+            on_demand = (1, -ranks[group_key(node)])
+            got = order[node.name] = [
+                on_demand if (w := placed.get((node.name, mb))) is None else (0, windows[w][0])
+                for mb in range(problem.microbatches)
+            ]
+        return got
 
     for name in assignment.recompute:
         node = by_name[name]
@@ -90,8 +98,8 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                         f"not keep its output (output_saved=False); recompute {src!r} too"
                     )
                 continue
-            for mb in range(problem.microbatches):
-                if when(producer, mb) > when(node, mb):
+            for mb, (w_src, w_dst) in enumerate(zip(when(producer), when(node))):
+                if w_src > w_dst:
                     w_src = assignment.window_of.get((src, mb))
                     w_dst = assignment.window_of.get((name, mb))
                     raise LynxPlanError(
