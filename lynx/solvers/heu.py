@@ -11,7 +11,9 @@
 3. Replicate each policy to every family layer and realise it on the full model
    (:mod:`lynx.solvers.heu_realise`): the representative's prefetches window by window in time
    order, then keep more where memory is left and move on-demand recompute into windows with
-   room, in both orders; the best realisation wins (a policy that adds nothing new, or comes
+   room, in both orders (and, where tensor-parallel windows serve only the layers below
+   theirs, once more with the open windows taking first what no later window can:
+   :func:`~lynx.solvers.heu_realise.fill`); the best realisation wins (a policy that adds nothing new, or comes
    after a realisation exposing nothing, is skipped). If none fits, the full model's layer
    boundaries (Megatron-full's memory) are realised the same way; if even that does not fit,
    the exact model is solved instead.
@@ -44,7 +46,7 @@ from lynx.errors import LynxBudgetError
 from lynx.solvers.heu_books import Books, Layout
 from lynx.solvers.heu_greedy import boundary_kept, greedy, reverse_greedy
 from lynx.solvers.heu_layers import Family, families, reduced, reduced_classes
-from lynx.solvers.heu_realise import realise
+from lynx.solvers.heu_realise import realise, reserves
 from lynx.solvers.opt import (
     ModelClass,
     ModelSolution,
@@ -149,6 +151,7 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     seen: list[tuple[tuple[bool, ...], tuple[tuple[int | None, ...], ...]]] = []
     plans: list[tuple[Books, float]] = []  # every realisation, in order, with its exposed seconds
     best_exposed = float("inf")
+    reserve = reserves(lay)  # windows that serve some layers only (tp): also fill reserving for them
     for policy in (*POLICIES, _exact):
         if best_exposed <= 1e-12:
             break  # nothing hidden better than nothing exposed
@@ -167,7 +170,10 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
         rep_rec, rep_where = found
         base = [rep_rec[to_red[i]] for i in range(lay.n)]
         designated = [[where[to_red[i]] is not None for i in range(lay.n)] for where in rep_where]
-        for books in realise(lay, base, budget, designated):
+        realised = realise(lay, list(base), budget, designated)
+        if reserve:  # (after: on equal exposure the plain order's plan wins)
+            realised += realise(lay, base, budget, designated, reserve=True)
+        for books in realised:
             if books is not None:
                 exposed = books.exposed()
                 plans.append((books, exposed))

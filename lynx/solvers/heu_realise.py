@@ -33,14 +33,16 @@ from lynx.solvers.heu_books import (
     with_prereqs,
 )
 
-__all__ = ["realise", "fill", "prefetch_needed", "keep_more"]
+__all__ = ["realise", "reserves", "fill", "prefetch_needed", "keep_more"]
 
 Wanted = list[list[bool]]  # per class, per item: place the cluster it heads in this pass
 
 
-def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted) -> list[Books | None]:
+def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted, *,
+            reserve: bool = False) -> list[Books | None]:
     """The replicated policy ``rec`` on the full model: designated prefetches, then fill and
-    keep more — keeping after filling, and keeping first (None where that order fails)."""
+    keep more — keeping after filling, and keeping first (None where that order fails).
+    ``reserve``: see :func:`fill`."""
     out_saved = lay.out_saved
     changed = True
     while changed:  # inputs that do not keep their output are dropped with their consumer
@@ -52,7 +54,7 @@ def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted) -> li
                         rec[u] = changed = True
     books = Books(lay, rec)
     clusters = clusters_of(lay, rec)
-    fill(lay, books, clusters, budget, wanted=designated)
+    fill(lay, books, clusters, budget, wanted=designated, reserve=reserve)
     if not prefetch_needed(lay, books, clusters, budget):
         return [None, None]
     results: list[Books | None] = []
@@ -60,7 +62,7 @@ def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted) -> li
         b = books.copy() if not keep_first else books
         if keep_first:
             keep_more(lay, b, clusters_of(lay, b.rec), budget)
-        fill(lay, b, clusters_of(lay, b.rec), budget, wanted=None)
+        fill(lay, b, clusters_of(lay, b.rec), budget, wanted=None, reserve=reserve)
         if not keep_first:
             keep_more(lay, b, clusters_of(lay, b.rec), budget)
         repair_order(lay, b)
@@ -69,11 +71,15 @@ def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted) -> li
     return results
 
 
-def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, wanted: Wanted | None) -> None:
+def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, wanted: Wanted | None,
+         reserve: bool = False) -> None:
     """Place clusters into windows in time order: inputs first, capacity and budget respected.
 
     ``wanted[c][i]``: place the cluster whose first item is i in class c in this pass (None:
-    every cluster)."""
+    every cluster). ``reserve``: a window open to every item that only windows serving some
+    layers follow (tensor-parallel collectives inside the backward serve the layers below)
+    takes first the clusters no later window can take — the top layer's — then the rest by
+    value (without it, by value alone: the better order when memory, not room, binds)."""
     cluster_of = {i: cl for cl in clusters for i in cl}
     group, wbytes, in_flight = lay.group, lay.wbytes, lay.in_flight
     # Layers served by the fewest windows first: the last layer of the forward can use only
@@ -87,12 +93,21 @@ def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, w
     p_max, t_max = max(books.P, default=0), max(books.tmax(), default=0)
     for c, cls in enumerate(lay.classes):
         where, load, want = books.where[c], books.load[c], wanted[c] if wanted is not None else None
+        later = _served_later(cls.eligible) if reserve else [None] * len(cls.capacities)
         for k, cap in enumerate(cls.capacities):
             elig = cls.eligible[k]
             limit = cap * CAPACITY_SLACK
-            key = elig is None
+            # A window open to every item, followed only by windows that serve some layers
+            # (tp collectives inside a backward): the clusters no later window can take first.
+            key = False if elig is not None else later[k]
             if key not in orders:
-                order = by_value if elig is None else by_need
+                if elig is not None:
+                    order = by_need
+                elif key is None:
+                    order = by_value
+                else:
+                    order = ([cl for cl in by_value if any(i not in key for i in cl)]
+                             + [cl for cl in by_value if all(i in key for i in cl)])
                 orders[key] = (order, [cost_of[cl[0]] for cl in order])
             order, costs = orders[key]
             for cl, cost in zip(order, costs):
@@ -114,6 +129,31 @@ def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, w
                 if bound <= budget or books.peak_if_placed(c, unit) <= budget:
                     books.place(c, k, unit)
                     p_max = max(p_max, books.P[c])
+
+
+def reserves(lay: Layout) -> bool:
+    """Whether ``reserve=True`` can change a fill: some class has a window open to every item
+    followed only by windows that serve some layers."""
+    for cls in lay.classes:
+        later = _served_later(cls.eligible)
+        if any(e is None and later[k] for k, e in enumerate(cls.eligible)):
+            return True
+    return False
+
+
+def _served_later(eligible: tuple) -> list[frozenset[int] | None]:
+    """Per window position: the items some later window of the class may take (None: every
+    item, a later window is open to all)."""
+    out: list[frozenset[int] | None] = [None] * len(eligible)
+    acc: set[int] = set()
+    open_later = False
+    for k in reversed(range(len(eligible))):
+        out[k] = None if open_later else frozenset(acc)
+        if eligible[k] is None:
+            open_later = True
+        else:
+            acc |= eligible[k]
+    return out
 
 
 def prefetch_needed(lay: Layout, books: Books, clusters: list[list[int]], budget: int) -> bool:
