@@ -3,7 +3,7 @@
 :func:`plan_graph` is the planning loop on an analysed graph: build the pipeline timeline,
 turn its windows into one problem per stage, solve, replay the decisions in the simulator,
 re-derive the windows from the replayed timeline (recomputation placed in windows moves
-them) and re-solve — at most ``max_iterations`` times, until the decisions stop changing or
+them) and re-solve (a stage whose plan still hides everything keeps it) — at most ``max_iterations`` times, until the decisions stop changing or
 a round improves the simulated step time by less than ``CONVERGED_REL`` (0.1%) — keeping the
 plan the simulator scores best.
 
@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -28,7 +29,7 @@ from typing import Any, Callable, Optional
 import networkx as nx
 
 from lynx.config import CompileConfig, format_size
-from lynx.errors import LynxBudgetError, LynxConfigError
+from lynx.errors import LynxBudgetError, LynxConfigError, LynxPlanError
 from lynx.partition import CommModel, graph_fingerprint
 from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, check_fingerprint, fingerprint_of
 from lynx.problem_build import (
@@ -38,7 +39,7 @@ from lynx.problem_build import (
     static_breakdown,
 )
 from lynx.simulate import SimResult, simulate_assignments
-from lynx.solvers.problem import StageProblem
+from lynx.solvers.problem import StageProblem, exposed_recompute_s, validate
 from lynx.timeline import Pipeline, run_timeline
 
 __all__ = ["compile", "Compiled", "plan_graph", "PlanOutcome", "resolve_config", "BUDGET_CHECKED_SOLVERS",
@@ -159,18 +160,22 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
         raise LynxBudgetError(_static_message(config, budget, breakdown))
     timeline = run_timeline(pipe, record=False)
     best: Optional[tuple[tuple, SimResult, list[StageProblem], list[Any]]] = None
-    previous = None
+    previous = previous_results = None
     search_time, iterations = 0.0, 0
     for iteration in range(config.max_iterations):
         iterations = iteration + 1
         problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp)
         results = []
         try:
-            for problem in problems:
-                say(f"iteration {iterations}: solving stage {problem.stage} with {config.solver} "
-                    f"({len(problem.nodes)} nodes, {len(problem.windows)} windows)")
+            for index, problem in enumerate(problems):
                 started = time.perf_counter()
                 try:
+                    kept = previous_results and _still_hidden(problem, previous_results[index])
+                    if kept:  # nothing to gain on this stage: its plan still hides everything
+                        results.append(kept)
+                        continue
+                    say(f"iteration {iterations}: solving stage {problem.stage} with {config.solver} "
+                        f"({len(problem.nodes)} nodes, {len(problem.windows)} windows)")
                     results.append(solve(config.solver, problem, time_limit_s=config.time_limit_s))
                 finally:
                     search_time += time.perf_counter() - started
@@ -190,7 +195,7 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
             best = (score, sim, problems, results)
         if assignments == previous or converged:
             break
-        previous = assignments
+        previous, previous_results = assignments, results
         timeline = sim.timeline  # windows re-derived from the replay
     assert best is not None
     _, sim, problems, results = best
@@ -236,6 +241,21 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems
                             hidden_recompute_s=sim.hidden_recompute_s, bubble_s=sim.bubble_s,
                             peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget),
         timeline=timeline_bars(sim.timeline))
+
+
+def _still_hidden(problem: StageProblem, result: Any) -> Any:
+    """The previous round's result for this stage when it is still valid on the re-derived
+    windows and exposes nothing there (no solver can do better: the objective is 0 and
+    memory does not depend on window capacities), else None."""
+    if result is None or result.objective_s > 0:  # (the solver's estimate first: cheap)
+        return None
+    try:
+        validate(problem, result.assignment)
+    except LynxPlanError:
+        return None
+    if exposed_recompute_s(problem, result.assignment) > 0:
+        return None
+    return dataclasses.replace(result, search_time_s=0.0)
 
 
 def _converged(best: tuple, score: tuple) -> bool:

@@ -99,3 +99,17 @@ def test_fixed_point_stops_when_a_round_gains_under_a_tenth_of_a_percent() -> No
     assert not _converged(best, (False, 1.0 - 2 * CONVERGED_REL, 10))  # a real gain: go on
     assert not _converged((True, 1.0, 10), (False, 1.0, 10))  # the best did not fit: go on
     assert not _converged(best, (True, 0.5, 10))  # this round does not fit: go on
+
+
+def test_a_stage_whose_plan_still_hides_everything_is_not_solved_again() -> None:
+    from lynx.solvers import solve
+
+    calls = []
+
+    def spy(name, problem, **kw):
+        calls.append(problem.stage)
+        return solve(name, problem, **kw)
+
+    g = synthetic_graph(layers=4)
+    out = plan_graph_outcome(g, _cfg(max_iterations=3), comm=FREE, solve=spy)  # 80 GiB: keeps everything
+    assert out.iterations == 2 and calls == [0, 1]  # round 2 reuses both stages' plans, then stops
