@@ -58,9 +58,16 @@ def _dct_matrix_cached(n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return (basis * scale).to(dtype=dtype, device=device)
 
 
+_MATRICES: dict[tuple, torch.Tensor] = {}  # (n, dtype, device as given) → matrix: a cheap lookup per step
+
+
 def dct_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
     """Orthonormal DCT-II matrix ``D`` of size ``(n, n)``: ``y = D @ x``, ``x = D.T @ y``."""
-    return _dct_matrix_cached(n, dtype, str(device))
+    key = (n, dtype, device)
+    matrix = _MATRICES.get(key)
+    if matrix is None:
+        matrix = _MATRICES[key] = _dct_matrix_cached(n, dtype, str(device))
+    return matrix
 
 
 @dataclass(frozen=True)

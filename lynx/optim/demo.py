@@ -34,7 +34,7 @@ import torch
 
 from lynx.errors import LynxConfigError
 from lynx.optim.buckets import DEFAULT_BUCKET_BYTES, BucketedOptimizer
-from lynx.optim.dct import chunk_view
+from lynx.optim.dct import chunk_view, encode
 from lynx.optim.demo_batch import BucketKernel, from_grid
 from lynx.optim.demo_payload import BucketPlan, plan_bucket
 
@@ -111,13 +111,14 @@ class DeMo(BucketedOptimizer):
             )
 
     def _momentum(self, i: int) -> torch.Tensor:
+        """A dense member's momentum (parameter layout)."""
         state = self.state[self._params[i]]
         if "momentum" not in state:
             state["momentum"] = torch.zeros_like(self._params[i], memory_format=torch.preserve_format)
         return state["momentum"]
 
     def _kernel(self, bucket: int, device: torch.device) -> BucketKernel:
-        """The bucket's batched compute and row tables, built once per device."""
+        """The bucket's batched compute, tables and DCT-domain momenta, built once per device."""
         key = (bucket, str(device))
         kernel = self._kernels.get(key)
         if kernel is None:
@@ -125,22 +126,57 @@ class DeMo(BucketedOptimizer):
             dtypes = [self._params[i].dtype for i in members]
             kernel = BucketKernel(self._plans[bucket], dtypes, self.value_dtype, device)
             self._kernels[key] = kernel
+            self._adopt(bucket, kernel)
         return kernel
+
+    def _adopt(self, bucket: int, kernel: BucketKernel) -> None:
+        """Make each compressed member's ``state["momentum_dct"]`` the kernel's view of it.
+
+        A value already in the state (loaded by ``load_state_dict``) is copied in first; a
+        parameter-layout ``"momentum"`` (a checkpoint of an earlier version) is transformed.
+        """
+        for j, (i, tp) in enumerate(zip(self.buckets[bucket], self._plans[bucket].tensors)):
+            if not tp.compressed:
+                continue
+            view = kernel.momentum_of(j)  # (n_chunks, E)
+            state = self.state[self._params[i]]
+            held = state.get("momentum_dct")
+            if held is view:
+                continue
+            if held is not None:
+                view.copy_(held.reshape(view.shape))
+            elif "momentum" in state:
+                view.copy_(encode(state.pop("momentum").to(view.dtype), tp.layout))
+            else:
+                view.zero_()
+            state["momentum_dct"] = view
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as ``torch.optim.Optimizer`` does, then copy the momenta into the kernels' stacks."""
+        super().load_state_dict(state_dict)
+        for (bucket, _), kernel in self._kernels.items():
+            self._adopt(bucket, kernel)
 
     def _launch_bucket(self, bucket: int) -> Callable[[], None]:
         members, plan = self.buckets[bucket], self._plans[bucket]
         device = self._params[members[0]].device
         dense = torch.empty(plan.dense_numel, dtype=plan.dense_dtype, device=device)  # (D,)
-        momenta = []
+        grads: list[torch.Tensor | None] = []
+        settings: list[tuple[float, float] | None] = []
         for i, tp in zip(members, plan.tensors):
-            group, m = self._group_of[i], self._momentum(i)
+            group = self._group_of[i]
+            if tp.compressed:
+                grads.append(self._grad(i))
+                settings.append((group["compression_decay"], group["lr"]))
+                continue
+            m = self._momentum(i)
             m.mul_(group["compression_decay"]).add_(self._grad(i), alpha=group["lr"])
-            momenta.append(m)
-            if not tp.compressed:
-                dense[tp.dense_offset : tp.dense_offset + tp.numel].copy_(m.reshape(-1))
-                m.zero_()  # all of it is transmitted
+            dense[tp.dense_offset : tp.dense_offset + tp.numel].copy_(m.reshape(-1))
+            m.zero_()  # all of it is transmitted
+            grads.append(None)
+            settings.append(None)
         kernel = self._kernel(bucket, device)
-        row = kernel.compress(momenta)  # (P,) error feedback applied
+        row = kernel.compress(grads, settings)  # (P,) momenta updated, error feedback applied
         world = self.comm.world_size
         gathered = row.unsqueeze(0)  # (W, P)
         works = []
@@ -155,17 +191,23 @@ class DeMo(BucketedOptimizer):
                 w.wait()
             signs = kernel.decompress(gathered)  # sign(IDCT(mean)) per compressed member
             averaged = dense / world if plan.dense_numel else dense  # (D,)
+            batched: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # lr → (params, signs)
             for j, (i, tp) in enumerate(zip(members, plan.tensors)):
                 p, group = self._params[i], self._group_of[i]
-                keep = 1.0 - group["lr"] * group["weight_decay"]
+                lr = group["lr"]
+                keep = 1.0 - lr * group["weight_decay"]
                 if keep != 1.0:  # p·1.0 is p: skipping it changes no bit
                     p.mul_(keep)
                 if not tp.compressed:
                     update = averaged[tp.dense_offset : tp.dense_offset + tp.numel].view(p.shape).to(p.dtype).sign()
-                    p.add_(update, alpha=-group["lr"])
+                    p.add_(update, alpha=-lr)
                 elif p.is_contiguous():
-                    chunk_view(p, tp.layout).add_(signs[j], alpha=-group["lr"])
+                    views, updates = batched.setdefault(lr, ([], []))
+                    views.append(chunk_view(p, tp.layout))
+                    updates.append(signs[j])
                 else:
-                    p.add_(from_grid(signs[j], tp.layout), alpha=-group["lr"])
+                    p.add_(from_grid(signs[j], tp.layout), alpha=-lr)
+            for lr, (views, updates) in batched.items():  # p.add_(sign, alpha=-lr) for each, in one call
+                torch._foreach_add_(views, updates, alpha=-lr)
 
         return complete

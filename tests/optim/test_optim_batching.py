@@ -3,8 +3,9 @@
 - bit packing: the multiply-based 1-bit packers and the byte-width packers against a bit-plane
   packer written here;
 - Lion's bit-sliced majority vote against counting the votes;
-- DeMo's batched bucket kernel (one DCT / top-k / scatter per chunk shape) against the
-  per-tensor encode → top-k → decode → scatter_reduce(mean) it replaces, at W = 1 and 3.
+- DeMo's batched bucket kernel (one DCT / top-k / scatter per chunk shape, DCT-domain momentum)
+  against a per-tensor encode → momentum → top-k → error feedback → scatter_reduce(mean) →
+  decode, at W = 1 and 3, over several steps; its row against pack_bits of the indices.
 """
 
 from __future__ import annotations
@@ -64,17 +65,19 @@ def test_majority_bits_counts_votes(world):
 SHAPES = [(128, 192), (192,), (3, 4, 8, 8), (64, 64), (5,), (50,), (128,), (7,), (96, 40)]  # (5,): dense
 
 
-def per_tensor(momenta, plan, value_dtype):
-    """The unbatched DeMo compression (error feedback applied): (values, indices) per tensor."""
+def per_tensor(states, grads, settings, plan, value_dtype):
+    """The unbatched DCT-domain DeMo step (error feedback applied to states): (values, indices) per tensor."""
     sent = []
-    for m, tp in zip(momenta, plan.tensors):
+    for state, g, setting, tp in zip(states, grads, settings, plan.tensors):
         if not tp.compressed:
             sent.append(None)
             continue
-        coeffs = encode(m, tp.layout)  # (n, E)
-        idx = coeffs.abs().topk(tp.k, dim=1, sorted=False).indices
-        vals = coeffs.gather(1, idx).to(value_dtype)
-        m.sub_(decode(torch.zeros_like(coeffs).scatter_(1, idx, vals.to(coeffs.dtype)), tp.layout))
+        decay, lr = setting
+        state.mul_(decay).add_(encode(g, tp.layout), alpha=lr)  # (n, E)
+        idx = torch.sort(state.abs(), dim=1, descending=True, stable=True).indices[:, : tp.k]  # ties → lower index
+        picked = state.gather(1, idx)
+        vals = picked.to(value_dtype, copy=True)
+        state.scatter_(1, idx, picked - vals.to(state.dtype))
         sent.append((vals, idx))
     return sent
 
@@ -89,25 +92,49 @@ def mean_update(all_sent, tp, dtype):
 
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("value_dtype", [torch.bfloat16, torch.float32])
-def test_bucket_kernel_matches_per_tensor(world, value_dtype):
+@pytest.mark.parametrize("mixed", [False, True])
+def test_bucket_kernel_matches_per_tensor(world, value_dtype, mixed):
     plan = plan_bucket([(s, torch.float32) for s in SHAPES], topk=6, chunk=32, value_dtype=value_dtype)
     assert {tp.compressed for tp in plan.tensors} == {True, False}  # both kinds in one bucket
     kernels = [BucketKernel(plan, [torch.float32] * len(SHAPES), value_dtype, torch.device("cpu")) for _ in range(world)]
+    # mixed: members of one chunk group with different (decay, lr), as from two param groups
+    settings = [(0.9, 0.1) if mixed and j % 2 else (0.99, 0.01) for j in range(len(SHAPES))]
+    want_states = [[torch.zeros(tp.layout.n_chunks, tp.layout.chunk_elements) for tp in plan.tensors]
+                   for _ in range(world)]
     g = torch.Generator().manual_seed(7)
-    for _ in range(2):  # twice: the reused buffers must come back clean
-        momenta = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(world)]
-        momenta[0][3][:32] = 0.0  # whole zero chunks: ties in the top-k
-        want_m = [[m.clone() for m in ms] for ms in momenta]
-        want_sent = [per_tensor(ms, plan, value_dtype) for ms in want_m]
-        # A non-contiguous momentum goes through the copying path.
-        momenta[0][0] = momenta[0][0].t().contiguous().t()
-        rows = torch.stack([k.compress(ms) for k, ms in zip(kernels, momenta)])  # (W, P)
-        for ms, wms in zip(momenta, want_m):
+    for step in range(3):  # several steps: momentum carries over, reused buffers must come back clean
+        grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(world)]
+        grads[0][3][:32] = 0.0  # whole zero chunks: ties in the top-k (on the first step)
+        want_sent = [per_tensor(st, gs, settings, plan, value_dtype) for st, gs in zip(want_states, grads)]
+        # A non-contiguous gradient goes through the copying path.
+        grads[0][0] = grads[0][0].t().contiguous().t()
+        rows = torch.stack([k.compress(gs, settings) for k, gs in zip(kernels, grads)])  # (W, P)
+        for kernel, states in zip(kernels, want_states):
             for j, tp in enumerate(plan.tensors):
                 if tp.compressed:
-                    assert torch.equal(ms[j], wms[j])
+                    assert torch.equal(kernel.momentum_of(j), states[j]), (step, SHAPES[j])
         signs = kernels[0].decompress(rows)
         for j, tp in enumerate(plan.tensors):
             if tp.compressed:
                 want = mean_update([s[j] for s in want_sent], tp, torch.float32)
                 assert torch.equal(from_grid(signs[j], tp.layout), want), SHAPES[j]
+
+
+def test_bucket_kernel_row_holds_packed_indices():
+    """The row's index region is pack_bits of each tensor's indices, values are the sent ones."""
+    plan = plan_bucket([(s, torch.float32) for s in SHAPES], topk=6, chunk=32, value_dtype=torch.bfloat16)
+    kernel = BucketKernel(plan, [torch.float32] * len(SHAPES), torch.bfloat16, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=g) for s in SHAPES]
+    states = [torch.zeros(tp.layout.n_chunks, tp.layout.chunk_elements) for tp in plan.tensors]
+    sent = per_tensor(states, grads, [(0.9, 1.0)] * len(SHAPES), plan, torch.bfloat16)
+    row = kernel.compress(grads, [(0.9, 1.0)] * len(SHAPES))
+    for tp, s in zip(plan.tensors, sent):
+        if tp.compressed:  # per chunk the same (index, value) pairs; their order is unspecified
+            vals, idx = s
+            got_vals = row[tp.value_offset : tp.value_offset + tp.value_bytes].view(torch.bfloat16).view(vals.shape)
+            packed = row[tp.index_offset : tp.index_offset + tp.index_bytes]
+            got_idx = unpack_bits(packed, tp.index_bits, idx.numel()).view(idx.shape)
+            order, got_order = idx.argsort(dim=1), got_idx.argsort(dim=1)
+            assert torch.equal(got_idx.gather(1, got_order), idx.gather(1, order))
+            assert torch.equal(got_vals.gather(1, got_order), vals.gather(1, order))
