@@ -138,3 +138,20 @@ def test_bucket_kernel_row_holds_packed_indices():
             order, got_order = idx.argsort(dim=1), got_idx.argsort(dim=1)
             assert torch.equal(got_idx.gather(1, got_order), idx.gather(1, order))
             assert torch.equal(got_vals.gather(1, got_order), vals.gather(1, order))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("rows,entries,k", [(9, 4096, 32), (5, 64, 32), (4, 841, 5), (6, 1000, 3), (3, 4096, 1), (2, 30, 30)])
+def test_topk_rows_is_the_stable_sort_set(dtype, rows, entries, k):
+    """The tournament picks what a stable descending sort of |x| puts first: ties → lower index."""
+    from lynx.optim.topk import topk_rows
+
+    g = torch.Generator().manual_seed(entries + k)
+    for quantum in (None, 4.0, 0.5):  # coarse values: many ties, at the k-th place too
+        x = torch.randn(rows, entries, generator=g)
+        if quantum:
+            x = (x * quantum).round() / quantum
+        x[0] = 0.0  # a whole zero row
+        x = x.to(dtype)
+        want = torch.sort(x.abs(), dim=1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(topk_rows(x, k).sort(dim=1).values, want.sort(dim=1).values)
