@@ -1,14 +1,29 @@
 """Calibrate the ``cpu-local`` hardware preset on this machine, one thread per rank.
 
-Measures what the analytic cost model needs: sustained fp32 matmul FLOP/s (the sizes a tiny
-GPT uses), copy bandwidth, the fixed cost of one eager op, and gloo send/recv latency and
-bandwidth between two processes on loopback. Prints the measured values beside the preset's.
+Measures what the analytic cost model needs to predict a CPU training step of a small model
+run by Lynx's stage interpreter:
+
+* the fixed cost of one eager op;
+* matmul FLOP/s, elementwise bandwidth and the cost of one random number (dropout's mask: on
+  a CPU this, not memory, bounds dropout), fitted to the forward times of ``gpt-tiny``'s own
+  nodes at ``examples/train_gpt.py``'s shapes (seq 64 × 8), and checked on its backward;
+* the stage interpreter's cost per graph node (:class:`lynx.rewrite.StageModule` runs a captured
+  graph node by node in Python: gpt-tiny's forward through one stage minus the eager forward);
+* one optimizer step per parameter for AdamW, DeMo and DistributedLion (one rank, on the
+  parameters of ``gpt-tiny``; per-tensor overheads are folded into the per-parameter figure);
+* gloo send/recv latency and bandwidth between two processes on loopback.
+
+Prints the measured values beside the preset's (``--json PATH`` also writes them). Run it on
+a quiet machine (``flock /work/notes/bench.lock`` where others share it) and copy the figures
+into ``lynx/hardware.py``.
 
     python benchmarks/calibrate_cpu.py
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import socket
 import statistics
@@ -20,32 +35,118 @@ import torch.multiprocessing as mp
 
 from lynx.hardware import HARDWARE_PRESETS
 
+MATMUL_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "conv")
 
-def _best(fn, repeats: int = 7) -> float:
+
+def _best(fn, repeats: int = 15) -> float:
+    """The fastest of ``repeats`` runs: on a shared machine, the run least disturbed by others."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def matmul_flops(n: int = 256) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    reps = 20
-    return 2 * n**3 * reps / _best(lambda: [a @ b for _ in range(reps)])
-
-
-def copy_bandwidth(numel: int = 8 * 2**20) -> float:
-    src = torch.randn(numel)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
+    return min(times)
 
 
 def op_overhead() -> float:
     x = torch.randn(4)
     reps = 2000
     return _best(lambda: [x.add(1.0) for _ in range(reps)]) / reps
+
+
+def _tiny_gpt():
+    import lynx
+
+    torch.manual_seed(0)
+    resolved = lynx.models.resolve_model("gpt-tiny", seq=64, microbatch=8, device="cpu")
+    analysis = lynx.analyze(resolved.model, resolved.example_inputs, target="cpu")
+    return resolved, analysis
+
+
+def node_rates(analysis, overhead: float) -> dict[str, float]:
+    """Matmul FLOP/s, elementwise bandwidth and seconds per random number, fitted to the
+    forward times of gpt-tiny's own nodes (``lynx.cost.measure_times``: every node timed for
+    real, its output kept as in a forward), each less the eager op overhead.
+
+    Microbenchmarks that discard each result hit the cache and overstate both rates 1.5-5×;
+    in a forward the activations are fresh memory, so the model's own ops are the reference.
+    """
+    from lynx.cost import _random_elements, measure_times
+
+    G = measure_times(analysis.graph.copy(), analysis.captured, repeats=9, statistic=min)
+    flops = matmul_s = moved = moved_s = 0.0
+    random_nodes = []
+    for _, attrs in G.nodes(data=True):
+        if attrs.get("is_view"):
+            continue
+        t = max(0.0, attrs["forward_s"] - overhead)
+        if _random_elements(attrs):
+            random_nodes.append((attrs, t))
+        elif attrs.get("flops", 0) > 0 and any(w in str(attrs.get("op")) for w in MATMUL_OPS):
+            flops, matmul_s = flops + attrs["flops"], matmul_s + t
+        else:
+            moved, moved_s = moved + attrs["input_bytes"] + attrs["output_bytes"], moved_s + t
+    bandwidth = moved / moved_s
+    elements = sum(_random_elements(a) for a, _ in random_nodes)
+    rng_s = sum(t - (a["input_bytes"] + a["output_bytes"]) / bandwidth for a, t in random_nodes)
+    return {"matmul_flops": flops / matmul_s, "bandwidth": bandwidth, "rng_s_per_element": max(0.0, rng_s) / elements}
+
+
+def interpreter_per_node(resolved, analysis) -> float:
+    """Seconds the stage interpreter adds per node: gpt-tiny's forward as one
+    :class:`lynx.rewrite.StageModule` (dropping nothing) less the eager forward, per node run."""
+    from lynx.rewrite import StageModule, split_graph
+    from lynx.rewrite.split import op_nodes
+
+    gm = analysis.captured.gm
+    stage = StageModule(split_graph(gm, [[n.name for n in op_nodes(gm)]])[0])
+    inputs = resolved.example_inputs
+    model = resolved.model
+
+    def staged() -> None:
+        stage(*inputs, microbatch=0)
+        stage._states.pop(0)   # forget the microbatch (the timing needs no backward)
+
+    with torch.enable_grad():   # many short runs: the fastest of each is the undisturbed one
+        extra = _best(staged, repeats=40) - _best(lambda: model(*inputs), repeats=40)
+    return max(0.0, extra) / len(op_nodes(gm))
+
+
+def backward_check(resolved, analysis, hw) -> tuple[float, float]:
+    """(measured, modelled) seconds of gpt-tiny's backward: a check of the fitted rates."""
+    from lynx.cost import node_backward_s
+
+    model, inputs = resolved.model, resolved.example_inputs
+
+    def fwd_bwd() -> None:
+        model(*inputs).backward()
+
+    with torch.enable_grad():
+        measured = _best(fwd_bwd) - _best(lambda: model(*inputs))
+    modelled = sum(node_backward_s(attrs, hw, "float32") for _, attrs in analysis.graph.nodes(data=True))
+    return measured, modelled
+
+
+def optimizer_per_param() -> dict[str, float]:
+    """Seconds per parameter of one optimizer step (one rank, gpt-tiny's parameters)."""
+    import lynx
+    from lynx.optim import DeMo, DistributedLion
+
+    torch.manual_seed(0)
+    model, _ = lynx.models.build_preset("gpt-tiny", device="cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in params)
+    makers = {"adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+              "demo": lambda: DeMo(params, lr=1e-3, process_group=None),
+              "lion": lambda: DistributedLion(params, lr=1e-3, process_group=None)}
+    out = {}
+    for name, make in makers.items():
+        opt = make()
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()   # state allocation
+        out[name] = _best(opt.step) / count
+    return out
 
 
 def _gloo_worker(rank: int, port: int, queue) -> None:
@@ -88,17 +189,51 @@ def gloo_link() -> tuple[float, float]:
     return alpha, beta
 
 
-def main() -> None:
+def measure() -> dict[str, float]:
+
     torch.set_num_threads(1)
+    resolved, analysis = _tiny_gpt()
+    out = {"op_overhead_s": op_overhead()}
+    out.update(node_rates(analysis, out["op_overhead_s"]))
+    out["interpreter_node_s"] = min(interpreter_per_node(resolved, analysis) for _ in range(4))
+    out.update({f"optimizer_{k}_s_per_param": v for k, v in optimizer_per_param().items()})
+    fitted = HARDWARE_PRESETS["cpu-local"].model_copy(update={
+        "peak_flops": {"float32": out["matmul_flops"]}, "achievable_fraction": 1.0,
+        "memory_bandwidth": out["bandwidth"], "op_overhead_s": out["op_overhead_s"]})
+    out["backward_measured_s"], out["backward_modelled_s"] = backward_check(resolved, analysis, fitted)
+    out["gloo_alpha_s"], out["gloo_beta"] = gloo_link()
+    out["loadavg_1min"] = os.getloadavg()[0]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="also write the measured values here")
+    args = ap.parse_args()
+    load = os.getloadavg()[0]
+    m = measure()
     preset = HARDWARE_PRESETS["cpu-local"]
-    flops, bw, overhead = matmul_flops(), copy_bandwidth(), op_overhead()
-    alpha, beta = gloo_link()
-    print("measured on this machine (1 thread)         preset cpu-local")
-    print(f"fp32 matmul FLOP/s   {flops / 1e9:10.1f} G        {preset.peak_flops['float32'] * preset.achievable_fraction / 1e9:10.1f} G")
-    print(f"copy bandwidth       {bw / 1e9:10.2f} GB/s     {preset.memory_bandwidth / 1e9:10.2f} GB/s")
-    print(f"eager op overhead    {overhead * 1e6:10.1f} µs       {preset.op_overhead_s * 1e6:10.1f} µs")
-    print(f"gloo p2p latency     {alpha * 1e6:10.1f} µs       {preset.links['pp'].alpha_s * 1e6:10.1f} µs")
-    print(f"gloo p2p bandwidth   {beta / 1e9:10.2f} GB/s     {preset.links['pp'].beta_bytes_per_s / 1e9:10.2f} GB/s")
+    opt = preset.optimizer_s_per_param
+    rows = [
+        ("fp32 matmul FLOP/s", m["matmul_flops"] / 1e9, preset.achievable_flops("float32") / 1e9, "G"),
+        ("elementwise bandwidth", m["bandwidth"] / 1e9, preset.memory_bandwidth / 1e9, "GB/s"),
+        ("eager op overhead", m["op_overhead_s"] * 1e6, preset.op_overhead_s * 1e6, "µs"),
+        ("random number (dropout)", m["rng_s_per_element"] * 1e9, preset.rng_s_per_element * 1e9, "ns/element"),
+        ("stage interpreter", m["interpreter_node_s"] * 1e6, preset.interpreter_node_s * 1e6, "µs/node"),
+        *[(f"{name} step", m[f"optimizer_{name}_s_per_param"] * 1e9, opt.get(name, 0.0) * 1e9, "ns/param")
+          for name in ("adamw", "demo", "lion")],
+        ("gpt-tiny backward, measured", m["backward_measured_s"] * 1e3, m["backward_modelled_s"] * 1e3,
+         "ms (preset column: modelled with the measured rates)"),
+        ("gloo p2p latency", m["gloo_alpha_s"] * 1e6, preset.links["pp"].alpha_s * 1e6, "µs"),
+        ("gloo p2p bandwidth", m["gloo_beta"] / 1e9, preset.links["pp"].beta_bytes_per_s / 1e9, "GB/s"),
+    ]
+    print(f"{'measured on this machine (1 thread)':36s} {'measured':>10s} {'preset':>10s}")
+    for label, measured, planned, unit in rows:
+        print(f"{label:36s} {measured:10.2f} {planned:10.2f}  {unit}")
+    print(f"load average {load:.2f} before, {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} cores")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(m, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -90,11 +90,25 @@ def plan_settings(args: argparse.Namespace, pp: int, dp: int, plan_config: dict[
     """lynx.compile settings: the flags given, else the saved plan's, else the defaults."""
     base = dict(plan_config or {})
     pick = lambda flag, key, default: flag if flag is not None else base.get(key, default)  # noqa: E731
+    hardware = pick(args.hardware, "hardware", "h100-sxm" if device.type == "cuda" else "cpu-local")
+    if isinstance(hardware, str) and "hardware" not in base:
+        hardware = _shared_cpu(hardware, pp * dp)
     return {"pp": pp, "dp": dp, "microbatches": int(pick(args.microbatches, "microbatches", 4)),
             "memory_budget": pick(args.memory_budget, "memory_budget", DEFAULT_BUDGET),
             "optimizer": pick(args.optimizer, "optimizer", "demo"),
-            "hardware": pick(args.hardware, "hardware", "h100-sxm" if device.type == "cuda" else "cpu-local"),
+            "hardware": hardware,
             "schedule": base.get("schedule", "1f1b")}
+
+
+def _shared_cpu(hardware: str, ranks: int) -> Any:
+    """A CPU preset as each rank sees it when the ranks outnumber this machine's cores
+    (``lynx.hardware.share_cores``: a preset assumes a core per rank); otherwise the name."""
+    from lynx.hardware import get_hardware, share_cores
+
+    spec = get_hardware(hardware)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    shared = share_cores(spec, ranks, cores)
+    return hardware if shared is spec else shared
 
 
 def build_model(model: str, seq: int, microbatch: int, device: str) -> tuple[torch.nn.Module, tuple]:
@@ -284,8 +298,12 @@ def _banner(args: argparse.Namespace, run: Setup, start: int) -> str:
     return (f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, "
             f"pp {s['pp']} × dp {s['dp']}, {s['microbatches']} microbatches, {s['optimizer']} lr {run.meta['lr']:g}, "
             f"budget {format_size(plan.stages[0].budget_bytes)} per device: {recomputed} nodes recomputed, "
-            f"predicted step {plan.predicted.step_time_s * 1e3:.1f} ms"
+            f"predicted step {plan.predicted.step_time_s * 1e3:.1f} ms on {_hardware_name(plan.config.get('hardware'))}"
             + (f"; resuming from {run.resume_from} at step {start}" if run.resume_from else ""))
+
+
+def _hardware_name(hardware: Any) -> str:
+    return hardware.get("name", "a custom spec") if isinstance(hardware, dict) else str(hardware)
 
 
 def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list[float], log: dict[str, Any]) -> None:

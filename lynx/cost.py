@@ -2,9 +2,14 @@
 
 Analytic mode is a roofline: an op costs ``max(FLOPs / achievable FLOP/s, bytes moved /
 memory bandwidth)`` plus the hardware's per-op overhead; views cost nothing. Backward costs
-twice the forward FLOPs (gradients for inputs and weights) and twice the bytes. Collectives use
-ring formulas over a :class:`~lynx.hardware.LinkSpec` (α latency per message step, β bytes/s).
-``measure_times`` instead times every node for real on the current device.
+twice the forward FLOPs (gradients for inputs and weights) and twice the bytes. Host costs
+the hardware names (zero on the GPU presets) come on top: a random op draws one number per
+output element (``rng_s_per_element``: on a CPU dropout's mask costs more than its memory
+traffic), and the stage interpreter pays ``interpreter_node_s`` for every node it runs
+forward, views included (a recomputed node is run by it again, so its recompute cost is its
+forward cost). :func:`optimizer_step_s` is one optimizer step over a device's parameters.
+Collectives use ring formulas over a :class:`~lynx.hardware.LinkSpec` (α latency per message
+step, β bytes/s). ``measure_times`` instead times every node for real on the current device.
 
 Example::
 
@@ -17,9 +22,10 @@ Example::
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import networkx as nx
 import torch
@@ -33,6 +39,7 @@ from lynx.hardware import HardwareSpec, LinkSpec
 __all__ = [
     "node_forward_s",
     "node_backward_s",
+    "optimizer_step_s",
     "annotate_times",
     "measure_times",
     "p2p_time",
@@ -43,12 +50,25 @@ __all__ = [
 ]
 
 
+# ops that draw random numbers (one per output element): dropout's mask and its relatives
+_RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "rrelu")
+
+
+def _random_elements(attrs: dict[str, Any]) -> int:
+    op = str(attrs.get("op", ""))
+    if not any(word in op for word in _RANDOM_OPS):
+        return 0
+    shapes = attrs.get("output_shapes") or []
+    return sum(math.prod(shape) for shape in shapes[:1])
+
+
 def node_forward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:
     if attrs.get("is_view"):
-        return 0.0
+        return hw.interpreter_node_s
     compute = attrs["flops"] / hw.achievable_flops(dtype)
     memory = (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
-    return max(compute, memory) + hw.op_overhead_s
+    rng = _random_elements(attrs) * hw.rng_s_per_element
+    return max(compute, memory) + rng + hw.op_overhead_s + hw.interpreter_node_s
 
 
 def node_backward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:
@@ -57,6 +77,12 @@ def node_backward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> floa
     compute = 2 * attrs["flops"] / hw.achievable_flops(dtype)
     memory = 2 * (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
     return max(compute, memory) + hw.op_overhead_s
+
+
+def optimizer_step_s(params: int, optimizer: str, hw: HardwareSpec) -> float:
+    """One ``optimizer`` step over ``params`` parameters of one device (its own work; the
+    data-parallel exchange is timed apart). 0 where the hardware does not model it."""
+    return max(0, params) * hw.optimizer_s_per_param.get(optimizer, 0.0)
 
 
 def annotate_times(G: nx.DiGraph, hw: HardwareSpec, dtype: str | None = None) -> nx.DiGraph:
@@ -125,9 +151,9 @@ def _sync(device: torch.device) -> None:
 
 
 class _TimingInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, repeats: int) -> None:
+    def __init__(self, gm: fx.GraphModule, repeats: int, statistic: Callable[[list[float]], float]) -> None:
         super().__init__(gm)
-        self.repeats = repeats
+        self.repeats, self.statistic = repeats, statistic
         self.times: dict[str, tuple[float, float]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -169,18 +195,20 @@ class _TimingInterpreter(fx.Interpreter):
                 torch.autograd.grad(outs, wrt, seeds, allow_unused=True)
                 _sync(device)
                 backward.append(time.perf_counter() - start)
-        self.times[n.name] = (statistics.median(forward), statistics.median(backward) if backward else 0.0)
+        self.times[n.name] = (self.statistic(forward), self.statistic(backward) if backward else 0.0)
         return out
 
 
-def measure_times(G: nx.DiGraph, captured: Captured, repeats: int = 3) -> nx.DiGraph:
-    """Time every node for real on the device the model's parameters live on (measure mode)."""
+def measure_times(G: nx.DiGraph, captured: Captured, repeats: int = 3,
+                  statistic: Callable[[list[float]], float] = statistics.median) -> nx.DiGraph:
+    """Time every node for real on the device the model's parameters live on (measure mode);
+    each node's time is ``statistic`` of its ``repeats`` runs (``min``: the least disturbed)."""
     if captured.folded is not None or any(p.is_meta for p in captured.gm.parameters()):
         raise LynxConfigError(
             "measure mode times real ops: build the model with real weights on the device to time "
             "(not on meta), or use the analytic cost model"
         )
-    interp = _TimingInterpreter(captured.gm, repeats)
+    interp = _TimingInterpreter(captured.gm, repeats, statistic)
     try:
         with torch.enable_grad():
             interp.run(*captured.example_inputs)

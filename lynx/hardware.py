@@ -4,6 +4,10 @@ A :class:`HardwareSpec` gives peak dense matmul FLOP/s per dtype with the fracti
 achievable in practice, memory bandwidth and capacity, and per-link α (latency, seconds) and β
 (bandwidth, bytes/s) for the pipeline (``pp``), tensor-parallel (``tp``) and data-parallel
 (``dp``) groups. Presets are vendor datasheet numbers with typical achievable fractions.
+``cpu-local`` is measured on this machine (``benchmarks/calibrate_cpu.py``) and adds what a CPU
+run of Lynx's stage interpreter pays on the host: random numbers, the interpreter's cost per
+node and the optimizer step (zero on the GPU presets, where they are small or overlap
+asynchronous kernels).
 
 Example::
 
@@ -12,7 +16,7 @@ Example::
     >>> h100.links["tp"].beta_bytes_per_s > h100.links["dp"].beta_bytes_per_s
     True
     >>> round(h100.achievable_flops("float16") / 1e12)
-    594
+    593
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["LinkSpec", "HardwareSpec", "HARDWARE_PRESETS", "get_hardware"]
+__all__ = ["LinkSpec", "HardwareSpec", "HARDWARE_PRESETS", "get_hardware", "share_cores"]
 
 
 class LinkSpec(BaseModel):
@@ -46,6 +50,10 @@ class HardwareSpec(BaseModel):
     memory_bytes: int = Field(gt=0)
     links: dict[str, LinkSpec]  # "pp", "tp", "dp"
     op_overhead_s: float = Field(default=0.0, ge=0.0)  # per-op dispatch cost not hidden by async launch
+    # Host-bound costs a CPU run pays and a GPU hides (GPU presets: 0, not modelled):
+    rng_s_per_element: float = Field(default=0.0, ge=0.0)   # one random number (dropout's mask)
+    interpreter_node_s: float = Field(default=0.0, ge=0.0)  # the stage interpreter, per graph node run
+    optimizer_s_per_param: dict[str, float] = Field(default_factory=dict)  # optimizer name -> step s/param
 
     @field_validator("links")
     @classmethod
@@ -93,21 +101,27 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # H200: H100's compute with 141 GB HBM3e at 4.8 TB/s.
     "h200": _gpu("h200", 989e12, 67e12, 4.8e12, 141, 450e9, 50e9),
     # This machine's CPU cores, one thread per rank, gloo over loopback; measured by
-    # `benchmarks/calibrate_cpu.py` on a quiet machine (2026-12-02): fp32 matmul 52 GFLOP/s,
-    # copy 13.6 GB/s, 8.8 µs per eager op, gloo p2p 143 µs latency and 3.0 GB/s.
+    # `benchmarks/calibrate_cpu.py` (2026-12-03, fastest of many runs at load 4-7 on 2 cores):
+    # matmul 114-119 GFLOP/s and elementwise 14-15 GB/s fitted to gpt-tiny's own nodes, 1.9 µs
+    # per eager op, 4.7 ns per random number, 38 µs per node run by the stage interpreter, an
+    # optimizer step of 6.0 (AdamW), 13 (DeMo) and 5.4 (Lion) ns per parameter; gloo p2p
+    # 3.0 GB/s and 150 µs latency on a quiet machine (86 µs quiet, 1.2-1.6 ms under load).
     "cpu-local": HardwareSpec(
         name="cpu-local",
         device="cpu",
-        peak_flops={"float32": 52e9, "bfloat16": 15e9, "float16": 5e9},
+        peak_flops={"float32": 115e9, "bfloat16": 15e9, "float16": 5e9},
         achievable_fraction=1.0,
-        memory_bandwidth=13e9,
+        memory_bandwidth=14e9,
         memory_bytes=24 * _GiB,
         links={
             "pp": LinkSpec(alpha_s=150e-6, beta_bytes_per_s=3.0e9),
             "tp": LinkSpec(alpha_s=150e-6, beta_bytes_per_s=3.0e9),
             "dp": LinkSpec(alpha_s=150e-6, beta_bytes_per_s=3.0e9),
         },
-        op_overhead_s=9e-6,
+        op_overhead_s=1.9e-6,
+        rng_s_per_element=4.7e-9,
+        interpreter_node_s=38e-6,
+        optimizer_s_per_param={"adamw": 6.0e-9, "demo": 13e-9, "lion": 5.4e-9},
     ),
 }
 
@@ -123,3 +137,30 @@ def get_hardware(hardware: str | HardwareSpec) -> HardwareSpec:
             f"unknown hardware {hardware!r}; presets: {', '.join(HARDWARE_PRESETS)} "
             "(or pass a lynx.HardwareSpec)"
         ) from None
+
+
+def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
+    """``hw`` (a CPU spec, one core per rank) as each of ``ranks`` processes sees it on ``cores``.
+
+    With more ranks than cores, a busy rank gets ``cores / ranks`` of a core: compute rates
+    scale down and host costs up by that share (links are left as they are). A GPU spec, or
+    no more ranks than cores, is returned unchanged.
+
+    Example::
+
+        >>> shared = share_cores(get_hardware("cpu-local"), ranks=4, cores=2)
+        >>> shared.name, shared.interpreter_node_s == 2 * get_hardware("cpu-local").interpreter_node_s
+        ('cpu-local-4on2', True)
+    """
+    if hw.device != "cpu" or ranks <= cores or cores < 1:
+        return hw
+    share = cores / ranks
+    return hw.model_copy(update={
+        "name": f"{hw.name}-{ranks}on{cores}",
+        "peak_flops": {k: v * share for k, v in hw.peak_flops.items()},
+        "memory_bandwidth": hw.memory_bandwidth * share,
+        "op_overhead_s": hw.op_overhead_s / share,
+        "rng_s_per_element": hw.rng_s_per_element / share,
+        "interpreter_node_s": hw.interpreter_node_s / share,
+        "optimizer_s_per_param": {k: v / share for k, v in hw.optimizer_s_per_param.items()},
+    })

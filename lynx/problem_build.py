@@ -66,8 +66,16 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
                     sent.add(n)
         nbytes = sum(int(graph.nodes[n].get("output_bytes", 0)) for n in sent) // tp
         boundary.append(comm.p2p(nbytes))
+    optimizer_s: tuple[float, ...] = ()
+    if hardware is not None:  # each device's optimizer step over its parameters (lynx.cost.optimizer_step_s)
+        from lynx.cost import optimizer_step_s
+
+        size = dtype_bytes(graph.graph.get("dims", {}).get("dtype"))
+        optimizer_s = tuple(optimizer_step_s(sum(costs[b].param_bytes for c in chunks if c.device == s
+                                                 for b in c.blocks) // size, optimizer, hardware)
+                            for s in range(pp))
     return Pipeline(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
-                    costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual)
+                    costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s)
 
 
 def static_breakdown(graph: nx.DiGraph, pipe: Pipeline, *, optimizer: str) -> list[dict[str, int]]:

@@ -7,8 +7,10 @@ gradient), optionally with recomputation placed in windows or on demand, and rec
 interval a device waits: ``recv_grad`` before a backward, ``recv_act`` before a forward (it
 serves the next backward whose forward is done), the ``tp_allreduce`` of each layer's
 backward (serving layers not yet backpropagated) and the ``dp_collective`` tail after a
-device's last backward. Windows are named by their place in the schedule, not their time, so
-the same ids exist in every replay and a plan made on one replay can be scored on another.
+device's last backward. Each device's step ends with its optimizer step
+(``Pipeline.optimizer_s``), after its last gradient and data-parallel exchange. Windows are
+named by their place in the schedule, not their time, so the same ids exist in every replay
+and a plan made on one replay can be scored on another.
 
 Example::
 
@@ -45,6 +47,7 @@ class Pipeline:
     costs: tuple[BlockCost, ...]          # indexed by block
     boundary_s: tuple[float, ...]          # p2p seconds from chunk c to c+1 (and back, same size)
     virtual: int = 1
+    optimizer_s: tuple[float, ...] = ()    # per device: its optimizer step, after its last gradient (empty: 0)
 
     @staticmethod
     def uniform(*, pp: int, microbatches: int, forward_s: float, backward_s: float,
@@ -97,7 +100,7 @@ class Window:
 @dataclass(frozen=True)
 class Segment:
     device: int
-    kind: str     # forward | backward | recompute | tp | wait | dp | send
+    kind: str     # forward | backward | recompute | tp | wait | dp | send | optimizer
     start: float
     end: float
     label: str = ""
@@ -323,6 +326,12 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool 
                 windows.append(Window(f"s{s}.dp.b{b}", s, "dp_collective", last_bwd_mb[_chunk_of_block(pipe, b)],
                                       idle_from, link - idle_from, (), 0.0))
             device_end[s] = max(device_end[s], link)
+        step = pipe.optimizer_s[s] if s < len(pipe.optimizer_s) else 0.0
+        if step > 0:  # the update waits for every gradient (and its data-parallel exchange)
+            if record:
+                segments.append(Segment(s, "optimizer", device_end[s], device_end[s] + step, "optimizer step"))
+            device_end[s] += step
+            busy[s] += step
     unknown = sorted(set(loads.window) - used)
     if unknown:
         raise LynxPlanError(f"plan places recomputation in windows this schedule does not have: {unknown[:5]}")

@@ -5,6 +5,9 @@ and the :class:`lynx.Plan` the run used. Step time is the median over the steps 
 first (warm-up: allocator, first collectives) of the slowest rank's step — the pipeline's
 step; peak activation bytes are the maximum over steps and replicas of what the stage's nodes
 had saved for backward (what plans predict; :attr:`StepStats.peak_saved_bytes`).
+:func:`format_summary` prints both beside the plan's predictions with their ratios and the
+bars they are held to: step time within 25% (:data:`STEP_TIME_TOLERANCE`), peak activation
+bytes within 5% of the prediction (:data:`MEMORY_TOLERANCE`) and never above the budget.
 
 Example::
 
@@ -24,7 +27,10 @@ from typing import Any
 
 from lynx.runtime.stats import StepStats
 
-__all__ = ["RunSummary", "run_summary", "format_summary"]
+__all__ = ["RunSummary", "run_summary", "format_summary", "STEP_TIME_TOLERANCE", "MEMORY_TOLERANCE"]
+
+STEP_TIME_TOLERANCE = 0.25   # measured step time within 25% of the predicted one
+MEMORY_TOLERANCE = 0.05      # measured peak activation bytes within 5% of the predicted ones
 
 
 @dataclass
@@ -32,6 +38,7 @@ class RunSummary:
     step_s: float                                   # measured pipeline step (median after warm-up)
     predicted_step_s: float | None
     peak_saved_bytes: dict[int, int]                # stage -> measured peak activation bytes
+    timed_steps: int = 0                            # steps the step-time median is over (the first left out)
     predicted_activation_bytes: dict[int, int] = field(default_factory=dict)
     budget_bytes: int | None = None
     exposed_s: float = 0.0                          # per step, summed over stages (median replica)
@@ -39,6 +46,7 @@ class RunSummary:
     compute_s: dict[int, float] = field(default_factory=dict)    # stage -> forward + backward + recompute
     predicted_compute_s: dict[int, float] = field(default_factory=dict)
     sync_s: dict[int, float] = field(default_factory=dict)       # stage -> optimizer step and its collectives
+    activation_budget_bytes: dict[int, int] = field(default_factory=dict)  # stage -> budget less static memory
 
     @property
     def step_ratio(self) -> float | None:
@@ -61,7 +69,7 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
     exposed = statistics.median(sum(s.exposed_recompute_s for s in ranks) / dp for ranks in timed)
     hidden = statistics.median(sum(s.recompute_hidden_s for s in ranks) / dp for ranks in timed)
     summary = RunSummary(step_s=step_s, predicted_step_s=None, peak_saved_bytes=peaks, exposed_s=exposed,
-                         hidden_s=hidden)
+                         hidden_s=hidden, timed_steps=len(timed))
     for stage in peaks:
         summary.compute_s[stage] = statistics.median(
             max(s.forward_s + s.backward_s + s.recompute_hidden_s + s.recompute_window_exposed_s
@@ -75,6 +83,7 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
         summary.predicted_step_s = plan.predicted.step_time_s
         summary.predicted_activation_bytes = {sp.index: sp.activation_bytes for sp in plan.stages}
         summary.budget_bytes = plan.stages[0].budget_bytes if plan.stages else None
+        summary.activation_budget_bytes = {sp.index: sp.budget_bytes - sp.static_bytes for sp in plan.stages}
     return summary
 
 
@@ -82,14 +91,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
+def _bar(ratio: float, tolerance: float) -> str:
+    return f"within {tolerance:.0%}" if abs(ratio - 1.0) <= tolerance else f"NOT within {tolerance:.0%}"
+
+
 def format_summary(summary: RunSummary, plan: Any = None) -> str:
     """Plain-text lines: step time and, per stage, activation memory, measured vs predicted."""
     lines = []
+    steps = (f"median of {summary.timed_steps} steps, the first (warm-up) left out" if summary.timed_steps > 1
+             else "one step")
     if summary.predicted_step_s:
-        lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms, predicted {summary.predicted_step_s * 1e3:.1f} ms "
-                     f"(measured/predicted {summary.step_ratio:.2f})")
+        ratio = summary.step_ratio
+        lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps}), predicted "
+                     f"{summary.predicted_step_s * 1e3:.1f} ms: measured/predicted {ratio:.2f} "
+                     f"({_bar(ratio, STEP_TIME_TOLERANCE)})")
     else:
-        lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms")
+        lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps})")
     if plan is not None:
         p = plan.predicted
         lines.append(f"recompute per step: measured exposed {summary.exposed_s * 1e3:.1f} ms, hidden "
@@ -102,13 +119,17 @@ def format_summary(summary: RunSummary, plan: Any = None) -> str:
                      f"{summary.compute_s[stage] / summary.predicted_compute_s[stage]:.2f})")
         lines.append(line + f"; optimizer step + data-parallel sync {summary.sync_s[stage] * 1e3:.1f} ms")
     for stage in sorted(summary.peak_saved_bytes):
-        line = f"stage {stage} peak activations: measured {_mib(summary.peak_saved_bytes[stage])}"
+        measured = summary.peak_saved_bytes[stage]
+        line = f"stage {stage} peak activations: measured {_mib(measured)}"
         ratio = summary.memory_ratio(stage)
         if ratio is not None:
-            line += (f", predicted {_mib(summary.predicted_activation_bytes[stage])} "
-                     f"(measured/predicted {ratio:.3f})")
+            line += (f", predicted {_mib(summary.predicted_activation_bytes[stage])}: measured/predicted "
+                     f"{ratio:.3f} ({_bar(ratio, MEMORY_TOLERANCE)})")
+        budget = summary.activation_budget_bytes.get(stage)
+        if budget is not None:
+            line += f"; {'under' if measured <= budget else 'ABOVE'} the activation budget {_mib(budget)}"
         if plan is not None:
             sp = plan.stage(stage)
-            line += f"; budget {_mib(sp.budget_bytes)} incl. {_mib(sp.static_bytes)} weights+grads+optimizer"
+            line += f" ({_mib(sp.budget_bytes)} less {_mib(sp.static_bytes)} weights+grads+optimizer)"
         lines.append(line)
     return "\n".join(lines)
