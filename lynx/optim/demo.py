@@ -96,6 +96,7 @@ class DeMo(BucketedOptimizer):
         super().__init__(params, defaults, process_group, bucket_bytes)
         self._plans: list[BucketPlan] = []
         self._kernels: dict[tuple[int, str], BucketKernel] = {}
+        self._views: dict[int, tuple[list, list[torch.Tensor | None]]] = {}  # bucket → (storage keys, views)
         for members in self.buckets:
             g = self._group_of[members[0]]
             settings = {(self._group_of[i]["compression_topk"], self._group_of[i]["compression_chunk"]) for i in members}
@@ -157,24 +158,38 @@ class DeMo(BucketedOptimizer):
         for (bucket, _), kernel in self._kernels.items():
             self._adopt(bucket, kernel)
 
+    def _param_views(self, bucket: int) -> list[torch.Tensor | None]:
+        """Per member: its parameter as chunks (``chunk_view``), or None (dense or non-contiguous).
+
+        Built once per bucket and rebuilt only when a parameter's storage changed.
+        """
+        members, plan = self.buckets[bucket], self._plans[bucket]
+        ptrs = [(self._params[i].data_ptr(), self._params[i].stride()) for i in members]
+        cached = self._views.get(bucket)
+        if cached is None or cached[0] != ptrs:
+            views = [chunk_view(self._params[i], tp.layout) if tp.compressed and self._params[i].is_contiguous() else None
+                     for i, tp in zip(members, plan.tensors)]
+            cached = self._views[bucket] = (ptrs, views)
+        return cached[1]
+
     def _launch_bucket(self, bucket: int) -> Callable[[], None]:
         members, plan = self.buckets[bucket], self._plans[bucket]
         device = self._params[members[0]].device
         dense = torch.empty(plan.dense_numel, dtype=plan.dense_dtype, device=device)  # (D,)
+        groups = [self._group_of[i] for i in members]
+        settings = [(g["compression_decay"], g["lr"]) for g in groups]
         grads: list[torch.Tensor | None] = []
-        settings: list[tuple[float, float] | None] = []
-        for i, tp in zip(members, plan.tensors):
-            group = self._group_of[i]
+        for i, tp, group in zip(members, plan.tensors, groups):
+            p = self._params[i]
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)  # no gradient: zeros (same payload)
             if tp.compressed:
-                grads.append(self._grad(i))
-                settings.append((group["compression_decay"], group["lr"]))
+                grads.append(grad)
                 continue
             m = self._momentum(i)
-            m.mul_(group["compression_decay"]).add_(self._grad(i), alpha=group["lr"])
+            m.mul_(group["compression_decay"]).add_(grad, alpha=group["lr"])
             dense[tp.dense_offset : tp.dense_offset + tp.numel].copy_(m.reshape(-1))
             m.zero_()  # all of it is transmitted
             grads.append(None)
-            settings.append(None)
         kernel = self._kernel(bucket, device)
         row = kernel.compress(grads, settings)  # (P,) momenta updated, error feedback applied
         world = self.comm.world_size
@@ -191,23 +206,25 @@ class DeMo(BucketedOptimizer):
                 w.wait()
             signs = kernel.decompress(gathered)  # sign(IDCT(mean)) per compressed member
             averaged = dense / world if plan.dense_numel else dense  # (D,)
+            views = self._param_views(bucket)
             batched: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # lr → (params, signs)
-            for j, (i, tp) in enumerate(zip(members, plan.tensors)):
-                p, group = self._params[i], self._group_of[i]
-                lr = group["lr"]
+            for j, (i, tp, group, view) in enumerate(zip(members, plan.tensors, groups, views)):
+                p, lr = self._params[i], group["lr"]
                 keep = 1.0 - lr * group["weight_decay"]
                 if keep != 1.0:  # p·1.0 is p: skipping it changes no bit
                     p.mul_(keep)
-                if not tp.compressed:
+                if view is not None:
+                    pair = batched.get(lr)
+                    if pair is None:
+                        pair = batched[lr] = ([], [])
+                    pair[0].append(view)
+                    pair[1].append(signs[j])
+                elif tp.compressed:
+                    p.add_(from_grid(signs[j], tp.layout), alpha=-lr)
+                else:
                     update = averaged[tp.dense_offset : tp.dense_offset + tp.numel].view(p.shape).to(p.dtype).sign()
                     p.add_(update, alpha=-lr)
-                elif p.is_contiguous():
-                    views, updates = batched.setdefault(lr, ([], []))
-                    views.append(chunk_view(p, tp.layout))
-                    updates.append(signs[j])
-                else:
-                    p.add_(from_grid(signs[j], tp.layout), alpha=-lr)
-            for lr, (views, updates) in batched.items():  # p.add_(sign, alpha=-lr) for each, in one call
-                torch._foreach_add_(views, updates, alpha=-lr)
+            for lr, (params, updates) in batched.items():  # p.add_(sign, alpha=-lr) for each, in one call
+                torch._foreach_add_(params, updates, alpha=-lr)
 
         return complete
