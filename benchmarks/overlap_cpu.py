@@ -40,222 +40,28 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.utils._python_dispatch
-from torch import fx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lynx.models import GPT, GPTConfig  # noqa: E402
-from lynx.rewrite.stage import StageModule  # noqa: E402
+from overlap_baseline import CheckpointStage
+from overlap_model import Stage, best_transfer_ms, simulate
+from overlap_setup import (
+    CFG,
+    MICROBATCH,
+    build_model,
+    lynx_plan,
+    make_schedules,
+    stage_costs,
+    token_batches,
+)
 
-CFG = dict(vocab_size=512, seq_len=256, hidden=256, heads=4, layers=2, dropout=0.1)
-MICROBATCH = 2
+from lynx.rewrite.stage import StageModule
+
 VARIANTS = ("none", "checkpoint", "on-demand", "lynx")
-
-
-def build_model() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG))
-    idx = torch.randint(0, CFG["vocab_size"], (MICROBATCH, CFG["seq_len"]))  # (B, T)
-    return model, (idx, idx.roll(-1, dims=1))
-
-
-def token_batches(names: list[str], step: int, dp_rank: int, m: int) -> list[dict[str, torch.Tensor]]:
-    """Random tokens and next-token targets, the same for every variant of one repetition."""
-    out = []
-    for j in range(m):
-        gen = torch.Generator().manual_seed(step * 10_007 + dp_rank * 101 + j)
-        idx = torch.randint(0, CFG["vocab_size"], (MICROBATCH, CFG["seq_len"]), generator=gen)  # (B, T)
-        out.append({names[0]: idx, names[1]: idx.roll(-1, dims=1)})
-    return out
-
-
-# ---------------------------------------------------------------- torch.utils.checkpoint baseline
-class _RecomputeMeter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Registers every tensor an op produces while checkpoint recomputes (the saved ones stay
-    alive until backward consumes them; the meter's weak references drop the others)."""
-
-    def __init__(self, stage: StageModule) -> None:
-        super().__init__()
-        self.stage = stage
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.stage.constant_ptrs:
-                self.stage.meter.add(t, "stage")
-        return out
-
-
-class _Checkpointed(torch.nn.Module):
-    """``torch.utils.checkpoint.checkpoint(sub, *args, use_reentrant=False)``, metering what it holds."""
-
-    def __init__(self, sub: fx.GraphModule, n_out: int, meter: dict) -> None:
-        super().__init__()
-        self.sub, self.n_out = sub, n_out
-        self.__dict__["meter"] = meter  # {"stage": CheckpointStage}, filled once the stage exists
-
-    def forward(self, *args: torch.Tensor) -> tuple:
-        from contextlib import nullcontext
-
-        from torch.utils.checkpoint import checkpoint
-
-        stage = self.meter["stage"]
-        for a in args:  # checkpoint keeps its inputs for the re-run: resident like saved tensors
-            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in stage.constant_ptrs:
-                stage.meter.add(a, "stage")
-        out = checkpoint(self.sub, *args, use_reentrant=False,
-                         context_fn=lambda: (nullcontext(), _RecomputeMeter(stage)))
-        return tuple(out) if self.n_out > 1 else (out,)
-
-
-class CheckpointStage(StageModule):
-    """A stage that keeps everything except runs of ``dropped`` nodes, each executed under
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (its own RNG-state save and
-    re-run in backward; Lynx's hooks see nothing inside). Peak saved bytes count the kept
-    tensors, checkpoint's held inputs and what its re-run produces until backward frees it."""
-
-    def __init__(self, part: Any, dropped: set[str]) -> None:
-        from lynx.rewrite.split import StageGraph
-
-        holder: dict = {}
-        gm = _outline(part.gm, part.spec.nodes, set(dropped), holder)
-        super().__init__(StageGraph(gm, part.spec, part.out_spec))
-        self.constant_ptrs = {t.untyped_storage().data_ptr() for t in self._exclude}
-        holder["stage"] = self
-
-
-def _outline(gm: fx.GraphModule, order: list[str], dropped: set[str], holder: dict) -> fx.GraphModule:
-    """Copy of ``gm`` in which each maximal run of consecutive ``dropped`` op nodes is one
-    checkpointed submodule (inputs: what the run reads from outside; outputs: what is read after)."""
-    import operator
-
-    runs: list[list[str]] = []
-    prev = None
-    for name in order:
-        if name in dropped:
-            if runs and runs[-1][-1] == prev:
-                runs[-1].append(name)
-            else:
-                runs.append([name])
-        prev = name
-    run_of = {n: k for k, run in enumerate(runs) for n in run}
-    nodes = {n.meta.get("lynx_name", n.name): n for n in gm.graph.nodes}
-    root = torch.nn.Module()
-    for name, mod in gm.named_children():
-        root.add_module(name, mod)
-    for name, p in gm.named_parameters(recurse=False):
-        root.register_parameter(name, p)
-    for name, b in gm.named_buffers(recurse=False):
-        root.register_buffer(name, b)
-    graph, env = fx.Graph(), {}
-    for node in gm.graph.nodes:
-        name = node.meta.get("lynx_name", node.name)
-        k = run_of.get(name)
-        if k is None:
-            env[node] = graph.node_copy(node, lambda a: env[a])
-            continue
-        if name != runs[k][-1]:
-            continue  # emitted at the end of its run, when all of the run's inputs exist
-        members = [nodes[n] for n in runs[k]]
-        inside = set(members)
-        inputs = list(dict.fromkeys(a for m in members for a in m.all_input_nodes if a not in inside))
-        outputs = [m for m in members if any(u not in inside for u in m.users)]
-        sub_graph, sub_env = fx.Graph(), {}
-        for a in inputs:
-            sub_env[a] = sub_graph.placeholder(a.name)
-        for m in members:
-            sub_env[m] = sub_graph.node_copy(m, lambda a: sub_env[a])
-        sub_graph.output(tuple(sub_env[o] for o in outputs) if len(outputs) > 1 else sub_env[outputs[0]])
-        root.add_module(f"ckpt{k}", _Checkpointed(fx.GraphModule(gm, sub_graph), len(outputs), holder))
-        call = graph.call_module(f"ckpt{k}", tuple(env[a] for a in inputs))
-        call.meta["lynx_name"] = f"ckpt{k}"
-        for i, o in enumerate(outputs):
-            env[o] = graph.call_function(operator.getitem, (call, i))
-            env[o].meta = {**o.meta}
-    return fx.GraphModule(root, graph)
-
-
-# ----------------------------------------------------------------------------- planning
-def lynx_plan(pp: int, microbatches: int, schedule: str, rate_mbit: float, solver: str = "opt"):
-    """Lynx's plan for this model, calibrated to this machine: node times measured on one thread
-    (``lynx.analyze(times="measure")``), the pp/dp links at the bed's rate (95.5% of nominal
-    achieved, 0.3 ms latency), and the budget of Megatron-full recomputation (the ``full``
-    baseline's stage-0 peak; at least the last stage's keep-all peak, so that one fits)."""
-    import lynx
-    from lynx.compile import plan_graph
-    from lynx.config import CompileConfig
-    from lynx.hardware import LinkSpec, get_hardware
-    from lynx.rewrite.build import stage_node_lists
-
-    torch.set_num_threads(1)
-    model, inputs = build_model()
-    base = get_hardware("cpu-local")
-    link = LinkSpec(alpha_s=3e-4, beta_bytes_per_s=rate_mbit * 0.955e6 / 8)
-    hw = base.model_copy(update={"links": {**base.links, "pp": link, "dp": link}})
-    graph = lynx.analyze(model, inputs, target="cpu", hardware=hw, times="measure").graph
-    common = dict(pp=pp, microbatches=microbatches, schedule=schedule, hardware=hw, target="cpu")
-    keep = plan_graph(graph, CompileConfig(solver="none", memory_budget=1 << 40, **common))
-    full = plan_graph(graph, CompileConfig(solver="full", memory_budget=1 << 40, **common))
-    budget = max(full.stages[0].peak_memory_bytes, keep.stages[-1].peak_memory_bytes)
-    plan = plan_graph(graph, CompileConfig(solver=solver, memory_budget=budget, time_limit_s=60, **common))
-    nodes = stage_node_lists(plan)
-    schedules = []
-    for s in range(pp):
-        sched = plan.stage_schedule(s)
-        schedules.append({"dropped": sorted(sched.dropped),
-                          "prefetch": {j: [(w, list(n)) for w, n in v] for j, v in sched.prefetch.items()}})
-    windowed = sum(len(n) for v in schedules[0]["prefetch"].values() for _w, n in v)
-    return nodes, schedules, (
-        f"lynx.compile(solver={solver!r}) on measured single-thread node times, links {rate_mbit:g} Mbit/s, "
-        f"memory_budget={budget} B (Megatron-full's stage-0 peak): status {plan.status}, stage 0 drops "
-        f"{len(schedules[0]['dropped'])} nodes, {windowed} node recomputations placed in windows over the "
-        f"{microbatches} microbatches; predicted step {plan.predicted.step_time_s:.3f} s (keep-all "
-        f"{keep.predicted.step_time_s:.3f} s, Megatron-full {full.predicted.step_time_s:.3f} s), exposed "
-        f"{plan.predicted.exposed_recompute_s:.3f} s, hidden {plan.predicted.hidden_recompute_s:.3f} s")
-
-
-def make_schedules(pp: int, microbatches: int) -> tuple[list[list[str]], list[dict], str]:
-    """A hand-made plan of the solvers' shape (Megatron-full drops on all but the last stage,
-    the stage's last layer in each recv_grad window) — the shape OPT finds for this model on
-    this machine's measured costs when it places windows (see docs/runtime.md)."""
-    import lynx
-
-    model, inputs = build_model()
-    analysis = lynx.analyze(model, inputs, target="cpu", hardware="cpu-local")
-    G = analysis.graph
-    blocks = G.graph["blocks"]
-    # pre + first layers | last layers + post: layers split evenly
-    layer_blocks = [b for b in blocks if b["kind"] == "layer"]
-    per_stage = len(layer_blocks) // pp
-    nodes: list[list[str]] = []
-    for s in range(pp):
-        chosen = layer_blocks[s * per_stage:(s + 1) * per_stage]
-        names = [n for b in chosen for n in b["nodes"]]
-        if s == 0:
-            names = [n for b in blocks if b["kind"] == "edge" and b["index"] == 0 for n in b["nodes"]] + names
-        if s == pp - 1:
-            names += [n for b in blocks if b["kind"] == "edge" and b["index"] != 0 for n in b["nodes"]]
-        nodes.append(names)
-    # Megatron-full drops on every stage but the last (which holds one microbatch in 1F1B):
-    # keep each layer's input, drop the rest of the layer.
-    schedules = []
-    for s in range(pp):
-        dropped: list[str] = []
-        if s < pp - 1:
-            for b in layer_blocks[s * per_stage:(s + 1) * per_stage]:
-                dropped += b["nodes"][:-1]  # the last node (residual add) is the next layer's input
-        # the window before B(j) re-runs the last layer's drops (one layer: the memory on-demand
-        # recompute needs for its transient anyway); earlier layers stay on demand
-        last_layer = set(layer_blocks[(s + 1) * per_stage - 1]["nodes"]) if s < pp - 1 else set()
-        window_nodes = [n for n in dropped if n in last_layer]
-        prefetch = {j: [(f"s{s}.recv_grad.mb{j}", window_nodes)] for j in range(microbatches)} if window_nodes else {}
-        schedules.append({"dropped": dropped, "prefetch": prefetch})
-    return nodes, schedules, "hand-made (Megatron-full drops, last layer of the stage in each recv_grad window)"
 
 
 # ------------------------------------------------------------------------------- worker
@@ -309,8 +115,8 @@ def worker(args: argparse.Namespace) -> None:
               "on-demand": StageModule(parts[s], schedule.dropped),
               "lynx": StageModule(parts[s], schedule.dropped)}
     m = spec["microbatches"]
-    base = dict(schedule=spec["schedule"], microbatches=m, timeout_s=300, bucket_bytes=256 << 10,
-                trace=spec.get("trace", False))
+    base = {"schedule": spec["schedule"], "microbatches": m, "timeout_s": 300, "bucket_bytes": 256 << 10,
+                "trace": spec.get("trace", False)}
     optimizer = None
     if spec["optimizer"] == "lion" and topo.dp > 1:
         from lynx.optim import DistributedLion
@@ -337,92 +143,6 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------- driver
-def stage_costs(nodes: list[list[str]], schedules: list[dict]) -> dict:
-    """Single-thread CPU milliseconds (thread time: what other jobs on the machine do not inflate)
-    per microbatch of each stage: forward, backward (keep all) and the recomputation of its
-    dropped nodes in forward order; and the boundary bytes."""
-    from lynx.capture import capture
-    from lynx.rewrite.build import split_cached
-
-    torch.set_num_threads(1)
-    model, inputs = build_model()
-    captured = capture(model, inputs)
-    parts = split_cached(captured.gm, nodes)
-    batch = dict(zip(captured.input_names, inputs))
-    out: dict = {"stages": []}
-    received: list[torch.Tensor] = []
-    for s, part in enumerate(parts):
-        keep, drop = StageModule(part), StageModule(part, schedules[s]["dropped"])
-        times = []
-        for j in range(5):
-            leaves = [r.detach().requires_grad_(r.is_floating_point()) for r in received]
-            args = [batch[n] for n in keep.spec.inputs] + leaves
-            t0 = time.thread_time()
-            res = keep(*args, microbatch=j)
-            t1 = time.thread_time()
-            if keep.spec.is_last:
-                res.backward()
-            else:
-                torch.autograd.backward(list(res), [torch.ones_like(o) for o in res])
-            t2 = time.thread_time()
-            keep.release(j)
-            drop(*args, microbatch=j)
-            t3 = time.thread_time()
-            if drop.dropped:
-                drop.recompute(j, [n for n in drop.spec.nodes if n in drop.dropped])
-            t4 = time.thread_time()
-            drop.release(j)
-            times.append((t1 - t0, t2 - t1, t4 - t3))
-        if not keep.spec.is_last:
-            received = list(res)
-            out["boundary_bytes"] = sum(o.numel() * o.element_size() for o in res)
-        out["stages"].append({k: statistics.median(t[i] for t in times) * 1e3
-                              for i, k in enumerate(("forward_ms", "backward_ms", "recompute_ms"))})
-    return out
-
-
-def ideal_steps(costs: dict, transfer_ms: float, m: int, slowdown: float = 1.0) -> dict:
-    """What each variant's step would take (ms) for 2 stages under 1F1B with nothing but the
-    measured compute (CPU time × ``slowdown``: 2 where two ranks share a core) and transfers
-    that queue on each link direction: no latency, no jitter. lynx recomputes mb j before
-    B(j) as soon as its forward and the previous action are done, on-demand after the gradient
-    arrived. Its lynx / on-demand is the best these costs and this rate allow."""
-    c0, c1 = costs["stages"][0], costs["stages"][1]
-    f0, b0, r = (c0[k] * slowdown for k in ("forward_ms", "backward_ms", "recompute_ms"))
-    f1, b1 = c1["forward_ms"] * slowdown, c1["backward_ms"] * slowdown
-    out = {}
-    for variant in ("none", "on-demand", "lynx"):
-        t0 = link_f = link_b = free1 = 0.0
-        act: dict[int, float] = {}
-        grad: dict[int, float] = {}
-        for kind, j in [(a.kind, a.microbatch) for a in _actions(m)]:
-            if kind == "F":
-                t0 += f0
-                link_f = max(t0, link_f) + transfer_ms
-                act[j] = link_f
-                continue
-            for k in range(j + 1):  # stage 1 runs F(k) B(k) as activations arrive
-                if k not in grad:
-                    free1 = max(free1, act[k]) + f1 + b1
-                    link_b = max(free1, link_b) + transfer_ms
-                    grad[k] = link_b
-            if variant == "none":
-                t0 = max(t0, grad[j]) + b0
-            elif variant == "on-demand":
-                t0 = max(t0, grad[j]) + r + b0
-            else:
-                t0 = max(t0 + r, grad[j]) + b0
-        out[variant] = max(t0, free1)
-    out["lynx/on-demand"] = out["lynx"] / out["on-demand"]
-    return out
-
-
-def _actions(m: int) -> list:
-    from lynx.runtime.schedule import stage_actions
-
-    return stage_actions("1f1b", stage=0, stages=2, microbatches=m)
-
-
 def summarize(rows: list[dict], pp: int, dp: int) -> dict:
     out: dict = {"pp": pp, "dp": dp, "variants": {}}
     reps = sorted({r["rep"] for r in rows})
@@ -437,6 +157,8 @@ def summarize(rows: list[dict], pp: int, dp: int) -> dict:
                 "exposed_recompute_s": statistics.median(r["exposed_recompute_s"] for r in st),
                 "hidden_recompute_s": statistics.median(r["recompute_hidden_s"] for r in st),
                 "wait_s": statistics.median(r["wait_s"] for r in st),
+                "forward_s": statistics.median(r["forward_s"] for r in st),
+                "backward_s": statistics.median(r["backward_s"] for r in st),
                 "peak_saved_bytes": max(r["peak_saved_bytes"] for r in st),
                 "peak_held_bytes": max(r["peak_held_bytes"] for r in st),
             }
@@ -497,8 +219,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--optimizer", default="lion", choices=("allreduce", "lion"),
                     help="data-parallel sync: allreduce (mean of gradients, AdamW's) or DistributedLion (1 bit)")
-    ap.add_argument("--plan", default="hand", help="a solver for Lynx's plan (opt, heu), or 'hand' (Megatron-full "
-                    "drops, the stage's last layer in every gradient window)")
+    ap.add_argument("--plan", default="hand", help="a solver for Lynx's plan (opt, heu), 'hand' (Megatron-full "
+                    "drops, the stage's last layer in every gradient window), or a plan saved with --save-plan "
+                    "(NAME.json under benchmarks/results/)")
+    ap.add_argument("--save-plan", help="write the plan used to benchmarks/results/SAVE_PLAN (reuse with --plan)")
     ap.add_argument("--nice", type=int, default=-10, help="niceness increment of the ranks (negative needs root)")
     ap.add_argument("--trace", action="store_true", help="print each rank's timeline of the last repetition")
     ap.add_argument("--out", default="overlap_cpu.json", help="results file under benchmarks/results/")
@@ -514,29 +238,64 @@ def main() -> None:
         _renice(spec["nice"])
         if spec["solver"] == "hand":
             plan = make_schedules(spec["pp"], spec["microbatches"])
+        elif spec["solver"].endswith(".json"):
+            saved = json.loads(Path(spec["solver"]).read_text())
+            plan = (saved["nodes"], saved["schedules"], saved["source"] + f" (saved in {Path(spec['solver']).name})")
         else:
             plan = lynx_plan(spec["pp"], spec["microbatches"], spec["schedule"], spec["rate_mbit"], spec["solver"])
         Path(args.spec).write_text(json.dumps({"plan": [plan, stage_costs(plan[0], plan[1])]}))
         return
+    run(args)
+
+
+def prepare(args: argparse.Namespace, rate: float) -> tuple[list, list, str, dict]:
+    """The plan and the stage costs, in a session of their own niced like the ranks (measured
+    times see fewer of the machine's other jobs)."""
+    solver = str((ROOT / "benchmarks" / "results" / args.plan).resolve()) if args.plan.endswith(".json") else args.plan
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
+                   "rate_mbit": rate, "solver": solver, "nice": args.nice}, f)
+    subprocess.run([sys.executable, __file__, "--plan-worker", "--spec", f.name], check=True,
+                   start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (nodes, schedules, source), costs = json.loads(Path(f.name).read_text())["plan"]
+    os.unlink(f.name)
+    if args.save_plan:
+        path = ROOT / "benchmarks" / "results" / args.save_plan
+        path.write_text(json.dumps({"nodes": nodes, "schedules": schedules, "source": source}, indent=1))
+        print(f"plan written to {path.relative_to(ROOT)}")
+    return nodes, schedules, source, costs
+
+
+def run_costs(rows: list[dict], pp: int, m: int) -> list[Stage]:
+    """Per-microbatch costs (ms) of each stage as this run measured them (wall clock, the
+    machine's load included): forward and backward of ``none``, recompute of ``on-demand``."""
+    out = []
+    for s in range(pp):
+        none = [r for r in rows if r["variant"] == "none" and r["stage"] == s]
+        od = [r for r in rows if r["variant"] == "on-demand" and r["stage"] == s]
+        out.append(Stage(statistics.median(r["forward_s"] for r in none) / m * 1e3,
+                         statistics.median(r["backward_s"] for r in none) / m * 1e3,
+                         statistics.median(r["recompute_on_demand_s"] for r in od) / m * 1e3))
+    return out
+
+
+def run(args: argparse.Namespace) -> None:
     from lynx.testbed import NetBed, measure_link
 
     dps = [int(x) for x in args.dps.split(",")]
     rates = [float(x) for x in args.rates.split(",")]
     rates = rates if len(rates) == len(dps) else [rates[0]] * len(dps)
-    # Plan and stage costs in a session of their own, niced like the ranks: measured times see
-    # fewer of the other jobs on the machine.
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
-                   "rate_mbit": rates[0], "solver": args.plan, "nice": args.nice}, f)
-    subprocess.run([sys.executable, __file__, "--plan-worker", "--spec", f.name], check=True,
-                   start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    (nodes, schedules, source), costs = json.loads(Path(f.name).read_text())["plan"]
-    os.unlink(f.name)
+    nodes, schedules, source, costs = prepare(args, rates[0])
+    quiet = [Stage(c["forward_ms"], c["backward_ms"], c["recompute_ms"]) for c in costs["stages"]]
     print(f"model: GPT {CFG}, microbatch {MICROBATCH}, {args.microbatches} microbatches, {args.schedule}")
     print(f"plan: {source}")
-    for s, c in enumerate(costs["stages"]):
-        print(f"stage {s}, one microbatch, 1 thread, CPU time: forward {c['forward_ms']:.1f} ms, backward "
-              f"{c['backward_ms']:.1f} ms, recompute of its drops {c['recompute_ms']:.1f} ms")
+    for s, c in enumerate(quiet):
+        print(f"stage {s}, one microbatch, 1 thread, CPU time: forward {c.f:.1f} ms, backward {c.b:.1f} ms, "
+              f"recompute of its drops {c.r:.1f} ms")
+    if args.pp == 2:
+        x = best_transfer_ms(quiet)
+        print(f"event model: Lynx gains most at {x:.1f} ms per transfer (round trip = S0 + 2R), i.e. "
+              f"{costs['boundary_bytes'] * 8 / (x * 1e3):.0f} Mbit/s on a core per rank")
     results = {"when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_start": os.getloadavg(),
                "cores": len(os.sched_getaffinity(0)), "schedule": args.schedule, "microbatches": args.microbatches,
                "reps": args.reps, "optimizer": args.optimizer, "nice": args.nice, "model": CFG, "microbatch": MICROBATCH,
@@ -544,7 +303,8 @@ def main() -> None:
     for dp, rate in zip(dps, rates):
         world = args.pp * dp
         spec = {"pp": args.pp, "dp": dp, "nodes": nodes, "schedules": schedules, "microbatches": args.microbatches,
-                "schedule": args.schedule, "reps": args.reps, "trace": args.trace, "optimizer": args.optimizer, "nice": args.nice}
+                "schedule": args.schedule, "reps": args.reps, "trace": args.trace, "optimizer": args.optimizer,
+                "nice": args.nice}
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
         load = os.getloadavg()
@@ -552,11 +312,9 @@ def main() -> None:
             limited = bed.rate_limited  # read inside: a closed bed reports False
             link = measure_link(bed) if limited else None
             transfer_ms = costs["boundary_bytes"] * 8 / (link.measured_mbit * 1e3) if link else 0.0
-            c0 = costs["stages"][0]
             print(f"\nbed: {world} ranks, rate-limited={limited}, " + (f"{link}" if link else f"({bed.fallback_reason})")
                   + f"; boundary {costs['boundary_bytes'] / 1024:.0f} KiB = {transfer_ms:.1f} ms each way "
-                  f"({transfer_ms / (c0['forward_ms'] + c0['backward_ms']):.0%} of stage 0's forward+backward "
-                  f"on a core of its own)")
+                  f"({transfer_ms / (quiet[0].f + quiet[0].b):.0%} of stage 0's forward+backward on a core of its own)")
             out = bed.run([sys.executable, __file__, "--worker", "--spec", f.name],
                           env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=1800)
         os.unlink(f.name)
@@ -565,15 +323,19 @@ def main() -> None:
         if args.trace:
             print_trace(rows)
         res = summarize(rows, args.pp, dp)
-        if args.pp == 2 and args.schedule == "1f1b" and transfer_ms:
-            res["ideal_ms"] = ideal_steps(costs, transfer_ms, args.microbatches, slowdown=2.0 if world > len(
-                os.sched_getaffinity(0)) else 1.0)
         res.update(rate_mbit=rate, rate_limited=limited, link=str(link) if link else "loopback, not limited",
                    transfer_ms=transfer_ms, loadavg_start=load, loadavg_end=os.getloadavg())
+        if args.schedule == "1f1b" and transfer_ms:
+            shared = 2.0 if world > len(os.sched_getaffinity(0)) else 1.0
+            own = run_costs(rows, args.pp, args.microbatches)
+            res["run_costs_ms"] = [vars(c) for c in own]
+            res["model_quiet_ms"] = simulate([c.scaled(shared) for c in quiet], transfer_ms, args.microbatches)
+            res["model_run_ms"] = simulate(own, transfer_ms, args.microbatches)
         print_summary(res)
-        if "ideal_ms" in res:
-            print("no-noise model of these costs and this rate (ms): " + ", ".join(
-                f"{k} {v:.3f}" if "/" in k else f"{k} {v:.0f}" for k, v in res["ideal_ms"].items()))
+        for key, what in (("model_quiet_ms", "single-thread costs"), ("model_run_ms", "this run's own costs")):
+            if key in res:
+                print(f"no-noise event model, {what} (ms): " + ", ".join(
+                    f"{k} {v:.3f}" if "/" in k else f"{k} {v:.0f}" for k, v in res[key].items()))
         print(f"load average (1, 5, 15 min): {load} at start, {res['loadavg_end']} at end")
         results["runs"].append(res)
     results["loadavg_end"] = os.getloadavg()
