@@ -28,6 +28,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -288,7 +289,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             _write_json(args.log_json, log)
     progress.close()
     trainer.close()
-    _finish(args, run.plan, history, cpu_s, log)
+    _finish(args, run.plan, history, cpu_s, log, _predicted_optimizer_s(run.plan, trainer))
     return log
 
 
@@ -306,25 +307,34 @@ def _hardware_name(hardware: Any) -> str:
     return hardware.get("name", "a custom spec") if isinstance(hardware, dict) else str(hardware)
 
 
-def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list[float], log: dict[str, Any]) -> None:
+def _predicted_optimizer_s(plan: Any, trainer: Any) -> float:
+    """The cost model's optimizer step over this rank's parameters (lynx.cost.optimizer_step_s)."""
+    from lynx.cost import optimizer_step_s
+    from lynx.simulate import config_from_record
+
+    config = config_from_record(plan.config)
+    return optimizer_step_s(sum(p.numel() for p in trainer.params), config.optimizer, config.hardware_spec())
+
+
+def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list[float], log: dict[str, Any],
+            optimizer_s: float = 0.0) -> None:
     """Rank 0 prints the plan's predictions beside what every rank measured."""
     from lynx.runtime.report import format_summary, run_summary
     from lynx.runtime.stats import format_stats
 
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (history, cpu_s))
+    dist.all_gather_object(everyone, (history, cpu_s, optimizer_s))
     if dist.get_rank() != 0:
         return
     if not history:
         _say(f"nothing to train: the run is already at step {log['start_step']} of --steps {args.steps}")
         return
-    per_step = [[ranks[i] for ranks, _ in everyone] for i in range(len(history))]
+    per_step = [[ranks[i] for ranks, _, _ in everyone] for i in range(len(history))]
     summary = run_summary(per_step, plan)
     print(format_stats(per_step[-1], plan))
     print(format_summary(summary, plan))
-    cpu = [statistics.median(c[1:] or c) for _, c in everyone]        # per rank, after the warm-up step
-    print(f"CPU time per step, busiest rank: {max(cpu) * 1e3:.1f} ms (the step on cores of its own; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)", flush=True)
+    cpu = [statistics.median(c[1:] or c) for _, c, _ in everyone]        # per rank, after the warm-up step
+    print(_cpu_line(plan, per_step[0], cpu, [o for _, _, o in everyone]), flush=True)
     log["summary"] = dataclasses.asdict(summary)
     log["per_rank"] = _per_rank_medians(per_step)
     for row, c in zip(log["per_rank"], cpu):
@@ -332,6 +342,23 @@ def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list
     log["loadavg"] = os.getloadavg()
     if args.log_json:
         _write_json(args.log_json, log)
+
+
+def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[float]) -> str:
+    """The busiest rank's CPU time per step beside its stage's predicted busy time (compute,
+    recompute and optimizer step): a check of the cost model that other load inflates little,
+    unlike the wall-clock step (which also waits for the other ranks)."""
+    busiest = max(range(len(cpu)), key=lambda r: cpu[r])
+    stage = ranks[busiest].stage
+    predicted = optimizer_s[busiest] + sum(end - begin for device, kind, begin, end in plan.timeline
+                                           if device == stage and kind in ("compute", "recompute"))
+    name = _hardware_name(plan.config.get("hardware"))
+    shared = re.fullmatch(r".*-(\d+)on(\d+)", name)   # lynx.hardware.share_cores: a core's share per rank
+    factor = int(shared.group(1)) / int(shared.group(2)) if shared else 1.0
+    note = f" × {factor:g} (the model gives each rank 1/{factor:g} of a core)" if shared else ""
+    return (f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "
+            f"predicted busy time (compute, recompute, optimizer step) {predicted * 1e3:.1f} ms: measured/predicted "
+            f"{cpu[busiest] * factor / predicted:.2f} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
 
 
 def _global_losses(stats: Any, topo: Any, m: int, device: torch.device) -> tuple[list[float], float, float]:

@@ -39,6 +39,7 @@ class RunSummary:
     predicted_step_s: float | None
     peak_saved_bytes: dict[int, int]                # stage -> measured peak activation bytes
     timed_steps: int = 0                            # steps the step-time median is over (the first left out)
+    fastest_step_s: float = 0.0                     # the fastest of them (the least disturbed by other load)
     predicted_activation_bytes: dict[int, int] = field(default_factory=dict)
     budget_bytes: int | None = None
     exposed_s: float = 0.0                          # per step, summed over stages (median replica)
@@ -60,7 +61,8 @@ class RunSummary:
 def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
     """``steps[i]`` holds every rank's stats of step ``i``."""
     timed = steps[1:] if len(steps) > 1 else steps
-    step_s = statistics.median(max(s.step_s for s in ranks) for ranks in timed)
+    pipeline_steps = [max(s.step_s for s in ranks) for ranks in timed]
+    step_s = statistics.median(pipeline_steps)
     peaks: dict[int, int] = {}
     for ranks in steps:
         for s in ranks:
@@ -69,7 +71,7 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
     exposed = statistics.median(sum(s.exposed_recompute_s for s in ranks) / dp for ranks in timed)
     hidden = statistics.median(sum(s.recompute_hidden_s for s in ranks) / dp for ranks in timed)
     summary = RunSummary(step_s=step_s, predicted_step_s=None, peak_saved_bytes=peaks, exposed_s=exposed,
-                         hidden_s=hidden, timed_steps=len(timed))
+                         hidden_s=hidden, timed_steps=len(timed), fastest_step_s=min(pipeline_steps))
     for stage in peaks:
         summary.compute_s[stage] = statistics.median(
             max(s.forward_s + s.backward_s + s.recompute_hidden_s + s.recompute_window_exposed_s
@@ -98,13 +100,14 @@ def _bar(ratio: float, tolerance: float) -> str:
 def format_summary(summary: RunSummary, plan: Any = None) -> str:
     """Plain-text lines: step time and, per stage, activation memory, measured vs predicted."""
     lines = []
-    steps = (f"median of {summary.timed_steps} steps, the first (warm-up) left out" if summary.timed_steps > 1
-             else "one step")
+    steps = (f"median of {summary.timed_steps} steps, the first (warm-up) left out; fastest "
+             f"{summary.fastest_step_s * 1e3:.1f} ms" if summary.timed_steps > 1 else "one step")
     if summary.predicted_step_s:
         ratio = summary.step_ratio
         lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps}), predicted "
                      f"{summary.predicted_step_s * 1e3:.1f} ms: measured/predicted {ratio:.2f} "
-                     f"({_bar(ratio, STEP_TIME_TOLERANCE)})")
+                     f"({_bar(ratio, STEP_TIME_TOLERANCE)}; fastest step "
+                     f"{summary.fastest_step_s / summary.predicted_step_s:.2f})")
     else:
         lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps})")
     if plan is not None:
