@@ -24,9 +24,9 @@ Example::
 
     >>> c = [Stage(15, 14, 15), Stage(16, 17)]
     >>> round(simulate(c, 15.0, 8)["lynx/on-demand"], 3)
-    0.866
+    0.873
     >>> round(best_transfer_ms(c), 1)
-    13.5
+    13.0
 """
 
 from __future__ import annotations
