@@ -17,15 +17,18 @@ It prints, per topology, the median step time of each variant, the ratios (media
 repetitions of the per-repetition ratio: variants of one repetition run back to back), the
 exposed and hidden recompute and the measured peak saved-activation bytes per stage, the link
 rate and what a boundary transfer costs next to a stage's compute, the load average, and
-what a no-noise event model of 2-stage 1F1B gives for the measured costs (the best ratio
-they allow).
-Results go to ``benchmarks/results/overlap_cpu.json``.
+what the no-noise event model (``overlap_model.py``) gives for the single-thread costs measured
+before the run and for the run's own costs (the best ratio they allow). The model, data,
+plans and cost measurement are in ``overlap_setup.py``, the checkpoint stage in
+``overlap_baseline.py``; method and figures in ``docs/runtime.md``.
+Results go to ``benchmarks/results/overlap_cpu.json`` (``--out``).
 
 Usage::
 
     python benchmarks/overlap_cpu.py                       # pp 2 and pp 2 × dp 2, hand plan
     python benchmarks/overlap_cpu.py --dps 2 --rates 75 --optimizer allreduce   # AdamW all-reduce
-    python benchmarks/overlap_cpu.py --plan heu --dps 1    # Lynx's HEU plan, calibrated here
+    python benchmarks/overlap_cpu.py --plan opt --dps 1 --save-plan my_plan.json   # OPT, calibrated here
+    python benchmarks/overlap_cpu.py --plan overlap_cpu_plan_opt.json   # a saved plan
     python benchmarks/overlap_cpu.py --dps 1 --reps 2 --trace   # print each rank's timeline
 """
 
