@@ -15,6 +15,7 @@ within 60 s. The load average is recorded with the figures (the machine is share
     .venv/bin/python benchmarks/search_time.py --models gpt-1.3b --repeats 3
     .venv/bin/python benchmarks/search_time.py --reuse-opt     # HEU only; OPT columns from search.json
     lynx bench search                                     # the same
+    .venv/bin/python benchmarks/search_time.py --opt-grid gpt-1.3b   # OPT on every grid stage
 
 Writes benchmarks/results/search.{md,json,png}.
 """
@@ -32,6 +33,7 @@ from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lynx.compile import plan_graph_outcome  # noqa: E402
 from lynx.config import CompileConfig  # noqa: E402
@@ -189,6 +191,66 @@ def write_outputs(rows: list[dict[str, Any]], out: Path) -> list[str]:
     return summary
 
 
+def opt_grid(model: str = "gpt-1.3b", time_limit_s: float = 60.0, out: Path = ROOT / "benchmarks" / "results",
+             levels: tuple[float, ...] = (1.0, 0.3, 0.0)) -> list[dict[str, Any]]:
+    """OPT on every stage of ``model``'s grid configurations (benchmarks/grid.py: a100-80g and
+    h100-sxm, pp 4 and 8, tp 1/2/4, 8 microbatches, budgets at ``levels``): the stage problems
+    of the first planning round, ``time_limit_s`` per stage, 1 worker; status, gap and time
+    per stage. Writes search_time_opt_<model>.{md,json}."""
+    from grid import profiled_graphs, retimed
+
+    from lynx.errors import LynxError
+
+    graph = profiled_graphs([model])[model]
+    rows = []
+    for hw in ("a100-80g", "h100-sxm"):
+        g = retimed(graph, hw)
+        for pp in (4, 8):
+            for tp in (1, 2, 4):
+                base = CompileConfig(pp=pp, tp=tp, microbatches=8, hardware=hw, memory_budget=2**50, solver="none")
+                none = plan_graph_outcome(g, base, check_budget=False, assemble=False)
+                full = plan_graph_outcome(g, base.replace(solver="full"), check_budget=False,
+                                          pipeline=none.pipeline, assemble=False)
+                none_peak, full_peak = max(none.sim.peak_memory_bytes), max(full.sim.peak_memory_bytes)
+                pipe, static = none.pipeline, none.sim.static_bytes
+                for level in levels:
+                    budget = int(full_peak + level * (none_peak - full_peak))
+                    problems = build_problems(g, pipe, run_timeline(pipe, record=False), budget_bytes=budget,
+                                              static=static, tp=tp)
+                    from lynx.solvers import solve
+
+                    for p in problems:
+                        started = time.perf_counter()
+                        try:
+                            r = solve("opt", p, time_limit_s=time_limit_s)
+                            status, gap = r.status, r.gap
+                        except LynxError as err:
+                            status, gap = f"error: {str(err)[:80]}", None
+                        row = {"point": f"{model} {hw} pp{pp} tp{tp} L{level}", "stage": p.stage,
+                               "nodes": len(p.nodes), "windows": len(p.windows), "status": status, "gap": gap,
+                               "seconds": time.perf_counter() - started, "load": os.getloadavg()[0]}
+                        rows.append(row)
+                        print(f"{row['point']} stage {p.stage}: {status} gap={gap} in {row['seconds']:.1f} s "
+                              f"(load {row['load']:.1f})", flush=True)
+    proven = [r for r in rows if r["status"] == "OPTIMAL" and r["seconds"] <= time_limit_s]
+    others = [r for r in rows if r not in proven]
+    lines = [f"# OPT on every stage of {model}'s grid configurations ({time_limit_s:.0f} s per stage, 1 worker)", "",
+             f"Command: `.venv/bin/python benchmarks/search_time.py --opt-grid {model}`", "",
+             f"{len(proven)} of {len(rows)} stage problems proven OPTIMAL within {time_limit_s:.0f} s "
+             f"(slowest {max((r['seconds'] for r in proven), default=0):.1f} s); not proven: {len(others)}"
+             + "".join(f"; {r['point']} stage {r['stage']} {r['status']} gap {r['gap']}" for r in others), "",
+             "| point | stage | nodes | windows | status | gap | s | load |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        gap = "-" if r["gap"] is None else f"{r['gap']:.2%}"
+        lines.append(f"| {r['point']} | {r['stage']} | {r['nodes']} | {r['windows']} | {r['status']} | {gap} | "
+                     f"{r['seconds']:.1f} | {r['load']:.1f} |")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / f"search_time_opt_{model}.md").write_text("\n".join(lines) + "\n")
+    (Path(out) / f"search_time_opt_{model}.json").write_text(json.dumps(rows, indent=1))
+    print(lines[4])
+    return rows
+
+
 def main(models: Optional[list[str]] = None, repeats: int = 5, opt_time_limit: float = 60.0,
          out: Path = ROOT / "benchmarks" / "results", reuse_opt: bool = False) -> int:
     earlier: dict[str, Any] = {}
@@ -209,6 +271,11 @@ if __name__ == "__main__":
     parser.add_argument("--opt-time-limit", type=float, default=60.0)
     parser.add_argument("--reuse-opt", action="store_true",
                         help="take OPT's figures from the existing search.json instead of re-solving (HEU only)")
+    parser.add_argument("--opt-grid", default=None, metavar="MODEL",
+                        help="instead: OPT on every stage of MODEL's grid configurations → search_time_opt_MODEL.md")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     a = parser.parse_args()
+    if a.opt_grid:
+        opt_grid(a.opt_grid, a.opt_time_limit, a.out)
+        raise SystemExit(0)
     raise SystemExit(main(a.models.split(","), a.repeats, a.opt_time_limit, a.out, a.reuse_opt))
