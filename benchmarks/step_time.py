@@ -5,9 +5,12 @@ rank's link limited by ``tc tbf`` in both directions); its throughput is measure
 send/recv and printed. Then ONE launch of ``W`` ranks (one thread each) trains, by default,
 **the convergence benchmark's model** (``benchmarks/convergence.py``: byte-level GPT, 2 layers,
 hidden 128, 4 heads, seq 64, 4 sequences per rank = its global batch of 16 over 4 ranks,
-0.47 M parameters) with every optimizer, interleaved step by step (AdamW, DeMo, Lion, then
-DeMo, Lion, AdamW, ...: the order rotates every round) so that background load hits all
-alike. ``--hidden 256 --layers 4`` gives the wider 3.3 M-parameter variant. A step is timed
+0.47 M parameters) with every optimizer, in interleaved blocks: per round each optimizer runs
+one untimed step and then ``--block`` (4) timed ones, so every timed step follows a step of the
+same optimizer, as in training (a step right after AdamW's bulk transfer is ~20 ms slower,
+whatever the optimizer; step-by-step interleaving put DeMo there 2 times in 3, Lion 1 in 3),
+and the block order rotates every round so that background load hits all alike.
+``--hidden 256 --layers 4`` gives the wider 3.3 M-parameter variant. A step is timed
 from a barrier to the end of ``optimizer.step()``; its time is the slowest rank's. AdamW runs
 under ``DistributedDataParallel`` (gloo, default buckets, fp32 all-reduce overlapped with
 backward), exactly as DDP would; DeMo and DistributedLion communicate inside their ``step()``.
@@ -41,10 +44,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rates", default="100,10", help="link rates in Mbit/s, comma separated")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--steps", type=int, default=20, help="timed steps per optimizer and rate")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per optimizer first")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per optimizer first")
+    p.add_argument("--block", type=int, default=4,
+                   help="timed steps per optimizer in a row, after one untimed step of the same optimizer")
     p.add_argument("--budget", type=float, default=150.0,
                    help="seconds of timed steps per rate: slow links stop early (after --min-steps)")
     p.add_argument("--min-steps", type=int, default=3, help="timed steps per optimizer at least")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds every rank sleeps before each step's barrier (outside the timed region)")
     p.add_argument("--optimizers", default="adamw,demo,lion")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
@@ -105,30 +112,41 @@ def worker(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {n: [] for n in names}
     in_step: dict[str, list[float]] = {n: [] for n in names}  # of which optimizer.step()
     sent: dict[str, float | None] = {}
-    timed_since = None
+    timed_since = time.perf_counter()
     stop = torch.zeros(1, dtype=torch.int64)
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            timed_since = time.perf_counter()
-        # Rotate the order each round so that no optimizer always follows AdamW's bulk transfer.
-        for name in names[step % len(names):] + names[: step % len(names)]:
-            net, opt = runs[name]
-            tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
-            dist.barrier()
-            start = time.perf_counter()
-            loss = net(tokens[:, :-1], tokens[:, 1:])  # () mean cross-entropy
-            loss.backward()
-            before_step = time.perf_counter()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step >= args.warmup:
-                end = time.perf_counter()
-                times[name].append(end - start)
-                in_step[name].append(end - before_step)
-            sent[name] = wire_bytes(name, opt, n_params, world)
-        # Slow links: stop after --budget seconds of timed steps (at least --min-steps), as
+
+    def one_step(name: str, timed: bool) -> None:
+        net, opt = runs[name]
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=gen)
+        if args.settle > 0:
+            time.sleep(args.settle)  # let the previous step's traffic drain (untimed)
+        dist.barrier()
+        start = time.perf_counter()
+        loss = net(tokens[:, :-1], tokens[:, 1:])  # () mean cross-entropy
+        loss.backward()
+        before_step = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if timed:
+            end = time.perf_counter()
+            times[name].append(end - start)
+            in_step[name].append(end - before_step)
+        sent[name] = wire_bytes(name, opt, n_params, world)
+
+    # Blocks: per round, each optimizer runs one untimed lead step (--warmup on the first round)
+    # and then --block timed steps, so that every timed step follows a step of the same
+    # optimizer, as in training (a step right after AdamW's bulk transfer is slower, whatever
+    # the optimizer). The block order rotates every round so that background load hits all alike.
+    rounds = -(-args.steps // args.block)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            for _ in range(max(args.warmup, 1) if r == 0 else 1):
+                one_step(name, timed=False)
+            for _ in range(min(args.block, args.steps - len(times[name]))):
+                one_step(name, timed=True)
+        # Slow links: stop after --budget seconds (at least --min-steps timed steps each), as
         # rank 0 decides — one 8-byte broadcast per round, outside the timed region.
-        if timed_since is not None and step + 1 - args.warmup >= args.min_steps:
+        if min(len(v) for v in times.values()) >= args.min_steps:
             stop[0] = int(rank == 0 and time.perf_counter() - timed_since > args.budget)
             dist.broadcast(stop, src=0)
             if stop.item():
@@ -170,7 +188,7 @@ def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
         print(f"[{rate:g} Mbit/s] link: {link}; {bed}", flush=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker",
                "--optimizers", ",".join(names)]
-        for key in ("steps", "warmup", "budget", "min_steps", "vocab", "seq", "hidden", "heads", "layers", "batch"):
+        for key in ("steps", "warmup", "block", "budget", "min_steps", "settle", "vocab", "seq", "hidden", "heads", "layers", "batch"):
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
         env = {"OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -208,7 +226,7 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
             f"{args.hidden} ({first['n_params'] / 1e6:.2f} M parameters), "
             f"{first['tokens_per_rank']} tokens per rank per step, up to {args.steps} timed steps per "
             f"optimizer (column `steps`: slow links stop after {args.budget:g} s of timed steps, "
-            f"at least {args.min_steps}) after {args.warmup} warm-up, optimizers interleaved step by step, their order rotated every round. "
+            f"at least {args.min_steps}) after {args.warmup} warm-up, optimizers interleaved in blocks of one untimed + {args.block} timed steps, the block order rotated every round. "
             f"Step time: barrier → forward → backward → `optimizer.step()`, slowest rank.\n\n")
     cols = [f"{LABEL[n]} (s)" for n in names] + [f"{LABEL[n]} / AdamW" for n in names if n != "adamw"]
     lines = ["| link (nominal) | measured | steps | " + " | ".join(cols) + " |",
