@@ -10,6 +10,11 @@ Each rank keeps its own momentum and per step, for every parameter ``p`` with gr
    ranks that sent it; ``u = IDCT(mean)``;
 6. ``p ← p·(1 − lr·λ) − lr·sign(u)``.
 
+The momentum of compressed tensors is held as its DCT coefficients (``state[p]["momentum_dct"]``,
+``(chunks, chunk elements)``): steps 1–4 become ``M ← decay·M + lr·DCT(g)``, top-k of ``|M|``
+(ties to the lower index), ``M[kept] −= round(M[kept])`` — the same algorithm, one transform
+fewer and an exact error feedback (:mod:`lynx.optim.demo_batch`).
+
 Tensors whose sparse payload would not be smaller than their dense form are sent dense:
 their whole momentum is transmitted (``m ← 0``) and averaged with an all-reduce — DeMo with
 ``k`` = the whole chunk. Payload layout and wire bytes: :mod:`lynx.optim.demo_payload`.
