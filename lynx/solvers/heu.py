@@ -16,7 +16,8 @@
    :func:`~lynx.solvers.heu_realise.fill`); the best realisation wins (a policy that adds nothing new, or comes
    after a realisation exposing nothing, is skipped). If none fits, the full model's layer
    boundaries (Megatron-full's memory) are realised the same way; if even that does not fit,
-   the exact model is solved instead.
+   the exact model is solved instead. A small stage (``POLISH_ITEMS``) whose plan still
+   exposes recompute is polished by a short deterministic CP-SAT search from it.
 
 The contraction and the layer families depend only on the stage's nodes, not on its
 windows or budget, so they are cached per node set: the planner's fixed point re-solves the
@@ -42,7 +43,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from lynx.errors import LynxBudgetError
+from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.solvers.heu_books import Books, Layout
 from lynx.solvers.heu_greedy import boundary_kept, greedy, reverse_greedy
 from lynx.solvers.heu_layers import Family, families, reduced, reduced_classes
@@ -56,12 +57,14 @@ from lynx.solvers.opt import (
     model_from_problem,
     solve_model,
 )
+from lynx.solvers.opt_model import hint_from_assignment
 from lynx.solvers.problem import (
     SolveResult,
     StageProblem,
     exposed_recompute_s,
     microbatch_classes,
     peak_activation_bytes,
+    validate,
 )
 
 __all__ = ["solve_heu", "clear_cache"]
@@ -75,6 +78,12 @@ OPTIONAL = (_HIDE_ALL,)  # realised only when its representative exposes less th
 # can be far from OPT in relative terms (if not in step time), and the search costs little.
 EXACT_ITEMS = 40
 EXACT_WORK = 0.05  # CP-SAT deterministic time units (load-independent, so plans are reproducible)
+# A stage of at most this many items (three layers of a GPT) whose plan still exposes
+# recompute is polished by a short deterministic CP-SAT search on the whole stage model: at a
+# budget near `full`'s peak the greedy selection can be 15% off the exact one there (gpt-1.3b
+# pp 8, 32 microbatches: 38.9 -> 33.7 ms exposed, ~0.1 s), and it is what checkmate finds.
+POLISH_ITEMS = 64
+POLISH_WORK = 0.2  # CP-SAT deterministic time units
 # Node sets whose structure is cached (a plan has one per stage; a grid a few hundred)
 CACHE_SIZE = 64
 # Results remembered per node set (the fixed point's iterations, a grid's budgets)
@@ -199,9 +208,29 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
                 break
         else:
             return _remember(cached, key, _fallback(problem, model, time_limit_s, start))
-    result = SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None,
-                         time.perf_counter() - start)
+    exposed = exposed_recompute_s(problem, assignment)
+    if exposed > 0 and lay.n <= POLISH_ITEMS:
+        assignment, exposed = _polish(problem, model, assignment, exposed, time_limit_s)
+    result = SolveResult(assignment, "HEURISTIC", exposed, None, time.perf_counter() - start)
     return _remember(cached, key, result)
+
+
+def _polish(problem: StageProblem, model: StageModel, assignment, exposed: float, time_limit_s: float):
+    """A small stage's plan improved by a short deterministic CP-SAT search on the whole
+    stage model from it (kept only when valid, within the budget and exposing less)."""
+    sol = solve_model(model, time_limit_s=time_limit_s, hint=hint_from_assignment(problem, model, assignment),
+                      deterministic_limit=POLISH_WORK)
+    if sol.status not in ("OPTIMAL", "FEASIBLE"):
+        return assignment, exposed
+    better = expand_solution(problem, model, sol)
+    better_exposed = exposed_recompute_s(problem, better)
+    if better_exposed >= exposed - 1e-12 or peak_activation_bytes(problem, better) > problem.activation_budget_bytes:
+        return assignment, exposed
+    try:
+        validate(problem, better)
+    except LynxPlanError:
+        return assignment, exposed
+    return better, better_exposed
 
 
 def _exact(red: StageModel, hint: tuple, time_limit_s: float) -> tuple | None:
