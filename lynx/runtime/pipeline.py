@@ -180,6 +180,9 @@ class PipelineRunner:
         grad_recv: dict[int, tuple[list, list]] = {}
         flights: dict[int, InFlight] = {}
         sends: list[tuple[list, list]] = []
+        # an activation send holds its tensors: it is dropped once that microbatch's gradient is
+        # back (the peer has used it), so a stage holds no more than the plan counts
+        act_sends: dict[int, tuple[list, list]] = {}
         flag_recv = None
         if not first and self.recv_flags is None:
             flag_buf, flag_works = _recv_flags(len(self.recv_meta), topo.prev_rank, self.device)
@@ -219,7 +222,7 @@ class PipelineRunner:
                         self.send_flags = [needs_grad(o) for o in flight.output]
                         flags = torch.tensor(self.send_flags, dtype=torch.uint8, device=self.device)
                         sends.append(post_send([flags], topo.next_rank, 0, FLAGS))
-                    sends.append(post_send(list(flight.output), topo.next_rank, j, ACT))
+                    act_sends[j] = post_send(list(flight.output), topo.next_rank, j, ACT)
                     grad_recv[j] = post_recv(self.send_meta, topo.next_rank, j, GRAD, self.device,
                                              only=self.send_flags)
             else:
@@ -229,6 +232,11 @@ class PipelineRunner:
                 for w in works:
                     stats.wait_grad_s += self._wait(w, f"gradient receive of microbatch {j}", topo.next_rank)
                 self._mark(stats, "wait_grad", j, t0)
+                sent = act_sends.pop(j, None)
+                if sent is not None:
+                    for w in sent[0]:
+                        self._wait(w, "send", None)
+                    del sent
                 is_last_backward = j == m - 1
                 if is_last_backward and self.launcher is not None:
                     self.launcher.arm()
@@ -249,7 +257,7 @@ class PipelineRunner:
                     sends.append(post_send(payload, topo.prev_rank, j, GRAD))
 
         t0 = time.perf_counter()
-        for works, _payload in sends:
+        for works, _payload in [*sends, *act_sends.values()]:
             for w in works:
                 self._wait(w, "send", None)
         self._sync_tied()
