@@ -214,3 +214,31 @@ def test_wire_bytes_bar_gpt13b():
     n = sum(torch.Size(s).numel() for s in shapes)
     allreduce = 2 * 7 / 8 * 4 * n
     assert allreduce / demo_wire_bytes(shapes, 8)["sent"] >= 32
+
+
+def test_parameter_layout_momentum_from_an_older_checkpoint_is_transformed():
+    """A state_dict with a parameter-layout "momentum" for a compressed tensor loads as its DCT."""
+    from lynx.optim.dct import ChunkLayout, decode
+
+    params = make_params()
+    opt = DeMo(params, **SETTINGS, bucket_bytes=BUCKET_BYTES)
+    train(params, opt, 0, 2)
+    state = opt.state_dict()
+    old_style, want = {}, {}
+    for pid, entry in state["state"].items():
+        entry = dict(entry)
+        if "momentum_dct" in entry:
+            shape = tuple(params[pid].shape)
+            m = decode(entry.pop("momentum_dct").clone(), ChunkLayout.for_shape(shape, SETTINGS["compression_chunk"]))
+            entry["momentum"] = m  # what the parameter-domain DeMo stored
+            want[pid] = opt.state[params[pid]]["momentum_dct"].clone()
+        old_style[pid] = entry
+    assert want  # compressed tensors exist
+    resumed = DeMo([p.detach().clone().requires_grad_() for p in params], **SETTINGS, bucket_bytes=BUCKET_BYTES)
+    resumed.load_state_dict({"state": old_style, "param_groups": state["param_groups"]})
+    for b in range(len(resumed.buckets)):
+        resumed._kernel(b, torch.device("cpu"))  # what the first launch does
+    for pid, m in want.items():
+        got = resumed.state[resumed.param_groups[0]["params"][pid]]
+        assert "momentum" not in got
+        assert torch.allclose(got["momentum_dct"], m, atol=1e-12, rtol=0)
