@@ -439,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 2
     if dist.is_initialized():
         if code == 0:
+            # every rank done with its peers before any tears down (rank 0 hosts the store)
+            dist.barrier()
             dist.destroy_process_group()
         else:
             sys.stdout.flush()
