@@ -266,7 +266,7 @@ def _converged(best: tuple, score: tuple) -> bool:
 
 
 _BAR_KIND = {"forward": "compute", "backward": "compute", "recompute": "recompute", "tp": "comm",
-             "dp": "comm", "wait": "idle"}
+             "dp": "comm", "wait": "idle", "optimizer": "compute"}
 
 
 def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
