@@ -16,8 +16,13 @@
    :func:`~lynx.solvers.heu_realise.fill`); the best realisation wins (a policy that adds nothing new, or comes
    after a realisation exposing nothing, is skipped). If none fits, the full model's layer
    boundaries (Megatron-full's memory) are realised the same way; if even that does not fit,
-   the exact model is solved instead. A small stage (``POLISH_ITEMS``) whose plan still
-   exposes recompute is polished by a short deterministic CP-SAT search from it.
+   the exact model is solved instead.
+4. A plan that still exposes recompute while windows have room gets the drop-and-prefetch
+   trade (:mod:`lynx.solvers.heu_trade`): refill the windows, then (a large stage with
+   tensor-parallel windows) drop more cheap kept tensors into windows with spare capacity and
+   spend the memory freed on prefetching what was exposed (kept only when it fits and exposes
+   less). A small stage (``POLISH_ITEMS``) whose plan still exposes recompute is then
+   polished by a short deterministic CP-SAT search from it.
 
 The contraction and the layer families depend only on the stage's nodes, not on its
 windows or budget, so they are cached per node set: the planner's fixed point re-solves the
@@ -48,6 +53,7 @@ from lynx.solvers.heu_books import Books, Layout
 from lynx.solvers.heu_greedy import boundary_kept, greedy, reverse_greedy
 from lynx.solvers.heu_layers import Family, families, reduced, reduced_classes
 from lynx.solvers.heu_realise import realise, reserves
+from lynx.solvers.heu_trade import trade
 from lynx.solvers.opt import (
     ModelClass,
     ModelSolution,
@@ -209,10 +215,29 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
         else:
             return _remember(cached, key, _fallback(problem, model, time_limit_s, start))
     exposed = exposed_recompute_s(problem, assignment)
+    if exposed > 0:
+        assignment, exposed = _traded(problem, model, lay, books, assignment, exposed, reserve,
+                                      drops=reserve and lay.n > POLISH_ITEMS)
     if exposed > 0 and lay.n <= POLISH_ITEMS:
         assignment, exposed = _polish(problem, model, assignment, exposed, time_limit_s)
     result = SolveResult(assignment, "HEURISTIC", exposed, None, time.perf_counter() - start)
     return _remember(cached, key, result)
+
+
+def _traded(problem: StageProblem, model: StageModel, lay: Layout, books: Books, assignment, exposed: float,
+            reserve: bool, drops: bool):
+    """The plan refilled after drop-and-prefetch trades (:func:`lynx.solvers.heu_trade.trade`),
+    kept only when it fits and exposes less."""
+    traded = trade(lay, books, problem.activation_budget_bytes, reserve=reserve, drops=drops)
+    if traded is books:
+        return assignment, exposed
+    better = _checked(problem, model, traded)
+    if better is None:
+        return assignment, exposed
+    better_exposed = exposed_recompute_s(problem, better)
+    if better_exposed >= exposed - 1e-12:
+        return assignment, exposed
+    return better, better_exposed  # (built as the realisations are, from the same moves on the books)
 
 
 def _polish(problem: StageProblem, model: StageModel, assignment, exposed: float, time_limit_s: float):

@@ -72,14 +72,15 @@ def realise(lay: Layout, rec: list[bool], budget: int, designated: Wanted, *,
 
 
 def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, wanted: Wanted | None,
-         reserve: bool = False) -> None:
+         reserve: bool = False, share: float = 1.0) -> None:
     """Place clusters into windows in time order: inputs first, capacity and budget respected.
 
     ``wanted[c][i]``: place the cluster whose first item is i in class c in this pass (None:
     every cluster). ``reserve``: a window open to every item that only windows serving some
     layers follow (tensor-parallel collectives inside the backward serve the layers below)
     takes first the clusters no later window can take — the top layer's — then the rest by
-    value (without it, by value alone: the better order when memory, not room, binds)."""
+    value (without it, by value alone: the better order when memory, not room, binds).
+    ``share``: fill each window up to that share of its capacity only."""
     cluster_of = {i: cl for cl in clusters for i in cl}
     group, wbytes, in_flight = lay.group, lay.wbytes, lay.in_flight
     # Layers served by the fewest windows first: the last layer of the forward can use only
@@ -96,7 +97,7 @@ def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, w
         later = _served_later(cls.eligible) if reserve else [None] * len(cls.capacities)
         for k, cap in enumerate(cls.capacities):
             elig = cls.eligible[k]
-            limit = cap * CAPACITY_SLACK
+            limit = cap * share * CAPACITY_SLACK
             # A window open to every item, followed only by windows that serve some layers
             # (tp collectives inside a backward): the clusters no later window can take first.
             key = False if elig is not None else later[k]
