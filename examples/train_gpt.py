@@ -450,4 +450,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # gloo's threads can abort interpreter teardown ("terminate called without an active
+    # exception") after a finished run: the work is done and flushed, so leave without it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
