@@ -120,7 +120,6 @@ def solve_model(
     mem_t = [-(-it.saved_bytes // unit) for it in items]
     cost = [round(it.mult * it.recompute_s / tau) for it in items]
     budget = model.budget_bytes // unit
-    total_w = sum(mem_w)
 
     m = cp_model.CpModel()
     free = _free_items(model)
