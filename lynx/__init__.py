@@ -27,6 +27,11 @@ from lynx.errors import (
 
 __version__ = "0.1.0"
 
+# Before any process group exists: see lynx.process_group_guard (a SIGABRT at process exit).
+from lynx.process_group_guard import bind_before_init as _bind_before_init  # noqa: E402
+
+_bind_before_init()
+
 # Functions that share their name with their module are bound eagerly: importing a submodule
 # sets the package attribute to the module, so a lazy binding would be overwritten by the
 # first `import lynx.compile` anywhere.
