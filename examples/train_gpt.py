@@ -450,9 +450,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    # gloo's threads can abort interpreter teardown ("terminate called without an active
-    # exception") after a finished run: the work is done and flushed, so leave without it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""``import lynx`` keeps destroy_process_group able to free the default group (see the module)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from lynx.runtime.launch import free_port
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    {import_lynx}
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    group = dist.group.WORLD
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # imports torch._dynamo
+    import torch.distributed.nn.functional  # what torch._dynamo imports, whichever torch
+    dist.destroy_process_group()
+    print(sys.getrefcount(group) - 1)  # references besides this script's own
+""")
+
+
+def references_after_destroy(import_lynx: bool) -> int:
+    code = SCRIPT.format(import_lynx="import lynx" if import_lynx else "", port=free_port())
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1])
+
+
+def test_default_group_is_freed_by_destroy_after_import_lynx():
+    assert references_after_destroy(import_lynx=True) == 1
