@@ -239,12 +239,12 @@ def sweep(opt_limit: float, models: list[str] | None = None) -> tuple[list[dict]
         "",
         f"- sweep: {len(ok)} points planned ({len(rows) - len(ok)} errors), OPT proved every stage optimal on "
         f"{len(proved)}",
-        f"- worst HEU step-time excess over OPT, all points: "
+        "- worst HEU step-time excess over OPT, all points: "
         + (f"{100 * worst_all['heu_vs_opt']:+.3f} % ({worst_all['point']}, level {worst_all['level']})" if worst_all else "-")
         + "; where OPT proved optimal: "
         + (f"{100 * worst_proved['heu_vs_opt']:+.3f} % ({worst_proved['point']}, level {worst_proved['level']})"
            if worst_proved else "-") + " (bar: ≤ +1 %)",
-        f"- worst per-stage HEU excess exposed recompute over a proven-optimal OPT stage: "
+        "- worst per-stage HEU excess exposed recompute over a proven-optimal OPT stage: "
         + (f"{worst_stage['excess_ms']:+.4f} ms = {100 * worst_stage['excess_of_step']:+.3f} % of OPT's step time"
            if worst_stage else "-") + f" ({len(stage_proved)} proven stages)",
     ]

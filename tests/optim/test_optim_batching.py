@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lynx.optim.bitpack import gather_flags, pack_bits, spread_flags, unpack_bits
-from lynx.optim.dct import ChunkLayout, decode, encode
+from lynx.optim.dct import decode, encode
 from lynx.optim.demo_batch import BucketKernel, from_grid
 from lynx.optim.demo_payload import plan_bucket
 from lynx.optim.lion import majority_bits
