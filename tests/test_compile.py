@@ -101,6 +101,18 @@ def test_fixed_point_stops_when_a_round_gains_under_a_tenth_of_a_percent() -> No
     assert not _converged(best, (True, 0.5, 10))  # this round does not fit: go on
 
 
+def test_fixed_point_goes_on_while_the_replay_exposes_other_than_the_solvers_predicted() -> None:
+    from types import SimpleNamespace
+
+    from lynx.compile import CONVERGED_REL, _replay_agrees
+
+    sim = SimpleNamespace(step_time_s=1.0, exposed_per_stage=[0.0500, 0.0200, 0.0])
+    predicted = [SimpleNamespace(objective_s=x) for x in (0.0500, 0.0200 + CONVERGED_REL / 2, 0.0)]
+    assert _replay_agrees(predicted, sim)  # the windows stopped moving: a small gain settles it
+    moved = [SimpleNamespace(objective_s=x) for x in (0.0500, 0.0050, 0.0)]  # stage 1's windows moved
+    assert not _replay_agrees(moved, sim)
+
+
 def test_a_stage_whose_plan_still_hides_everything_is_not_solved_again() -> None:
     from lynx.solvers import solve
 
