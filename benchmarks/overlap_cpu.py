@@ -131,13 +131,18 @@ def worker(args: argparse.Namespace) -> None:
                for v in VARIANTS}
     torch.manual_seed(1009 * topo.dp_rank + s)  # each rank its own dropout stream
     rows = []
+    block = spec.get("block", 0)
     for rep in range(spec["reps"] + 1):  # rep 0 warms up
         order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]  # rotate: no fixed order
+        batches = token_batches(captured.input_names, rep, topo.dp_rank, m)
         for variant in order:
-            dist.barrier()
-            stats = runners[variant].step(token_batches(captured.input_names, rep, topo.dp_rank, m))
-            if rep > 0:
-                rows.append({"variant": variant, "rep": rep, **stats.as_dict()})
+            # with blocks, a variant's first step (after another variant's) is not timed: what a
+            # step leaves behind (allocator, caches) then comes from the same variant, as in training
+            for i in range(block + 1 if block else 1):
+                dist.barrier()
+                stats = runners[variant].step(batches)
+                if rep > 0 and (block == 0 or i > 0):
+                    rows.append({"variant": variant, "rep": rep, "i": i, **stats.as_dict()})
     gathered: list = [None] * topo.world
     dist.all_gather_object(gathered, rows)
     if topo.rank == 0:
@@ -149,8 +154,13 @@ def worker(args: argparse.Namespace) -> None:
 def summarize(rows: list[dict], pp: int, dp: int) -> dict:
     out: dict = {"pp": pp, "dp": dp, "variants": {}}
     reps = sorted({r["rep"] for r in rows})
-    steps = {v: {k: max(r["step_s"] for r in rows if r["variant"] == v and r["rep"] == k) for k in reps}
-             for v in VARIANTS}  # a step ends when its slowest rank does
+    def rep_step(v: str, k: int) -> float:
+        # a step ends when its slowest rank does; a block's steps: their median
+        mine = [r for r in rows if r["variant"] == v and r["rep"] == k]
+        return statistics.median(max(r["step_s"] for r in mine if r.get("i", 0) == i)
+                                 for i in sorted({r.get("i", 0) for r in mine}))
+
+    steps = {v: {k: rep_step(v, k) for k in reps} for v in VARIANTS}
     for variant in VARIANTS:
         mine = [r for r in rows if r["variant"] == variant]
         per_stage = {}
@@ -182,8 +192,8 @@ def summarize(rows: list[dict], pp: int, dp: int) -> dict:
 
 def print_trace(rows: list[dict]) -> None:
     """Each rank's timeline of the last repetition, ms from the variant's earliest start."""
-    last = max(r["rep"] for r in rows)
-    mine = [r for r in rows if r["rep"] == last]
+    last = max((r["rep"], r.get("i", 0)) for r in rows)
+    mine = [r for r in rows if (r["rep"], r.get("i", 0)) == last]
     zero = {v: min(r["events"][0][2] for r in mine if r["variant"] == v) for v in {r["variant"] for r in mine}}
     for r in sorted(mine, key=lambda r: (r["variant"], r["rank"])):
         merged: list[list] = []
@@ -220,6 +230,9 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--block", type=int, default=0,
+                    help="timed steps of each variant in a row per repetition, after an untimed one "
+                         "(0: one timed step each, variants interleaved)")
     ap.add_argument("--optimizer", default="lion", choices=("allreduce", "lion"),
                     help="data-parallel sync: allreduce (mean of gradients, AdamW's) or DistributedLion (1 bit)")
     ap.add_argument("--plan", default="hand", help="a solver for Lynx's plan (opt, heu), 'hand' (Megatron-full "
@@ -301,13 +314,14 @@ def run(args: argparse.Namespace) -> None:
               f"{costs['boundary_bytes'] * 8 / (x * 1e3):.0f} Mbit/s on a core per rank")
     results = {"when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_start": os.getloadavg(),
                "cores": len(os.sched_getaffinity(0)), "schedule": args.schedule, "microbatches": args.microbatches,
-               "reps": args.reps, "optimizer": args.optimizer, "nice": args.nice, "model": CFG, "microbatch": MICROBATCH,
+               "reps": args.reps, "block": args.block, "optimizer": args.optimizer, "nice": args.nice, "model": CFG,
+               "microbatch": MICROBATCH,
                "plan": source, "stage_costs": costs, "runs": []}
     for dp, rate in zip(dps, rates):
         world = args.pp * dp
         spec = {"pp": args.pp, "dp": dp, "nodes": nodes, "schedules": schedules, "microbatches": args.microbatches,
                 "schedule": args.schedule, "reps": args.reps, "trace": args.trace, "optimizer": args.optimizer,
-                "nice": args.nice}
+                "nice": args.nice, "block": args.block}
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
         load = os.getloadavg()
