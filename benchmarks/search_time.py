@@ -258,6 +258,15 @@ def main(models: Optional[list[str]] = None, repeats: int = 5, opt_time_limit: f
         earlier = {r["model"]: r for r in json.loads((Path(out) / "search.json").read_text())}
     rows = [bench_model(name, repeats, opt_time_limit, reuse=earlier.get(name) if reuse_opt else None)
             for name in (models or MODELS)]
+    for row in rows:
+        row["when_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    # --models re-runs some rows: the others stay as the last run left them (not dropped)
+    previous = Path(out) / "search.json"
+    if previous.exists():
+        fresh = {r["model"] for r in rows}
+        kept = [r for r in json.loads(previous.read_text()) if r["model"] not in fresh]
+        order = {m: i for i, m in enumerate(MODELS)}
+        rows = sorted(kept + rows, key=lambda r: order.get(r["model"], len(order)))
     summary = write_outputs(rows, Path(out))
     print("\n".join(summary))
     print(f"wrote {Path(out) / 'search.md'}")
