@@ -138,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
         for variant in order:
             # with blocks, a variant's first step (after another variant's) is not timed: what a
             # step leaves behind (allocator, caches) then comes from the same variant, as in training
-            for i in range(block + 1 if block else 1):
+            for i in range(block + 1):
                 dist.barrier()
                 stats = runners[variant].step(batches)
                 if rep > 0 and (block == 0 or i > 0):
@@ -157,8 +157,7 @@ def summarize(rows: list[dict], pp: int, dp: int) -> dict:
     def rep_step(v: str, k: int) -> float:
         # a step ends when its slowest rank does; a block's steps: their median
         mine = [r for r in rows if r["variant"] == v and r["rep"] == k]
-        return statistics.median(max(r["step_s"] for r in mine if r.get("i", 0) == i)
-                                 for i in sorted({r.get("i", 0) for r in mine}))
+        return statistics.median(max(r["step_s"] for r in mine if r["i"] == i) for i in {r["i"] for r in mine})
 
     steps = {v: {k: rep_step(v, k) for k in reps} for v in VARIANTS}
     for variant in VARIANTS:
@@ -192,8 +191,8 @@ def summarize(rows: list[dict], pp: int, dp: int) -> dict:
 
 def print_trace(rows: list[dict]) -> None:
     """Each rank's timeline of the last repetition, ms from the variant's earliest start."""
-    last = max((r["rep"], r.get("i", 0)) for r in rows)
-    mine = [r for r in rows if (r["rep"], r.get("i", 0)) == last]
+    last = max((r["rep"], r["i"]) for r in rows)
+    mine = [r for r in rows if (r["rep"], r["i"]) == last]
     zero = {v: min(r["events"][0][2] for r in mine if r["variant"] == v) for v in {r["variant"] for r in mine}}
     for r in sorted(mine, key=lambda r: (r["variant"], r["rank"])):
         merged: list[list] = []

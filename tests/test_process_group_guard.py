@@ -10,7 +10,8 @@ from lynx.runtime.launch import free_port
 
 SCRIPT = textwrap.dedent("""
     import sys
-    {import_lynx}
+
+    import lynx  # noqa: F401 — before the group: what the test is about
     import torch
     import torch.distributed as dist
 
@@ -23,12 +24,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def references_after_destroy(import_lynx: bool) -> int:
-    code = SCRIPT.format(import_lynx="import lynx" if import_lynx else "", port=free_port())
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return int(done.stdout.split()[-1])
-
-
 def test_default_group_is_freed_by_destroy_after_import_lynx():
-    assert references_after_destroy(import_lynx=True) == 1
+    # (without `import lynx` the script prints 11 on torch 2.13: the group outlives destroy)
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(port=free_port())], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[-1]) == 1
