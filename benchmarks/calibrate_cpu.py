@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lynx.hardware import HARDWARE_PRESETS
+from lynx.planner.hardware import HARDWARE_PRESETS
 
 MATMUL_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "conv")
 
@@ -64,13 +64,14 @@ def _tiny_gpt():
 
 def node_rates(analysis, overhead: float) -> dict[str, float]:
     """Matmul FLOP/s, elementwise bandwidth and seconds per random number, fitted to the
-    forward times of gpt-tiny's own nodes (``lynx.cost.measure_times``: every node timed for
+    forward times of gpt-tiny's own nodes (``lynx.frontend.measure.measure_times``: every node timed for
     real, its output kept as in a forward), each less the eager op overhead.
 
     Microbenchmarks that discard each result hit the cache and overstate both rates 1.5-5×;
     in a forward the activations are fresh memory, so the model's own ops are the reference.
     """
-    from lynx.cost import _random_elements, measure_times
+    from lynx.frontend.measure import measure_times
+    from lynx.planner.cost import _random_elements
 
     G = measure_times(analysis.graph.copy(), analysis.captured, repeats=9, statistic=min)
     flops = matmul_s = moved = moved_s = 0.0
@@ -113,7 +114,7 @@ def interpreter_per_node(resolved, analysis) -> float:
 
 def backward_check(resolved, analysis, hw) -> tuple[float, float]:
     """(measured, modelled) seconds of gpt-tiny's backward: a check of the fitted rates."""
-    from lynx.cost import node_backward_s
+    from lynx.planner.cost import node_backward_s
 
     model, inputs = resolved.model, resolved.example_inputs
 

@@ -14,7 +14,7 @@ import time
 
 START = time.perf_counter()
 
-from lynx.analyze import analyze  # noqa: E402
+from lynx.frontend.analyze import analyze  # noqa: E402
 from lynx.models import resolve_model  # noqa: E402
 
 

@@ -40,7 +40,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lynx.compile import plan_graph_outcome  # noqa: E402
+from lynx.planner.loop import plan_graph_outcome  # noqa: E402
 from lynx.config import CompileConfig, format_size  # noqa: E402
 from lynx.errors import LynxError  # noqa: E402
 
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def profiled_graphs(models: list[str]) -> dict[str, Any]:
     """Capture and profile each model once (meta device, CUDA target)."""
-    from lynx.analyze import analyze
+    from lynx.frontend.analyze import analyze
     from lynx.models import resolve_model
 
     graphs = {}
@@ -90,8 +90,8 @@ def profiled_graphs(models: list[str]) -> dict[str, Any]:
 
 def retimed(graph: Any, hardware: str) -> Any:
     """A copy of ``graph`` with forward/backward times for ``hardware``."""
-    from lynx.cost import annotate_times
-    from lynx.hardware import get_hardware
+    from lynx.planner.cost import annotate_times
+    from lynx.planner.hardware import get_hardware
 
     copy = graph.copy()
     copy.graph = dict(graph.graph)
@@ -136,7 +136,8 @@ def memory_suffices(outcome: Any) -> bool:
     """Prefetching everything the plan recomputes, for every microbatch, fits each stage's
     activation budget (predicted peak): the memory to hold what the windows recompute until
     its backward is there too. Where it is not, hiding more means recomputing more."""
-    from lynx.solvers.problem import Assignment, peak_activation_bytes
+    from lynx.solvers.problem import Assignment
+    from lynx.solvers.memory import peak_activation_bytes
 
     for problem, result in zip(outcome.problems, outcome.results):
         first = {}

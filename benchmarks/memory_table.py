@@ -16,7 +16,7 @@ import re
 import time
 from pathlib import Path
 
-from lynx.analyze import analyze
+from lynx.frontend.analyze import analyze
 from lynx.models import resolve_model
 
 PRESETS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b"]

@@ -87,7 +87,7 @@ def _renice(nice: int) -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from lynx.capture import capture
+    from lynx.frontend.capture import capture
     from lynx.plan import StageSchedule
     from lynx.rewrite.build import split_cached
     from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig

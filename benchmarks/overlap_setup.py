@@ -49,9 +49,9 @@ def lynx_plan(pp: int, microbatches: int, schedule: str, rate_mbit: float, solve
     achieved, 0.3 ms latency), and the budget of Megatron-full recomputation (the ``full``
     baseline's stage-0 peak; at least the last stage's keep-all peak, so that one fits)."""
     import lynx
-    from lynx.compile import plan_graph
+    from lynx.planner.loop import plan_graph
     from lynx.config import CompileConfig
-    from lynx.hardware import LinkSpec, get_hardware
+    from lynx.planner.hardware import LinkSpec, get_hardware
     from lynx.rewrite.build import stage_node_lists
 
     torch.set_num_threads(1)
@@ -124,7 +124,7 @@ def stage_costs(nodes: list[list[str]], schedules: list[dict]) -> dict:
     """Single-thread CPU milliseconds (thread time: what other jobs on the machine do not inflate)
     per microbatch of each stage: forward, backward (keep all) and the recomputation of its
     dropped nodes in forward order; and the boundary bytes."""
-    from lynx.capture import capture
+    from lynx.frontend.capture import capture
     from lynx.rewrite.build import split_cached
 
     torch.set_num_threads(1)

@@ -35,11 +35,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from lynx.compile import plan_graph_outcome  # noqa: E402
+from lynx.planner.loop import plan_graph_outcome  # noqa: E402
 from lynx.config import CompileConfig  # noqa: E402
-from lynx.problem_build import build_problems  # noqa: E402
-from lynx.simulate import simulate_assignments  # noqa: E402
-from lynx.timeline import run_timeline  # noqa: E402
+from lynx.planner.problems import build_problems  # noqa: E402
+from lynx.planner.simulator import simulate_assignments  # noqa: E402
+from lynx.planner.timeline import run_timeline  # noqa: E402
 
 MODELS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b"]
 
@@ -47,7 +47,7 @@ MODELS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b"]
 def solve_round(solver: str, problems: list[Any], time_limit_s: float) -> tuple[float, float, list[Any]]:
     """Solver wall and CPU seconds of one planning round over every stage, and the results."""
     from lynx.solvers import solve
-    from lynx.solvers.heu import clear_cache
+    from lynx.solvers.heu.solve import clear_cache
 
     clear_cache()  # cold: HEU caches a stage's structure and results for the planner's fixed point
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -58,7 +58,7 @@ def solve_round(solver: str, problems: list[Any], time_limit_s: float) -> tuple[
 def whole_plan(graph: Any, config: CompileConfig, pipe: Any) -> tuple[float, float, int]:
     """HEU's solver time over a whole plan (the planning loop's every round): wall, CPU, rounds."""
     from lynx.solvers import solve
-    from lynx.solvers.heu import clear_cache
+    from lynx.solvers.heu.solve import clear_cache
 
     cpu = [0.0]
 
@@ -79,7 +79,7 @@ def bench_model(name: str, repeats: int, opt_time_limit: float, level: float = 0
     """One planning round (the first timeline's windows) with HEU and with OPT, same problems;
     both scored by the simulator; and HEU's whole plan. ``reuse``: OPT's figures from an
     earlier run instead of solving with OPT."""
-    from lynx.analyze import analyze
+    from lynx.frontend.analyze import analyze
     from lynx.models import resolve_model
 
     resolved = resolve_model(name)

@@ -8,7 +8,7 @@ keep-all's peak (``--level``):
   windows: the warm-up wait before microbatch 0 (≈ 3 stages × (F + B)), a short cool-down
   wait for the last 3 microbatches, and with tp=2 a tensor-parallel all-reduce window per
   layer of every backward;
-* real: the StageProblems the planner builds (``lynx.compile.plan_graph_outcome``) from the
+* real: the StageProblems the planner builds (``lynx.planner.loop.plan_graph_outcome``) from the
   captured and profiled model (meta device, h100-sxm, pp=4, 1F1B, tp=1).
 
 For each: HEU's search time (median of ``--repeats`` runs), OPT's status, time and gap, both
@@ -46,13 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 from lynx.errors import LynxError  # noqa: E402
 from lynx.solvers import solve  # noqa: E402
-from lynx.solvers.problem import (  # noqa: E402
-    Assignment,
-    StageProblem,
-    exposed_recompute_s,
-    make_uniform_problem,
-    peak_activation_bytes,
-)
+from lynx.solvers.problem import Assignment, StageProblem, exposed_recompute_s
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.memory import peak_activation_bytes
 
 # name: (hidden, heads, layers)
 MODELS = {
@@ -86,8 +82,8 @@ def synthetic(model: str, microbatches: int, tp: int, level: float) -> StageProb
 
 
 def real_problems(model: str, microbatches: int, level: float) -> list[StageProblem]:
-    from lynx.analyze import analyze
-    from lynx.compile import plan_graph_outcome
+    from lynx.frontend.analyze import analyze
+    from lynx.planner.loop import plan_graph_outcome
     from lynx.config import CompileConfig
     from lynx.models import resolve_model
 
@@ -103,7 +99,7 @@ def real_problems(model: str, microbatches: int, level: float) -> list[StageProb
 
 
 def measure(problem: StageProblem, repeats: int, opt_limit: float | None) -> dict:
-    from lynx.solvers.heu import clear_cache
+    from lynx.solvers.heu.solve import clear_cache
 
     times, cpu = [], []
     for _ in range(repeats):
@@ -152,8 +148,8 @@ SWEEP_OPT_LIMIT = {"gpt-tiny": 10.0, "llama-tiny": 10.0, "gpt-1.3b": 10.0, "gpt-
 
 def sweep(opt_limit: float, models: list[str] | None = None) -> tuple[list[dict], list[str]]:
     """Whole plans with HEU and OPT over :data:`SWEEP`, scored by the simulator."""
-    from lynx.analyze import analyze
-    from lynx.compile import plan_graph_outcome
+    from lynx.frontend.analyze import analyze
+    from lynx.planner.loop import plan_graph_outcome
     from lynx.config import CompileConfig
     from lynx.models import resolve_model
     from lynx.solvers.problem import exposed_recompute_s

@@ -110,7 +110,7 @@ def show_capture_failure() -> str:
 
 def budget_forcing_recompute(graph, config: lynx.CompileConfig) -> int:
     """A budget 30% of the way from full recomputation's peak to keep-all's (as benchmarks/grid.py)."""
-    from lynx.compile import plan_graph
+    from lynx.planner.loop import plan_graph
 
     peak = {s: max(plan_graph(graph, config.replace(solver=s), check_budget=False).predicted.peak_memory_bytes)
             for s in ("none", "full")}

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import lynx
-from lynx.compile import plan_graph
+from lynx.planner.loop import plan_graph
 from lynx.viz import draw_timeline
 
 

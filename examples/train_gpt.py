@@ -103,8 +103,8 @@ def plan_settings(args: argparse.Namespace, pp: int, dp: int, plan_config: dict[
 
 def _shared_cpu(hardware: str, ranks: int) -> Any:
     """A CPU preset as each rank sees it when the ranks outnumber this machine's cores
-    (``lynx.hardware.share_cores``: a preset assumes a core per rank); otherwise the name."""
-    from lynx.hardware import get_hardware, share_cores
+    (``lynx.planner.hardware.share_cores``: a preset assumes a core per rank); otherwise the name."""
+    from lynx.planner.hardware import get_hardware, share_cores
 
     spec = get_hardware(hardware)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -308,9 +308,9 @@ def _hardware_name(hardware: Any) -> str:
 
 
 def _predicted_optimizer_s(plan: Any, trainer: Any) -> float:
-    """The cost model's optimizer step over this rank's parameters (lynx.cost.optimizer_step_s)."""
-    from lynx.cost import optimizer_step_s
-    from lynx.simulate import config_from_record
+    """The cost model's optimizer step over this rank's parameters (lynx.planner.cost.optimizer_step_s)."""
+    from lynx.planner.cost import optimizer_step_s
+    from lynx.planner.simulator import config_from_record
 
     config = config_from_record(plan.config)
     return optimizer_step_s(sum(p.numel() for p in trainer.params), config.optimizer, config.hardware_spec())
@@ -353,7 +353,7 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     predicted = optimizer_s[busiest] + sum(end - begin for device, kind, begin, end in plan.timeline
                                            if device == stage and kind in ("compute", "recompute"))
     name = _hardware_name(plan.config.get("hardware"))
-    shared = re.fullmatch(r".*-(\d+)on(\d+)", name)   # lynx.hardware.share_cores: a core's share per rank
+    shared = re.fullmatch(r".*-(\d+)on(\d+)", name)   # lynx.planner.hardware.share_cores: a core's share per rank
     factor = int(shared.group(1)) / int(shared.group(2)) if shared else 1.0
     note = f" × {factor:g} (the model gives each rank 1/{factor:g} of a core)" if shared else ""
     return (f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "

@@ -32,30 +32,26 @@ from lynx.process_group_guard import bind_before_init as _bind_before_init  # no
 
 _bind_before_init()
 
-# Functions that share their name with their module are bound eagerly: importing a submodule
-# sets the package attribute to the module, so a lazy binding would be overwritten by the
-# first `import lynx.compile` anywhere.
-from lynx.analyze import analyze  # noqa: E402
-from lynx.capture import capture  # noqa: E402
-from lynx.compile import compile  # noqa: E402,A004
-from lynx.profile import profile  # noqa: E402
-from lynx.simulate import simulate  # noqa: E402
-
 # Public names resolved on first use, so `import lynx` stays fast and each stage of the
 # data flow (capture → profile → graph → timeline → solve → plan → simulate → rewrite →
 # runtime) is imported only when needed.
 _LAZY = {
+    "analyze": ("lynx.frontend.analyze", "analyze"),
+    "capture": ("lynx.frontend.capture", "capture"),
+    "compile": ("lynx.compiler", "compile"),
+    "profile": ("lynx.frontend.profile", "profile"),
+    "simulate": ("lynx.planner.simulator", "simulate"),
     "models": ("lynx.models", None),
-    "Captured": ("lynx.capture", "Captured"),
-    "Profile": ("lynx.profile", "Profile"),
-    "build_graph": ("lynx.graph", "build_graph"),
-    "HardwareSpec": ("lynx.hardware", "HardwareSpec"),
-    "LinkSpec": ("lynx.hardware", "LinkSpec"),
-    "get_hardware": ("lynx.hardware", "get_hardware"),
-    "Analysis": ("lynx.analyze", "Analysis"),
-    "inspect_model": ("lynx.inspect", "inspect_model"),
+    "Captured": ("lynx.frontend.capture", "Captured"),
+    "Profile": ("lynx.frontend.profile", "Profile"),
+    "build_graph": ("lynx.frontend.graph", "build_graph"),
+    "HardwareSpec": ("lynx.planner.hardware", "HardwareSpec"),
+    "LinkSpec": ("lynx.planner.hardware", "LinkSpec"),
+    "get_hardware": ("lynx.planner.hardware", "get_hardware"),
+    "Analysis": ("lynx.frontend.analyze", "Analysis"),
+    "inspect_model": ("lynx.frontend.inspect", "inspect_model"),
     "CompileConfig": ("lynx.config", "CompileConfig"),
-    "Compiled": ("lynx.compile", "Compiled"),
+    "Compiled": ("lynx.compiler", "Compiled"),
     "Plan": ("lynx.plan", "Plan"),
     "optim": ("lynx.optim", None),
     "runtime": ("lynx.runtime", None),
@@ -70,11 +66,6 @@ __all__ = [
     "LynxBudgetError",
     "LynxFingerprintError",
     "LynxRuntimeError",
-    "analyze",
-    "capture",
-    "compile",
-    "profile",
-    "simulate",
     *_LAZY,
 ]
 

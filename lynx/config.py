@@ -15,13 +15,13 @@ Example::
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from lynx.errors import LynxConfigError
+from lynx.units import format_size, parse_size
 
 __all__ = [
     "CompileConfig",
@@ -41,47 +41,6 @@ FINGERPRINT_FIELDS = (
     "pp", "dp", "tp", "microbatches", "schedule", "virtual_stages", "memory_budget",
     "hardware", "optimizer", "target",
 )
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(value: Union[int, float, str]) -> int:
-    """Bytes from ``int`` bytes or a size string such as ``"60GiB"``, ``"500MB"``, ``"2e9"``."""
-    if isinstance(value, bool):
-        raise LynxConfigError(f"a memory size must be bytes or a string like '60GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value <= 0:
-            raise LynxConfigError(f"a memory size must be positive, got {value!r}")
-        return int(value)
-    if not isinstance(value, str):
-        raise LynxConfigError(f"a memory size must be bytes or a string like '60GiB', got {value!r}")
-    match = _SIZE_RE.match(value)
-    unit = match.group(2).lower() if match else None
-    if not match or unit not in _UNITS:
-        raise LynxConfigError(
-            f"cannot read memory size {value!r}: use bytes or a number with a unit "
-            f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '60GiB'")
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise LynxConfigError(f"a memory size must be positive, got {value!r}")
-    return size
-
-
-def format_size(nbytes: Union[int, float]) -> str:
-    """Human-readable binary size, e.g. ``format_size(3 * 2**30) == '3.00 GiB'``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
-
 
 class CompileConfig(BaseModel):
     """Settings of one compilation: parallelism, schedule, budget, hardware, optimizer, solver.
@@ -151,7 +110,7 @@ class CompileConfig(BaseModel):
     def _hardware(cls, value: Any) -> Any:
         if isinstance(value, str):
             try:
-                from lynx.hardware import get_hardware
+                from lynx.planner.hardware import get_hardware
             except ImportError:  # foundation not installed: the name is checked when used
                 return value
             try:
@@ -162,7 +121,7 @@ class CompileConfig(BaseModel):
         if hasattr(value, "model_dump") and hasattr(value, "links"):
             return value
         if isinstance(value, dict):  # a spec as a saved plan records it (hardware_record)
-            from lynx.hardware import HardwareSpec
+            from lynx.planner.hardware import HardwareSpec
 
             try:
                 return HardwareSpec.model_validate(value)
@@ -215,7 +174,7 @@ class CompileConfig(BaseModel):
 
     def hardware_spec(self) -> Any:
         """The resolved :class:`lynx.HardwareSpec`."""
-        from lynx.hardware import get_hardware
+        from lynx.planner.hardware import get_hardware
 
         return get_hardware(self.hardware)
 

@@ -15,9 +15,9 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
-__all__ = ["COLORS", "draw_timeline", "stage_totals"]
+__all__ = ["COLORS", "draw_timeline", "stage_totals", "timeline_bars"]
 
 COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "comm": "#55A868", "idle": "#D9D9D9"}
 
@@ -77,3 +77,24 @@ def draw_timeline(bars: Sequence[tuple[int, str, float, float]], step_time_s: fl
         written.append(out)
     plt.close(fig)
     return written
+
+
+_BAR_KIND = {"forward": "compute", "backward": "compute", "recompute": "recompute", "tp": "comm",
+             "dp": "comm", "wait": "idle", "optimizer": "compute"}
+
+
+def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
+    """The replayed step as merged bars per stage (sends overlap compute and are left out)."""
+    bars: list[tuple[int, str, float, float]] = []
+    last: dict[int, int] = {}
+    for seg in sorted(timeline.segments, key=lambda g: (g.device, g.start)):
+        kind = _BAR_KIND.get(seg.kind)
+        if kind is None or seg.end <= seg.start:
+            continue
+        i = last.get(seg.device)
+        if i is not None and bars[i][1] == kind and abs(bars[i][3] - seg.start) < 1e-12:
+            bars[i] = (seg.device, kind, bars[i][2], seg.end)
+        else:
+            last[seg.device] = len(bars)
+            bars.append((seg.device, kind, seg.start, seg.end))
+    return bars

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lynx.capture import capture
+from lynx.frontend.capture import capture
 from lynx.errors import LynxCaptureError
 from lynx.models import build_preset
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 import lynx
-from lynx.compile import plan_graph, plan_graph_outcome
+from lynx.planner.loop import plan_graph, plan_graph_outcome
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxConfigError, LynxFingerprintError
-from lynx.partition import CommModel
+from lynx.planner.comm import CommModel
 from lynx.plan import Plan
-from lynx.problem_build import assignment_from_decisions, synthetic_graph
-from lynx.solvers.problem import validate
+from lynx.planner.problems import assignment_from_decisions, synthetic_graph
+from lynx.solvers.validate import validate
 
 FREE = CommModel.free()
 
@@ -92,7 +92,7 @@ def test_compile_tiny_model_and_plan_reuse(tiny, tmp_path) -> None:
 
 
 def test_fixed_point_stops_when_a_round_gains_under_a_tenth_of_a_percent() -> None:
-    from lynx.compile import CONVERGED_REL, _converged
+    from lynx.planner.loop import CONVERGED_REL, _converged
 
     best = (False, 1.0, 10)
     assert _converged(best, (False, 1.0 - CONVERGED_REL / 2, 10))  # a tiny gain: settled
@@ -104,7 +104,7 @@ def test_fixed_point_stops_when_a_round_gains_under_a_tenth_of_a_percent() -> No
 def test_fixed_point_goes_on_while_the_replay_exposes_other_than_the_solvers_predicted() -> None:
     from types import SimpleNamespace
 
-    from lynx.compile import CONVERGED_REL, _replay_agrees
+    from lynx.planner.loop import CONVERGED_REL, _replay_agrees
 
     sim = SimpleNamespace(step_time_s=1.0, exposed_per_stage=[0.0500, 0.0200, 0.0])
     predicted = [SimpleNamespace(objective_s=x) for x in (0.0500, 0.0200 + CONVERGED_REL / 2, 0.0)]

@@ -8,7 +8,7 @@ import pytest
 import lynx
 from lynx.config import FINGERPRINT_FIELDS, CompileConfig
 from lynx.errors import LynxConfigError
-from lynx.hardware import HARDWARE_PRESETS, HardwareSpec
+from lynx.planner.hardware import HARDWARE_PRESETS, HardwareSpec
 
 
 def _custom() -> HardwareSpec:

@@ -1,10 +1,10 @@
 import pytest
 
-from lynx.analyze import analyze
-from lynx.cost import (allgather_time, allreduce_time, alltoall_time, node_backward_s, node_forward_s,
+from lynx.frontend.analyze import analyze
+from lynx.planner.cost import (allgather_time, allreduce_time, alltoall_time, node_backward_s, node_forward_s,
                        p2p_time, reduce_scatter_time)
 from lynx.errors import LynxConfigError
-from lynx.hardware import HARDWARE_PRESETS, HardwareSpec, LinkSpec, get_hardware
+from lynx.planner.hardware import HARDWARE_PRESETS, HardwareSpec, LinkSpec, get_hardware
 from lynx.models import build_preset
 
 LINK = LinkSpec(alpha_s=1e-5, beta_bytes_per_s=1e9)

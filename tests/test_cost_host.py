@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from lynx.cost import node_backward_s, node_forward_s, optimizer_step_s
-from lynx.hardware import HARDWARE_PRESETS, get_hardware
+from lynx.planner.cost import node_backward_s, node_forward_s, optimizer_step_s
+from lynx.planner.hardware import HARDWARE_PRESETS, get_hardware
 
 _DROPOUT = {"op": "aten.dropout.default", "flops": 0, "input_bytes": 4096, "output_bytes": 4096,
             "is_view": False, "output_shapes": [(8, 128)]}

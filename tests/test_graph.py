@@ -4,12 +4,12 @@ import networkx as nx
 import pytest
 import torch
 
-from lynx.analyze import analyze
-from lynx.capture import capture
-from lynx.graph import build_graph
+from lynx.frontend.analyze import analyze
+from lynx.frontend.capture import capture
+from lynx.frontend.graph import build_graph
 from lynx.models import GPT, PRESETS, GPTConfig, resolve_model
 from lynx.models.gpt import GPTBlock
-from lynx.profile import profile
+from lynx.frontend.profile import profile
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

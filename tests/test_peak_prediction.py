@@ -47,7 +47,8 @@ def _analysis(pp: int):
 
 
 def _compiled(config_name: str, solver: str):
-    from lynx.compile import Compiled, plan_graph
+    from lynx.compiler import Compiled
+    from lynx.planner.loop import plan_graph
 
     pp, schedule, budget = CONFIGS[config_name]
     model, inputs, analysis = _analysis(pp)

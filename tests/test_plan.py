@@ -10,8 +10,9 @@ from lynx.errors import LynxFingerprintError, LynxPlanError
 from lynx.plan import (
     SCHEMA_VERSION, Decision, Plan, Predicted, StagePlan, WindowRecord, check_fingerprint, fingerprint_of,
 )
-from lynx.problem_build import assignment_from_decisions, decisions_from_assignment
-from lynx.solvers.problem import Assignment, make_uniform_problem
+from lynx.planner.problems import assignment_from_decisions, decisions_from_assignment
+from lynx.solvers.problem import Assignment
+from lynx.solvers.synthetic import make_uniform_problem
 
 CONFIG = {"pp": 1, "microbatches": 3, "schedule": "1f1b", "hardware": "h100-sxm"}
 

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import lynx
-from lynx.compile import plan_graph
-from lynx.partition import CommModel
+from lynx.planner.loop import plan_graph
+from lynx.planner.comm import CommModel
 from lynx.plan import Decision, Predicted, StagePlan, WindowRecord
-from lynx.problem_build import synthetic_graph
+from lynx.planner.problems import synthetic_graph
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plan_format.md"
 

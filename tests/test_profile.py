@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from lynx.analyze import analyze
-from lynx.capture import capture
+from lynx.frontend.analyze import analyze
+from lynx.frontend.capture import capture
 from lynx.errors import LynxConfigError
 from lynx.models import build_preset, resolve_model
-from lynx.profile import CUDA_EMULATED_OPS, SaveTracker, profile, storage_key
+from lynx.frontend.profile import CUDA_EMULATED_OPS, SaveTracker, profile, storage_key
 
 GPT_PRESETS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b"]
 

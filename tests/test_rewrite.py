@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from lynx.capture import capture
+from lynx.frontend.capture import capture
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.models import build_preset
 from lynx.rewrite import build_stage_module, build_stages

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from lynx.errors import LynxPlanError
-from lynx.partition import CommModel
-from lynx.problem_build import build_pipeline, build_problems, static_bytes, synthetic_graph
-from lynx.simulate import simulate_assignments
+from lynx.planner.comm import CommModel
+from lynx.planner.problems import build_pipeline, build_problems, static_bytes, synthetic_graph
+from lynx.planner.simulator import simulate_assignments
 from lynx.solvers.problem import Assignment
-from lynx.timeline import Loads, Pipeline, run_timeline
+from lynx.planner.timeline import Loads, Pipeline, run_timeline
 
 
 def _setup(pp: int = 2, m: int = 4, layers: int = 4, schedule: str = "1f1b", comm: CommModel | None = None):
@@ -111,7 +111,7 @@ def test_fits_budget_and_invalid_assignment() -> None:
 
 def test_public_names_are_callable_after_submodule_import() -> None:
     import lynx
-    import lynx.compile  # noqa: F401 - importing the submodules rebinds lynx.compile / lynx.simulate
-    import lynx.simulate  # noqa: F401
+    import lynx.compiler  # noqa: F401 - importing the submodules rebinds lynx.compile / lynx.simulate
+    import lynx.planner.simulator  # noqa: F401
 
     assert callable(lynx.simulate) and callable(lynx.compile)

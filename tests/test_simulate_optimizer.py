@@ -1,6 +1,6 @@
 """The simulated step ends each device's step with its optimizer step (``Pipeline.optimizer_s``),
 after its last gradient and data-parallel exchange; ``build_pipeline`` fills it from the
-hardware (``lynx.cost.optimizer_step_s`` over the device's parameters)."""
+hardware (``lynx.planner.cost.optimizer_step_s`` over the device's parameters)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import dataclasses
 
 import pytest
 
-from lynx.cost import optimizer_step_s
-from lynx.hardware import get_hardware
-from lynx.partition import CommModel, dtype_bytes
-from lynx.problem_build import build_pipeline, synthetic_graph
-from lynx.timeline import Pipeline, run_timeline
+from lynx.planner.cost import optimizer_step_s
+from lynx.planner.hardware import get_hardware
+from lynx.planner.comm import CommModel
+from lynx.units import dtype_bytes
+from lynx.planner.problems import build_pipeline, synthetic_graph
+from lynx.planner.timeline import Pipeline, run_timeline
 
 
 def test_optimizer_step_closes_every_device_step() -> None:

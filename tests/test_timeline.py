@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from lynx.errors import LynxConfigError
-from lynx.partition import CommModel, balanced_boundaries, partition_graph
-from lynx.problem_build import build_pipeline, synthetic_graph
-from lynx.timeline import Pipeline, run_timeline, schedule_order
+from lynx.planner.comm import CommModel
+from lynx.planner.partition import balanced_boundaries, partition_graph
+from lynx.planner.problems import build_pipeline, synthetic_graph
+from lynx.planner.timeline import Pipeline, run_timeline, schedule_order
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 16), (8, 8), (8, 32), (3, 7)])

@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from lynx.analyze import analyze  # noqa: E402
+from lynx.frontend.analyze import analyze  # noqa: E402
 
 
 def _gpt2():

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from lynx.cli import app, table_console
 from lynx.config import format_size
-from lynx.inspect import InspectReport, inspect_model
+from lynx.frontend.inspect import InspectReport, inspect_model
 from lynx.models import resolve_model
 
 __all__ = ["inspect", "format_seconds", "format_flops"]

@@ -51,7 +51,7 @@ def _config(pp: int, dp: int, tp: int, microbatches: int, schedule: str, virtual
 def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None, microbatch: Optional[int] = None,
                  dtype: Optional[str] = None, attention: Optional[str] = None) -> Any:
     """Resolve ``model`` (preset or module:factory) on the meta device and analyse it."""
-    from lynx.analyze import analyze
+    from lynx.frontend.analyze import analyze
     from lynx.models import resolve_model
 
     resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
@@ -98,7 +98,7 @@ def plan_command(
     dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
 ) -> None:
     """Plan recomputation for MODEL and write the plan as JSON."""
-    from lynx.compile import plan_graph
+    from lynx.planner.loop import plan_graph
 
     def work() -> Any:
         config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
@@ -162,7 +162,7 @@ def show_command(
 def compare_records(graph: Any, config: CompileConfig, solvers: tuple[str, ...] = SOLVERS,
                     progress: Any = None, pipeline: Any = None) -> list[dict[str, Any]]:
     """Plan ``graph`` with every solver and baseline under one config; one record each."""
-    from lynx.compile import plan_graph_outcome
+    from lynx.planner.loop import plan_graph_outcome
 
     records = []
     for solver in solvers:

@@ -3,7 +3,7 @@
 The profile attributes every tensor autograd saves to the fx node that produced its storage
 (or, for tensors created inside an op such as a dropout mask, to the node that was running).
 The rewrite must drop exactly what the plan accounted for, so it applies the profile's rule
-(:class:`lynx.profile.SaveTracker`), keyed on live storages (see :class:`SaveTracker` below).
+(:class:`lynx.frontend.profile.SaveTracker`), keyed on live storages (see :class:`SaveTracker` below).
 
 :class:`SavedBytesMeter` counts the bytes of distinct storages the stage holds for backward
 (kept saved tensors and recomputed ones in the cache) while they are alive, using weak
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from lynx.profile import SaveTracker as _ProfileSaveTracker
-from lynx.profile import storage_key as _profile_storage_key
+from lynx.frontend.profile import SaveTracker as _ProfileSaveTracker
+from lynx.frontend.profile import storage_key as _profile_storage_key
 
 __all__ = ["storage_key", "SaveTracker", "SavedBytesMeter", "tensor_leaves"]
 

@@ -108,7 +108,7 @@ def free_port() -> int:
 def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple,
                  stage: int) -> tuple[Any, Any, list[set[str]], list[str]]:
     """The stage module, its schedule, every stage's parameter names and the model's input names."""
-    from lynx.capture import capture
+    from lynx.frontend.capture import capture
     from lynx.rewrite.build import build_stages, split_cached, stage_node_lists
 
     device = rank_device()  # CUDA under NCCL: the model moves before the stage is cut out of it

@@ -7,7 +7,7 @@ its gradients with the original model's and its measured saved bytes with the pl
 Example::
 
     >>> import lynx
-    >>> from lynx.capture import capture
+    >>> from lynx.frontend.capture import capture
     >>> from lynx.rewrite import build_stages
     >>> model, (idx, tgt) = lynx.models.build_preset("gpt-tiny", device="cpu")
     >>> gm = capture(model, (idx, tgt)).gm

@@ -5,7 +5,7 @@
 :class:`~lynx.solvers.problem.SolveResult`:
 
 * ``opt`` — exact CP-SAT over the whole stage (:mod:`lynx.solvers.opt`)
-* ``heu`` — representative layer, replicated, greedy fill (:mod:`lynx.solvers.heu`)
+* ``heu`` — representative layer, replicated, greedy fill (:mod:`lynx.solvers.heu.solve`)
 * ``none``, ``full``, ``full-block``, ``selective`` — fixed policies (:mod:`lynx.solvers.baselines`)
 * ``checkmate`` — ILP minimising on-demand recompute, no overlap (:mod:`lynx.solvers.checkmate`)
 
@@ -17,7 +17,7 @@ solver instead of being returned.
 Example::
 
     >>> from lynx.solvers import solve
-    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=1.0)
     >>> solve("opt", p, time_limit_s=10.0).status
     'OPTIMAL'
@@ -29,13 +29,14 @@ import importlib
 from collections.abc import Callable
 
 from lynx.errors import LynxConfigError, LynxPlanError
-from lynx.solvers.problem import SolveResult, StageProblem, validate
+from lynx.solvers.problem import SolveResult, StageProblem
+from lynx.solvers.validate import validate
 
 __all__ = ["solve", "SOLVERS"]
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "opt": ("lynx.solvers.opt", "solve_opt"),
-    "heu": ("lynx.solvers.heu", "solve_heu"),
+    "heu": ("lynx.solvers.heu.solve", "solve_heu"),
     "none": ("lynx.solvers.baselines", "solve_none"),
     "full": ("lynx.solvers.baselines", "solve_full"),
     "full-block": ("lynx.solvers.baselines", "solve_full_block"),
@@ -56,7 +57,7 @@ def solve(
     """Run solver ``name`` on one stage problem."""
     if name not in _REGISTRY:
         raise LynxConfigError(f"unknown solver {name!r}; valid solvers: {', '.join(SOLVERS)}")
-    from lynx.solvers.opt import check_time_limit
+    from lynx.solvers.budget import check_time_limit
 
     check_time_limit(time_limit_s)
     module, attr = _REGISTRY[name]

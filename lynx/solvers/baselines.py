@@ -15,7 +15,7 @@ fitting); one that fits has status ``FEASIBLE``.
 
 Example::
 
-    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
     >>> from lynx.solvers.baselines import solve_full
     >>> p = make_uniform_problem(layers=4, in_flight=4, budget_fraction=0.3)
     >>> solve_full(p).status
@@ -26,16 +26,9 @@ from __future__ import annotations
 
 import time
 
-from lynx.solvers.problem import (
-    Assignment,
-    SolveResult,
-    StageProblem,
-    exposed_recompute_s,
-    group_key,
-    group_ranks,
-    peak_activation_bytes,
-    required_recompute_closure,
-)
+from lynx.solvers.problem import Assignment, SolveResult, StageProblem, exposed_recompute_s, group_key, group_ranks
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.validate import required_recompute_closure
 
 __all__ = ["solve_none", "solve_full", "solve_full_block", "solve_selective", "make_valid", "layer_recompute_set"]
 

@@ -7,7 +7,7 @@ so all recomputation is on demand and the objective is Σ microbatches · recomp
 
 Example::
 
-    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
     >>> from lynx.solvers.checkmate import solve_checkmate
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=4, budget_fraction=0.5)
     >>> solve_checkmate(p).status
@@ -20,7 +20,9 @@ import dataclasses
 import time
 
 from lynx.errors import LynxPlanError
-from lynx.solvers.opt import ProgressFn, budget_error, check_time_limit, expand_solution, model_from_problem, solve_model
+from lynx.solvers.cpsat import ProgressFn, solve_model
+from lynx.solvers.budget import budget_error, check_time_limit
+from lynx.solvers.stage_model import expand_solution, model_from_problem
 from lynx.solvers.problem import SolveResult, StageProblem, exposed_recompute_s
 
 __all__ = ["solve_checkmate", "without_windows"]

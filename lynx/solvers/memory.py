@@ -35,7 +35,8 @@ difference is memory the solvers leave unused.
 
 Example::
 
-    >>> from lynx.solvers.problem import Assignment, make_uniform_problem
+    >>> from lynx.solvers.problem import Assignment
+    >>> from lynx.solvers.synthetic import make_uniform_problem
     >>> p = make_uniform_problem(layers=2, microbatches=2, in_flight=2)
     >>> keep_all = Assignment(recompute=frozenset())
     >>> peak_activation_bytes(p, keep_all) == 2 * kept_bytes(p, keep_all)

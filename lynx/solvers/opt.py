@@ -1,16 +1,15 @@
-"""OPT: the exact whole-stage solve (CP-SAT), and the budget error every solver raises.
+"""OPT: the exact whole-stage solve (CP-SAT).
 
-:func:`solve_opt` contracts the stage (:func:`~lynx.solvers.opt_model.model_from_problem`),
-starts CP-SAT (:func:`~lynx.solvers.opt_cpsat.solve_model`) from HEU's plan as a hint, and
+:func:`solve_opt` contracts the stage (:func:`~lynx.solvers.stage_model.model_from_problem`),
+starts CP-SAT (:func:`~lynx.solvers.cpsat.solve_model`) from HEU's plan as a hint, and
 expands the solution back to nodes (validated: an invalid expansion — a modelling bug — is
 never returned; HEU's plan is, with a warning). Status OPTIMAL (within ``RELATIVE_GAP``) or FEASIBLE
-with the gap to CP-SAT's bound when the time limit stops the search. :func:`budget_error`
-says how much memory the leanest plan needs and what dominates it. The model's pieces are
-re-exported here (``from lynx.solvers.opt import solve_model`` keeps working).
+with the gap to CP-SAT's bound when the time limit stops the search. The budget error
+every solver raises is :func:`lynx.solvers.budget.budget_error`.
 
 Example::
 
-    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
     >>> from lynx.solvers.opt import solve_opt
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=1.0)
     >>> res = solve_opt(p, time_limit_s=10.0)
@@ -24,49 +23,16 @@ import math
 import time
 import warnings
 
-from lynx.errors import LynxBudgetError, LynxConfigError, LynxPlanError
-from lynx.solvers.opt_cpsat import RELATIVE_GAP, ProgressFn, solve_model
-from lynx.solvers.opt_model import (
-    ModelClass,
-    ModelItem,
-    ModelSolution,
-    StageModel,
-    expand_solution,
-    hint_from_assignment,
-    model_from_problem,
-)
-from lynx.solvers.problem import (
-    Assignment,
-    SolveResult,
-    StageProblem,
-    exposed_recompute_s,
-    kept_bytes,
-    on_demand_transient_bytes,
-    peak_activation_bytes,
-    peak_upper_bound_bytes,
-    prefetched_bytes,
-    validate,
-)
+from lynx.errors import LynxBudgetError, LynxPlanError
+from lynx.solvers.budget import budget_error, check_time_limit
+from lynx.solvers.cpsat import ProgressFn, solve_model
+from lynx.solvers.heu.solve import solve_heu
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.problem import Assignment, SolveResult, StageProblem, exposed_recompute_s
+from lynx.solvers.stage_model import expand_solution, hint_from_assignment, model_from_problem
+from lynx.solvers.validate import validate
 
-__all__ = [
-    "solve_opt",
-    "budget_error",
-    "check_time_limit",
-    "ModelItem",
-    "ModelClass",
-    "StageModel",
-    "ModelSolution",
-    "model_from_problem",
-    "solve_model",
-    "expand_solution",
-    "RELATIVE_GAP",
-    "ProgressFn",
-]
-
-
-def check_time_limit(time_limit_s: float) -> None:
-    if not (isinstance(time_limit_s, (int, float)) and time_limit_s > 0 and math.isfinite(time_limit_s)):
-        raise LynxConfigError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}")
+__all__ = ["solve_opt"]
 
 
 def solve_opt(
@@ -85,8 +51,6 @@ def solve_opt(
     check_time_limit(time_limit_s)
     start = time.perf_counter()
     if hint is None:
-        from lynx.solvers.heu import solve_heu  # local: heu builds on this module
-
         try:
             hint = solve_heu(problem).assignment
         except LynxBudgetError:
@@ -135,39 +99,3 @@ def _usable(problem: StageProblem, assignment: Assignment) -> bool:
     except LynxPlanError:
         return False
     return peak_activation_bytes(problem, assignment) <= problem.activation_budget_bytes
-
-
-def _fmt(nbytes: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= size:
-            return f"{nbytes / size:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
-
-def budget_error(problem: StageProblem, *, time_limit_s: float = 5.0) -> LynxBudgetError:
-    """A LynxBudgetError saying how much memory the leanest plan needs and what dominates it."""
-    model = model_from_problem(problem)
-    sol = solve_model(model, time_limit_s=time_limit_s, minimise="memory")
-    if sol.status not in ("OPTIMAL", "FEASIBLE"):
-        return LynxBudgetError(f"stage {problem.stage}: no plan fits the activation budget of {_fmt(problem.activation_budget_bytes)}")
-    lean = expand_solution(problem, model, sol)
-    # what the solvers must fit (their bound, never below the runtime's predicted peak)
-    peak = peak_upper_bound_bytes(problem, lean)
-    kept = kept_bytes(problem, lean)
-    transient = on_demand_transient_bytes(problem, lean)
-    prefetched = max(prefetched_bytes(problem, lean).values(), default=0)
-    biggest = sorted((n for n in problem.nodes if n.name not in lean.recompute), key=lambda n: -n.saved_bytes)[:3]
-    parts = {
-        f"{problem.in_flight} microbatches in flight x {_fmt(kept)} kept each "
-        f"(largest kept: {', '.join(f'{n.name} {_fmt(n.saved_bytes)}' for n in biggest) or 'none'})": problem.in_flight * kept,
-        f"{_fmt(transient)} regenerated on demand for one layer": transient,
-        f"{_fmt(prefetched)} prefetched for one microbatch": prefetched,
-    }
-    dominant = max(parts, key=parts.get)
-    bound = "" if sol.status == "OPTIMAL" else " (at most; the search stopped early)"
-    return LynxBudgetError(
-        f"stage {problem.stage}: no plan fits the activation budget of {_fmt(problem.activation_budget_bytes)}; "
-        f"the leanest plan needs {_fmt(peak)}{bound}, dominated by {dominant}. "
-        f"Raise memory_budget by at least {_fmt(peak - problem.activation_budget_bytes)}, "
-        f"use more pipeline stages, or fewer microbatches in flight"
-    )

@@ -8,9 +8,9 @@ and for each recomputed node and microbatch the window it is recomputed in — a
 demand, on the critical path) inside a :class:`SolveResult`.
 
 The accounting functions (:func:`peak_activation_bytes` in :mod:`lynx.solvers.memory`,
-:func:`exposed_recompute_s` here, :func:`validate` in :mod:`lynx.solvers.problem_validate`)
+:func:`exposed_recompute_s` here, :func:`validate` in :mod:`lynx.solvers.validate`)
 are the single definition of memory, exposed time and validity that the solvers optimise and
-the simulator reuses; every name stays importable from this module.
+the simulator reuses.
 
 Conventions the solvers rely on:
 
@@ -28,7 +28,9 @@ Conventions the solvers rely on:
 
 Example::
 
-    >>> from lynx.solvers.problem import Assignment, make_uniform_problem, peak_activation_bytes
+    >>> from lynx.solvers.problem import Assignment
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.memory import peak_activation_bytes
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2)
     >>> keep_all = Assignment(recompute=frozenset(), window_of={})
     >>> peak_activation_bytes(p, keep_all) == 2 * sum(n.saved_bytes for n in p.nodes)
@@ -48,20 +50,11 @@ __all__ = [
     "StageProblem",
     "Assignment",
     "SolveResult",
-    "peak_activation_bytes",
-    "peak_upper_bound_bytes",
-    "microbatch_peak_bytes",
-    "kept_bytes",
-    "prefetched_bytes",
-    "on_demand_transient_bytes",
     "exposed_recompute_s",
-    "validate",
-    "required_recompute_closure",
     "group_key",
     "group_ranks",
     "MicrobatchClass",
     "microbatch_classes",
-    "make_uniform_problem",
 ]
 
 STATUSES = ("OPTIMAL", "FEASIBLE", "HEURISTIC", "INFEASIBLE")
@@ -224,17 +217,3 @@ def exposed_recompute_s(problem: StageProblem, assignment: Assignment) -> float:
     for window, used in load.items():
         exposed += max(0.0, used - capacity.get(window, 0.0))
     return exposed
-
-
-# The rest of the problem's definition lives in its own modules; re-exported here so that
-# `from lynx.solvers.problem import ...` keeps naming everything.
-from lynx.solvers.memory import (  # noqa: E402
-    kept_bytes,
-    microbatch_peak_bytes,
-    on_demand_transient_bytes,
-    peak_activation_bytes,
-    peak_upper_bound_bytes,
-    prefetched_bytes,
-)
-from lynx.solvers.problem_synthetic import make_uniform_problem  # noqa: E402
-from lynx.solvers.problem_validate import required_recompute_closure, validate  # noqa: E402

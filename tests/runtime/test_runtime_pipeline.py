@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lynx.capture import capture
+from lynx.frontend.capture import capture
 from lynx.errors import LynxFingerprintError, LynxRuntimeError
 from lynx.models import build_preset
 from lynx.plan import StageSchedule

@@ -28,7 +28,8 @@ def _analysis():
 @functools.lru_cache(maxsize=None)
 def _compiled(solver: str):
     """lynx.compile(..., solver=solver), sharing one analysis of the model across solvers."""
-    from lynx.compile import Compiled, plan_graph
+    from lynx.compiler import Compiled
+    from lynx.planner.loop import plan_graph
 
     model, inputs, base, analysis = _analysis()
     config = base.model_copy(update={"solver": solver})

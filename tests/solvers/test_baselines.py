@@ -4,7 +4,10 @@ import pytest
 
 from lynx.errors import LynxBudgetError
 from lynx.solvers import SOLVERS, solve
-from lynx.solvers.problem import Assignment, kept_bytes, make_uniform_problem, peak_activation_bytes, validate
+from lynx.solvers.problem import Assignment
+from lynx.solvers.memory import kept_bytes, peak_activation_bytes
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.validate import validate
 
 DIMS = dict(hidden=256, heads=8, seq=512, micro_batch=1)
 

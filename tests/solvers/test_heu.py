@@ -6,18 +6,14 @@ import dataclasses
 import pytest
 
 from lynx.errors import LynxBudgetError
-from lynx.solvers.heu import _structure, clear_cache, solve_heu
-from lynx.solvers.heu_layers import families
-from lynx.solvers.opt import model_from_problem, solve_opt
-from lynx.solvers.problem import (
-    ProblemNode,
-    ProblemWindow,
-    StageProblem,
-    exposed_recompute_s,
-    make_uniform_problem,
-    peak_activation_bytes,
-    validate,
-)
+from lynx.solvers.heu.solve import _structure, clear_cache, solve_heu
+from lynx.solvers.heu.layers import families
+from lynx.solvers.stage_model import model_from_problem
+from lynx.solvers.opt import solve_opt
+from lynx.solvers.problem import ProblemNode, ProblemWindow, StageProblem, exposed_recompute_s
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.validate import validate
 
 
 def _step_proxy(p, pp=4):
@@ -168,7 +164,7 @@ def test_cached_structure_and_results_answer_as_a_cold_solve():
 
 @pytest.fixture(scope="module")
 def tiny_graphs():
-    from lynx.analyze import analyze
+    from lynx.frontend.analyze import analyze
     from lynx.models import resolve_model
 
     graphs = {}
@@ -193,7 +189,7 @@ def test_heu_plan_within_one_percent_of_opt_on_real_models(tiny_graphs, point):
     """Whole plans (the planner's fixed point, scored by the simulator): HEU's step time within
     1% of OPT's, within the budget, and every HEU stage plan valid with its peak within the
     stage budget (HEU skips a node-level re-check: its item bookkeeping never counts less)."""
-    from lynx.compile import plan_graph_outcome
+    from lynx.planner.loop import plan_graph_outcome
     from lynx.config import CompileConfig
 
     model, pp, m, schedule, level = point

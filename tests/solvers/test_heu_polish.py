@@ -4,9 +4,11 @@ peak, where the greedy selection trailed checkmate's exact one)."""
 
 import pytest
 
-import lynx.solvers.heu as heu
+import lynx.solvers.heu.solve as heu
 from lynx.solvers import solve
-from lynx.solvers.problem import make_uniform_problem, peak_activation_bytes, validate
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.validate import validate
 
 
 def _problem():

@@ -10,7 +10,8 @@ room for it.
 import pytest
 
 from lynx.solvers import solve
-from lynx.solvers.problem import ProblemNode, ProblemWindow, StageProblem, validate
+from lynx.solvers.problem import ProblemNode, ProblemWindow, StageProblem
+from lynx.solvers.validate import validate
 
 
 def _problem() -> StageProblem:

@@ -1,4 +1,4 @@
-"""HEU's drop-and-prefetch trade (lynx.solvers.heu_trade).
+"""HEU's drop-and-prefetch trade (lynx.solvers.heu.trade).
 
 Where memory, not window room, limits prefetching, dropping more cheap kept tensors into
 windows with spare capacity frees memory for prefetching exposed recompute (found on gpt-20b
@@ -7,11 +7,14 @@ a100 pp4 tp4 at budget level 0.3, stage 0: 8.35 -> 7.28 ms exposed; OPT 7.05 ms 
 
 import pytest
 
-from lynx.solvers import heu
-from lynx.solvers.heu_books import Books, Layout
-from lynx.solvers.heu_trade import trade
-from lynx.solvers.opt import model_from_problem
-from lynx.solvers.problem import exposed_recompute_s, make_uniform_problem, peak_activation_bytes, validate
+import lynx.solvers.heu.solve as heu
+from lynx.solvers.heu.books import Books, Layout
+from lynx.solvers.heu.trade import trade
+from lynx.solvers.stage_model import model_from_problem
+from lynx.solvers.problem import exposed_recompute_s
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.validate import validate
 
 
 def _problem():
@@ -45,7 +48,7 @@ def test_nothing_exposed_nothing_traded():
 def test_a_trade_never_exposes_more_nor_exceeds_the_budget():
     p = _problem()
     lay = Layout(model_from_problem(p))
-    from lynx.solvers.heu_greedy import greedy
+    from lynx.solvers.heu.greedy import greedy
 
     books = greedy(lay, p.activation_budget_bytes)
     assert books is not None

@@ -12,14 +12,10 @@ import pytest
 
 from lynx.solvers.baselines import make_valid
 from lynx.solvers.checkmate import solve_checkmate, without_windows
-from lynx.solvers.problem import (
-    Assignment,
-    exposed_recompute_s,
-    group_key,
-    make_uniform_problem,
-    peak_activation_bytes,
-    validate,
-)
+from lynx.solvers.problem import Assignment, exposed_recompute_s, group_key
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.validate import validate
 
 knapsack = pytest.importorskip("torch._functorch._activation_checkpointing.knapsack")
 

@@ -9,17 +9,10 @@ from lynx.errors import LynxBudgetError, LynxConfigError
 from lynx.solvers import SOLVERS, solve
 from lynx.solvers.baselines import solve_full
 from lynx.solvers.opt import solve_opt
-from lynx.solvers.problem import (
-    Assignment,
-    ProblemNode,
-    ProblemWindow,
-    StageProblem,
-    exposed_recompute_s,
-    make_uniform_problem,
-    peak_activation_bytes,
-    peak_upper_bound_bytes,
-    validate,
-)
+from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem, exposed_recompute_s
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.memory import peak_activation_bytes, peak_upper_bound_bytes
+from lynx.solvers.validate import validate
 from lynx.errors import LynxPlanError
 
 SMALL = dict(layers=3, microbatches=6, in_flight=3, recv_grad_capacity_s=[0.004, 0.002, 0, 0, 0.001, 0.001])
@@ -164,8 +157,8 @@ def test_budget_of_exactly_full_peak_is_feasible(solver):
 @pytest.mark.parametrize("fraction, caps", [(0.2, [0.004, 0.002, 0.002, 0.001]), (0.35, [0.0, 0.003, 0.003, 0.0]),
                                             (0.5, [0.01, 0.0, 0.0, 0.0])])
 def test_layer_symmetry_breaking_keeps_the_optimum(fraction, caps):
-    from lynx.solvers.opt_cpsat import solve_model
-    from lynx.solvers.opt_model import model_from_problem
+    from lynx.solvers.cpsat import solve_model
+    from lynx.solvers.stage_model import model_from_problem
 
     p = make_uniform_problem(layers=5, microbatches=4, in_flight=3, budget_fraction=fraction, views=True,
                              recv_grad_capacity_s=caps, pre=True, post=True)

@@ -11,7 +11,8 @@ import pytest
 
 from lynx.errors import LynxBudgetError
 from lynx.solvers import solve
-from lynx.solvers.problem import ProblemNode, ProblemWindow, StageProblem, validate
+from lynx.solvers.problem import ProblemNode, ProblemWindow, StageProblem
+from lynx.solvers.validate import validate
 
 
 def _problem(windows: tuple[ProblemWindow, ...] = (), budget: int = 5000) -> StageProblem:

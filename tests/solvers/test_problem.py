@@ -3,20 +3,10 @@
 import pytest
 
 from lynx.errors import LynxPlanError
-from lynx.solvers.problem import (
-    Assignment,
-    ProblemNode,
-    ProblemWindow,
-    StageProblem,
-    exposed_recompute_s,
-    make_uniform_problem,
-    microbatch_classes,
-    microbatch_peak_bytes,
-    peak_activation_bytes,
-    peak_upper_bound_bytes,
-    required_recompute_closure,
-    validate,
-)
+from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem, exposed_recompute_s, microbatch_classes
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.memory import microbatch_peak_bytes, peak_activation_bytes, peak_upper_bound_bytes
+from lynx.solvers.validate import required_recompute_closure, validate
 
 
 def _tiny(windows=()) -> StageProblem:

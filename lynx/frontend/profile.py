@@ -18,9 +18,9 @@ class, so what a plan drops is exactly what the profile counted.
 
 Example::
 
-    >>> from lynx.capture import capture
+    >>> from lynx.frontend.capture import capture
     >>> from lynx.models import build_preset
-    >>> from lynx.profile import profile
+    >>> from lynx.frontend.profile import profile
     >>> model, inputs = build_preset("gpt-tiny", device="meta")
     >>> prof = profile(capture(model, inputs), target="cpu")
     >>> prof.target, prof.total_saved_bytes > 0
@@ -39,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from lynx.capture import Captured, is_op_node, quiet_torch
+from lynx.frontend.capture import Captured, is_op_node, quiet_torch
 from lynx.errors import LynxConfigError, LynxProfileError
 
 __all__ = [
@@ -314,7 +314,7 @@ def profile(captured: Captured, target: str = "cuda") -> Profile:
             with torch.autograd.graph.saved_tensors_hooks(interp.pack, lambda t: t):
                 out = interp.run(*inputs)
     except Exception as err:  # noqa: BLE001 - re-raised with the failing node named
-        from lynx.capture import user_frame
+        from lynx.frontend.capture import user_frame
 
         node = interp.tracker.current
         shapes = ", ".join(str(tuple(t.shape)) for t in captured.example_inputs)

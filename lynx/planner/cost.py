@@ -8,13 +8,14 @@ output element (``rng_s_per_element``: on a CPU dropout's mask costs more than i
 traffic), and the stage interpreter pays ``interpreter_node_s`` for every node it runs
 forward, views included (a recomputed node is run by it again, so its recompute cost is its
 forward cost). :func:`optimizer_step_s` is one optimizer step over a device's parameters.
-Collectives use ring formulas over a :class:`~lynx.hardware.LinkSpec` (α latency per message
-step, β bytes/s). ``measure_times`` instead times every node for real on the current device.
+Collectives use ring formulas over a :class:`~lynx.planner.hardware.LinkSpec` (α latency per message
+step, β bytes/s). :func:`lynx.frontend.measure.measure_times` instead times every node for real
+on the current device.
 
 Example::
 
-    >>> from lynx.cost import allreduce_time, p2p_time
-    >>> from lynx.hardware import LinkSpec
+    >>> from lynx.planner.cost import allreduce_time, p2p_time
+    >>> from lynx.planner.hardware import LinkSpec
     >>> link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9)
     >>> p2p_time(1e9, link), allreduce_time(1e9, 4, link)
     (1.0, 1.5)
@@ -23,26 +24,18 @@ Example::
 from __future__ import annotations
 
 import math
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import networkx as nx
-import torch
-from torch import fx
-from torch.utils._pytree import tree_flatten, tree_map
 
-from lynx.capture import Captured, is_op_node
-from lynx.errors import LynxConfigError, LynxProfileError
-from lynx.hardware import HardwareSpec, LinkSpec
+from lynx.errors import LynxConfigError
+from lynx.planner.hardware import HardwareSpec, LinkSpec
 
 __all__ = [
     "node_forward_s",
     "node_backward_s",
     "optimizer_step_s",
     "annotate_times",
-    "measure_times",
     "p2p_time",
     "allreduce_time",
     "allgather_time",
@@ -141,83 +134,3 @@ def alltoall_time(nbytes: float, world: int, link: LinkSpec) -> float:
     if world == 1 or nbytes == 0:
         return 0.0
     return (world - 1) * link.alpha_s + (world - 1) / world * nbytes / link.beta_bytes_per_s
-
-
-# --- measure mode ---------------------------------------------------------------------------
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class _TimingInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, repeats: int, statistic: Callable[[list[float]], float]) -> None:
-        super().__init__(gm)
-        self.repeats, self.statistic = repeats, statistic
-        self.times: dict[str, tuple[float, float]] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.op == "call_module" and n.target == "_guards_fn":
-            return None
-        out = super().run_node(n)
-        if not is_op_node(n):
-            return out
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        device = leaves[0].device if leaves else torch.device("cpu")
-
-        def fresh() -> tuple[Any, Any, list[torch.Tensor]]:
-            grads: list[torch.Tensor] = []
-
-            def detach(a: Any) -> Any:
-                if isinstance(a, torch.Tensor) and a.is_floating_point() and a.requires_grad:
-                    d = a.detach().requires_grad_(True)
-                    grads.append(d)
-                    return d
-                return a
-
-            a, k = tree_map(detach, (args, kwargs))
-            return a, k, grads
-
-        forward, backward = [], []
-        for _ in range(self.repeats):
-            a, k, wrt = fresh()
-            _sync(device)
-            start = time.perf_counter()
-            result = getattr(self, n.op)(n.target, a, k)
-            _sync(device)
-            forward.append(time.perf_counter() - start)
-            outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outs and wrt:
-                seeds = [torch.ones_like(t) for t in outs]
-                _sync(device)
-                start = time.perf_counter()
-                torch.autograd.grad(outs, wrt, seeds, allow_unused=True)
-                _sync(device)
-                backward.append(time.perf_counter() - start)
-        self.times[n.name] = (self.statistic(forward), self.statistic(backward) if backward else 0.0)
-        return out
-
-
-def measure_times(G: nx.DiGraph, captured: Captured, repeats: int = 3,
-                  statistic: Callable[[list[float]], float] = statistics.median) -> nx.DiGraph:
-    """Time every node for real on the device the model's parameters live on (measure mode);
-    each node's time is ``statistic`` of its ``repeats`` runs (``min``: the least disturbed)."""
-    if captured.folded is not None or any(p.is_meta for p in captured.gm.parameters()):
-        raise LynxConfigError(
-            "measure mode times real ops: build the model with real weights on the device to time "
-            "(not on meta), or use the analytic cost model"
-        )
-    interp = _TimingInterpreter(captured.gm, repeats, statistic)
-    try:
-        with torch.enable_grad():
-            interp.run(*captured.example_inputs)
-    except Exception as err:  # noqa: BLE001
-        raise LynxProfileError(f"measure mode failed at a node: {type(err).__name__}: {err}") from err
-    for name, (fwd, bwd) in interp.times.items():
-        if name in G:
-            G.nodes[name]["forward_s"] = fwd
-            G.nodes[name]["backward_s"] = bwd
-    G.graph["time_source"] = "measured"
-    return G

@@ -14,9 +14,9 @@ move items between kept, prefetched and on demand.
 
 Example::
 
-    >>> from lynx.solvers.opt import model_from_problem
-    >>> from lynx.solvers.problem import make_uniform_problem
-    >>> from lynx.solvers.heu_books import Books, Layout
+    >>> from lynx.solvers.stage_model import model_from_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.heu.books import Books, Layout
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2)
     >>> books = Books(Layout(model_from_problem(p)), [False] * 30)
     >>> books.peak() == 2 * sum(n.saved_bytes for n in p.nodes)
@@ -25,7 +25,7 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.opt import StageModel
+from lynx.solvers.stage_model import StageModel
 
 __all__ = [
     "Layout",

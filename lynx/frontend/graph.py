@@ -7,14 +7,14 @@ cover the most ops, appearing at least twice in sequence, is a layer class. So b
 the ``pre`` edge block, ops after the last the ``post`` block.
 
 When the capture was folded (a deep meta model captured with two of its repeated layers, see
-:func:`lynx.capture.capture`), the second layer is replicated to the model's full depth here.
+:func:`lynx.frontend.capture.capture`), the second layer is replicated to the model's full depth here.
 
 Example::
 
-    >>> from lynx.capture import capture
+    >>> from lynx.frontend.capture import capture
     >>> from lynx.models import build_preset
-    >>> from lynx.profile import profile
-    >>> from lynx.graph import build_graph
+    >>> from lynx.frontend.profile import profile
+    >>> from lynx.frontend.graph import build_graph
     >>> model, inputs = build_preset("gpt-tiny", device="meta")
     >>> captured = capture(model, inputs)
     >>> G = build_graph(captured, profile(captured, target="cpu"))
@@ -29,9 +29,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import networkx as nx
-from lynx.capture import Captured
+from lynx.frontend.capture import Captured
 from lynx.errors import LynxProfileError
-from lynx.profile import NodeProfile, Profile
+from lynx.frontend.profile import NodeProfile, Profile
 
 __all__ = ["build_graph", "find_layers", "LayerInstance", "CORE_ATTENTION_OPS"]
 

@@ -1,6 +1,6 @@
 """The CP-SAT model of a stage (OPT, Checkmate, and HEU's fallback): build it, solve it.
 
-:func:`solve_model` builds, over a :class:`~lynx.solvers.opt_model.StageModel`:
+:func:`solve_model` builds, over a :class:`~lynx.solvers.stage_model.StageModel`:
 
 * ``r[i]`` — item i is recomputed; ``x[c, i, k]`` — for class c it is recomputed in the
   class's k-th window (else on demand: ``od[c, i] = r[i] − Σ_k x[c, i, k]``).
@@ -25,8 +25,8 @@ sizes' common divisor when that is at least ``budget / 2**26`` (exact), else to 
 
 Example::
 
-    >>> from lynx.solvers.problem import make_uniform_problem
-    >>> from lynx.solvers.opt_model import model_from_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.stage_model import model_from_problem
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=1.0)
     >>> sol = solve_model(model_from_problem(p), time_limit_s=10.0)
     >>> sol.status
@@ -41,8 +41,8 @@ from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
-from lynx.solvers.opt_model import ModelSolution, StageModel
-from lynx.solvers.opt_symmetry import break_layer_symmetry
+from lynx.solvers.stage_model import ModelSolution, StageModel
+from lynx.solvers.cpsat_symmetry import break_layer_symmetry
 
 __all__ = ["solve_model", "ProgressFn", "RELATIVE_GAP"]
 
@@ -109,7 +109,7 @@ def solve_model(
 
     ``deterministic_limit`` caps CP-SAT's deterministic time (work units independent of
     machine load), so a short search gives the same answer on every run. ``symmetry`` orders
-    identical layers (:mod:`lynx.solvers.opt_symmetry`; the optimum is kept).
+    identical layers (:mod:`lynx.solvers.cpsat_symmetry`; the optimum is kept).
     """
     start = time.perf_counter()
     items, classes = model.items, model.classes

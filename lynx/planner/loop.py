@@ -1,4 +1,4 @@
-"""`lynx.compile`: analyse a model, plan recomputation per pipeline stage, return a `Compiled`.
+"""The planning loop: an analysed graph and a config in, a scored :class:`~lynx.plan.Plan` out.
 
 :func:`plan_graph` is the planning loop on an analysed graph: build the pipeline timeline,
 turn its windows into one problem per stage, solve, replay the decisions in the simulator,
@@ -10,9 +10,9 @@ exposes what the solvers predicted — keeping the plan the simulator scores bes
 Example::
 
     >>> import lynx
-    >>> from lynx.problem_build import synthetic_graph
-    >>> from lynx.partition import CommModel
-    >>> from lynx.compile import plan_graph
+    >>> from lynx.planner.problems import synthetic_graph
+    >>> from lynx.planner.comm import CommModel
+    >>> from lynx.planner.loop import plan_graph
     >>> cfg = lynx.CompileConfig(pp=2, microbatches=4, solver="none", memory_budget="80GiB")
     >>> plan = plan_graph(synthetic_graph(layers=4), cfg, comm=CommModel.free())
     >>> plan.predicted.fits_budget and len(plan.stages) == 2
@@ -28,22 +28,20 @@ from typing import Any, Callable, Optional
 
 import networkx as nx
 
-from lynx.config import CompileConfig, format_size
-from lynx.errors import LynxBudgetError, LynxConfigError, LynxPlanError
-from lynx.partition import CommModel, graph_fingerprint
-from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, check_fingerprint, fingerprint_of
-from lynx.problem_build import (
-    build_pipeline,
-    build_problems,
-    decisions_from_assignment,
-    static_breakdown,
-)
-from lynx.simulate import SimResult, simulate_assignments
-from lynx.solvers.problem import StageProblem, exposed_recompute_s, validate
-from lynx.timeline import Pipeline, run_timeline
+from lynx.config import CompileConfig
+from lynx.errors import LynxBudgetError, LynxPlanError
+from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, fingerprint_of
+from lynx.planner.comm import CommModel
+from lynx.planner.fingerprint import graph_fingerprint
+from lynx.planner.problems import build_pipeline, build_problems, decisions_from_assignment, static_breakdown
+from lynx.planner.simulator import SimResult, simulate_assignments
+from lynx.planner.timeline import Pipeline, run_timeline
+from lynx.solvers.problem import StageProblem, exposed_recompute_s
+from lynx.solvers.validate import validate
+from lynx.units import format_size
+from lynx.viz import timeline_bars
 
-__all__ = ["compile", "Compiled", "plan_graph", "PlanOutcome", "resolve_config", "BUDGET_CHECKED_SOLVERS",
-           "timeline_bars"]
+__all__ = ["plan_graph", "plan_graph_outcome", "PlanOutcome", "BUDGET_CHECKED_SOLVERS", "CONVERGED_REL"]
 
 # Solvers that promise a plan within the budget: failing to find one is an error. Baselines
 # (none, full, selective) are scored as they are and may report fits_budget=False.
@@ -70,64 +68,6 @@ class PlanOutcome:
     @property
     def status(self) -> str:
         return max((r.status for r in self.results), key=lambda st: _STATUS_RANK.get(st, 1))
-
-
-@dataclass
-class Compiled:
-    """The result of :func:`compile`: the plan, the settings and the analysis it was made from."""
-
-    plan: Plan
-    config: CompileConfig
-    analysis: Any
-
-    def stage(self, index: int) -> Any:
-        """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
-        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.config.pp:
-            raise LynxConfigError(f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}")
-        gm = self.analysis.captured.gm
-        meta = [name for name, t in (*gm.named_parameters(), *gm.named_buffers()) if t.is_meta]
-        if meta:
-            raise LynxConfigError(
-                f"cannot build stage {index}: the model was compiled on the meta device ({len(meta)} "
-                f"parameter(s)/buffer(s) have no data, e.g. {meta[0]!r}), so the stage could not run. "
-                f"A meta model can be planned but not executed: build the model on cpu or cuda (or load "
-                f"its weights) and compile it again, reusing the saved plan with plan=.")
-        from lynx.rewrite import build_stage_module
-
-        return build_stage_module(self, index)
-
-    def simulate(self) -> SimResult:
-        """Replay the plan on this model's timeline."""
-        from lynx.simulate import simulate
-
-        return simulate(self.plan, self.analysis.graph)
-
-
-def resolve_config(config: Optional[CompileConfig], settings: dict[str, Any]) -> CompileConfig:
-    """One config from an optional ``CompileConfig`` and keyword overrides."""
-    if config is None:
-        return CompileConfig(**settings)
-    if not isinstance(config, CompileConfig):
-        raise LynxConfigError(f"config must be a lynx.CompileConfig, got {type(config).__name__}")
-    return config.replace(**settings) if settings else config
-
-
-def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = None, **settings: Any) -> Compiled:
-    """Analyse ``model`` on one microbatch of ``example_inputs`` and plan it (see module doc).
-
-    Settings are those of :class:`lynx.CompileConfig`, as one object, keywords, or both
-    (keywords win). With ``plan=`` the saved plan is checked against this model and config
-    (:class:`lynx.LynxFingerprintError` when it was made for others) and used as it is.
-    """
-    config = resolve_config(config, settings)
-    from lynx.analyze import analyze
-
-    analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
-    if config.plan is not None:
-        plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
-        check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
-        return Compiled(plan=plan, config=config, analysis=analysis)
-    return Compiled(plan=plan_graph(analysis.graph, config), config=config, analysis=analysis)
 
 
 def plan_graph(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommModel] = None,
@@ -274,27 +214,6 @@ def _replay_agrees(results: list[Any], sim: SimResult) -> bool:
     tolerance = CONVERGED_REL * sim.step_time_s
     return all(abs(exposed - result.objective_s) <= tolerance
                for exposed, result in zip(sim.exposed_per_stage, results))
-
-
-_BAR_KIND = {"forward": "compute", "backward": "compute", "recompute": "recompute", "tp": "comm",
-             "dp": "comm", "wait": "idle", "optimizer": "compute"}
-
-
-def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
-    """The replayed step as merged bars per stage (sends overlap compute and are left out)."""
-    bars: list[tuple[int, str, float, float]] = []
-    last: dict[int, int] = {}
-    for seg in sorted(timeline.segments, key=lambda g: (g.device, g.start)):
-        kind = _BAR_KIND.get(seg.kind)
-        if kind is None or seg.end <= seg.start:
-            continue
-        i = last.get(seg.device)
-        if i is not None and bars[i][1] == kind and abs(bars[i][3] - seg.start) < 1e-12:
-            bars[i] = (seg.device, kind, bars[i][2], seg.end)
-        else:
-            last[seg.device] = len(bars)
-            bars.append((seg.device, kind, seg.start, seg.end))
-    return bars
 
 
 def _static_line(breakdown: list[dict[str, int]], stage: int) -> str:

@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> from lynx.inspect import inspect_model
+    >>> from lynx.frontend.inspect import inspect_model
     >>> from lynx.models import build_preset
     >>> model, inputs = build_preset("gpt-tiny", device="meta")
     >>> report = inspect_model(model, inputs, target="cpu", hardware="cpu-local")
@@ -18,8 +18,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from lynx.analyze import Analysis, analyze
-from lynx.hardware import HardwareSpec
+from lynx.frontend.analyze import Analysis, analyze
+from lynx.planner.hardware import HardwareSpec
 
 __all__ = ["LayerReport", "ClassReport", "Totals", "InspectReport", "inspect_model", "report_from_analysis"]
 

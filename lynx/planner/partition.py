@@ -11,32 +11,29 @@ its forward and two to its backward.
 
 Example::
 
-    >>> from lynx.partition import balanced_boundaries
+    >>> from lynx.planner.partition import balanced_boundaries
     >>> balanced_boundaries([1.0, 1.0, 1.0, 1.0], 2)
     [(0, 2), (2, 4)]
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import networkx as nx
 
 from lynx.errors import LynxConfigError
+from lynx.planner.comm import CommModel
+from lynx.units import dtype_bytes
 
 __all__ = [
     "Chunk",
     "BlockCost",
-    "CommModel",
     "balanced_boundaries",
     "partition_graph",
     "block_costs",
     "static_bytes_per_param",
-    "dtype_bytes",
-    "graph_fingerprint",
 ]
 
 
@@ -63,71 +60,6 @@ class BlockCost:
     tp_backward_s: float       # ... in the backward: an idle window recomputation can fill
     param_bytes: int           # parameter bytes held by one device (÷ tp)
     dp_s: float                # data-parallel collective time of this block's gradients
-
-
-@dataclass(frozen=True)
-class CommModel:
-    """Communication times used by the timeline (seconds as a function of bytes)."""
-
-    p2p: Callable[[int], float]
-    tp_allreduce: Callable[[int], float]
-    dp_gradients: Callable[[int], float]   # argument: parameter count of the bucket
-
-    @staticmethod
-    def free() -> "CommModel":
-        """Instant communication (for closed-form checks)."""
-        return CommModel(p2p=lambda n: 0.0, tp_allreduce=lambda n: 0.0, dp_gradients=lambda n: 0.0)
-
-    @staticmethod
-    def from_hardware(hardware: Any, *, tp: int, dp: int, optimizer: str) -> "CommModel":
-        """α-β times from ``hardware.links`` via :mod:`lynx.cost`; DP payload by optimizer."""
-        from lynx import cost
-
-        pp_link, tp_link, dp_link = hardware.links["pp"], hardware.links["tp"], hardware.links["dp"]
-
-        def dp_gradients(params: int) -> float:
-            if dp <= 1 or params <= 0:
-                return 0.0
-            payload = dp_payload_bytes(params, optimizer, dp)
-            if optimizer == "adamw":
-                return cost.allreduce_time(payload, dp, dp_link)
-            if optimizer == "demo":
-                return cost.allgather_time(payload, dp, dp_link)
-            # lion majority vote: all_to_all of packed signs, then all_gather of the voted shard
-            return cost.alltoall_time(payload, dp, dp_link) + cost.allgather_time(
-                max(1, payload // dp), dp, dp_link)
-
-        return CommModel(
-            p2p=lambda n: cost.p2p_time(n, pp_link) if n > 0 else 0.0,
-            tp_allreduce=lambda n: cost.allreduce_time(n, tp, tp_link) if tp > 1 and n > 0 else 0.0,
-            dp_gradients=dp_gradients,
-        )
-
-
-def dp_payload_bytes(params: int, optimizer: str, world: int) -> int:
-    """Bytes one rank contributes to a bucket's data-parallel collective.
-
-    ``adamw``: fp32 gradients (ring all-reduce). ``demo``: top-32 DCT coefficients of every
-    64×64 chunk, a 2-byte index and a bf16 value each, all-gathered (4096 params → 128 B).
-    ``lion``: one sign bit per parameter (packed 8 per byte), exchanged all-to-all.
-    (The optimizers in :mod:`lynx.optim` count their real wire bytes per step; this is the
-    planner's per-parameter approximation of the same payloads.)
-    """
-    if optimizer == "adamw":
-        return 4 * params
-    if optimizer == "demo":
-        return max(1, -(-params // 4096)) * 32 * (2 + 2)
-    if optimizer == "lion":
-        return max(1, -(-params // 8))
-    raise LynxConfigError(f"unknown optimizer {optimizer!r}; use adamw, demo or lion")
-
-
-def dtype_bytes(dtype: Any) -> int:
-    """Bytes per element of a dtype given as a torch dtype or its name (default 2)."""
-    text = str(dtype or "float16").lower().removeprefix("torch.")
-    table = {"float16": 2, "half": 2, "bfloat16": 2, "fp16": 2, "bf16": 2, "float32": 4, "float": 4,
-             "fp32": 4, "float64": 8, "double": 8, "int8": 1, "uint8": 1}
-    return table.get(text, 2)
 
 
 def static_bytes_per_param(optimizer: str, dtype_size: int) -> int:
@@ -227,17 +159,3 @@ def block_costs(graph: nx.DiGraph, comm: CommModel, *, tp: int, optimizer: str) 
             forward_s=forward, backward_s=backward, tp_forward_s=tp_s, tp_backward_s=tp_s,
             param_bytes=device_params, dp_s=comm.dp_gradients(device_params // size)))
     return costs
-
-
-def graph_fingerprint(graph: nx.DiGraph) -> str:
-    """Hash of the graph's structure and profile numbers (what a plan depends on)."""
-    digest = hashlib.sha256()
-    keys = ("op", "flops", "output_bytes", "saved_bytes", "output_saved", "block", "layer", "core_attention")
-    for name in sorted(graph.nodes):
-        attrs = graph.nodes[name]
-        record = [name] + [attrs.get(k) for k in keys]
-        record += [round(float(attrs.get("forward_s", 0.0)), 12), round(float(attrs.get("backward_s", 0.0)), 12)]
-        record.append(sorted(graph.successors(name)))
-        digest.update(json.dumps(record, default=str).encode())
-    digest.update(json.dumps([graph.graph.get("param_bytes"), graph.graph.get("target")], default=str).encode())
-    return digest.hexdigest()[:16]

@@ -9,11 +9,11 @@ no solver's own objective is trusted.
 
 Example::
 
-    >>> from lynx.problem_build import build_pipeline, build_problems, static_bytes, synthetic_graph
-    >>> from lynx.partition import CommModel
-    >>> from lynx.timeline import run_timeline
+    >>> from lynx.planner.problems import build_pipeline, build_problems, static_bytes, synthetic_graph
+    >>> from lynx.planner.comm import CommModel
+    >>> from lynx.planner.timeline import run_timeline
     >>> from lynx.solvers.problem import Assignment
-    >>> from lynx.simulate import simulate_assignments
+    >>> from lynx.planner.simulator import simulate_assignments
     >>> g = synthetic_graph(layers=4)
     >>> pipe = build_pipeline(g, pp=2, microbatches=4, comm=CommModel.free())
     >>> static = static_bytes(g, pipe, optimizer="adamw")
@@ -32,15 +32,17 @@ from typing import Any, Optional
 import networkx as nx
 
 from lynx.errors import LynxPlanError
-from lynx.problem_build import (
+from lynx.planner.problems import (
     assignment_from_decisions,
     build_pipeline,
     build_problems,
     loads_from_assignments,
     static_bytes,
 )
-from lynx.solvers.problem import Assignment, StageProblem, peak_activation_bytes, validate
-from lynx.timeline import Pipeline, Timeline, run_timeline
+from lynx.solvers.problem import Assignment, StageProblem
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.validate import validate
+from lynx.planner.timeline import Pipeline, Timeline, run_timeline
 
 __all__ = ["SimResult", "simulate_assignments", "simulate", "config_from_record"]
 
@@ -118,7 +120,7 @@ def config_from_record(record: dict[str, Any]) -> Any:
 
     data = {k: v for k, v in record.items() if k in CompileConfig.model_fields}
     if isinstance(data.get("hardware"), dict):
-        from lynx.hardware import HardwareSpec
+        from lynx.planner.hardware import HardwareSpec
 
         data["hardware"] = HardwareSpec(**data["hardware"])
     return CompileConfig(**data)

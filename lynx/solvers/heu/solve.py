@@ -1,24 +1,24 @@
 """HEU: solve one representative layer, replicate it, fill what is left greedily.
 
 1. Contract the stage as OPT does (:func:`lynx.solvers.opt.model_from_problem`) and find the
-   family of structurally identical layers (:mod:`lynx.solvers.heu_layers`).
+   family of structurally identical layers (:mod:`lynx.solvers.heu.layers`).
 2. Build the reduced model (one item per family position, ``mult`` = family size; edge
    blocks and odd layers on their own; each microbatch class's windows merged into its
-   layers' share) and solve it with three greedy policies (:mod:`lynx.solvers.heu_greedy`):
+   layers' share) and solve it with three greedy policies (:mod:`lynx.solvers.heu.greedy`):
    *drop until it fits* (prefetching where that costs no peak), *keep while it fits*, and
    *drop until it fits, hiding every drop* (``POLICIES``); a tiny stage (``EXACT_ITEMS``)
    adds a short deterministic CP-SAT search on the representative model.
 3. Replicate each policy to every family layer and realise it on the full model
-   (:mod:`lynx.solvers.heu_realise`): the representative's prefetches window by window in time
+   (:mod:`lynx.solvers.heu.realise`): the representative's prefetches window by window in time
    order, then keep more where memory is left and move on-demand recompute into windows with
    room, in both orders (and, where tensor-parallel windows serve only the layers below
    theirs, once more with the open windows taking first what no later window can:
-   :func:`~lynx.solvers.heu_realise.fill`); the best realisation wins (a policy that adds nothing new, or comes
+   :func:`~lynx.solvers.heu.realise.fill`); the best realisation wins (a policy that adds nothing new, or comes
    after a realisation exposing nothing, is skipped). If none fits, the full model's layer
    boundaries (Megatron-full's memory) are realised the same way; if even that does not fit,
    the exact model is solved instead.
 4. A plan that still exposes recompute while windows have room gets the drop-and-prefetch
-   trade (:mod:`lynx.solvers.heu_trade`): refill the windows, then (a large stage with
+   trade (:mod:`lynx.solvers.heu.trade`): refill the windows, then (a large stage with
    tensor-parallel windows) drop more cheap kept tensors into windows with spare capacity and
    spend the memory freed on prefetching what was exposed (kept only when it fits and exposes
    less). A small stage (``POLISH_ITEMS``) whose plan still exposes recompute is then
@@ -32,8 +32,9 @@ benchmarks call it to time cold solves.
 
 Example::
 
-    >>> from lynx.solvers.problem import make_uniform_problem, validate
-    >>> from lynx.solvers.heu import solve_heu
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.validate import validate
+    >>> from lynx.solvers.heu.solve import solve_heu
     >>> p = make_uniform_problem(layers=4, microbatches=8, in_flight=4, recv_grad_capacity_s=0.002)
     >>> res = solve_heu(p)
     >>> validate(p, res.assignment); res.status
@@ -49,33 +50,22 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from lynx.errors import LynxBudgetError, LynxPlanError
-from lynx.solvers.heu_books import Books, Layout
-from lynx.solvers.heu_greedy import boundary_kept, greedy, reverse_greedy
-from lynx.solvers.heu_layers import Family, families, reduced, reduced_classes
-from lynx.solvers.heu_realise import realise, reserves
-from lynx.solvers.heu_trade import trade
-from lynx.solvers.opt import (
-    ModelClass,
-    ModelSolution,
-    StageModel,
-    budget_error,
-    expand_solution,
-    model_from_problem,
-    solve_model,
-)
-from lynx.solvers.opt_model import hint_from_assignment
-from lynx.solvers.problem import (
-    SolveResult,
-    StageProblem,
-    exposed_recompute_s,
-    microbatch_classes,
-    peak_activation_bytes,
-    validate,
-)
+from lynx.solvers.heu.books import Books, Layout
+from lynx.solvers.heu.greedy import boundary_kept, greedy, reverse_greedy
+from lynx.solvers.heu.layers import Family, families, reduced, reduced_classes
+from lynx.solvers.heu.realise import realise, reserves
+from lynx.solvers.heu.trade import trade
+from lynx.solvers.stage_model import ModelClass, ModelSolution, StageModel, expand_solution, model_from_problem
+from lynx.solvers.budget import budget_error
+from lynx.solvers.cpsat import solve_model
+from lynx.solvers.stage_model import hint_from_assignment
+from lynx.solvers.problem import SolveResult, StageProblem, exposed_recompute_s, microbatch_classes
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.validate import validate
 
 __all__ = ["solve_heu", "clear_cache"]
 
-# The representative's greedy policies (see lynx.solvers.heu_greedy), each realised in both orders
+# The representative's greedy policies (see lynx.solvers.heu.greedy), each realised in both orders
 _HIDE_ALL = functools.partial(reverse_greedy, hide=True)
 POLICIES = (reverse_greedy, greedy, _HIDE_ALL)
 OPTIONAL = (_HIDE_ALL,)  # realised only when its representative exposes less than the best plan so far
@@ -226,7 +216,7 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
 
 def _traded(problem: StageProblem, model: StageModel, lay: Layout, books: Books, assignment, exposed: float,
             reserve: bool, drops: bool):
-    """The plan refilled after drop-and-prefetch trades (:func:`lynx.solvers.heu_trade.trade`),
+    """The plan refilled after drop-and-prefetch trades (:func:`lynx.solvers.heu.trade.trade`),
     kept only when it fits and exposes less."""
     traded = trade(lay, books, problem.activation_budget_bytes, reserve=reserve, drops=drops)
     if traded is books:

@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> from lynx.analyze import analyze
+    >>> from lynx.frontend.analyze import analyze
     >>> from lynx.models import build_preset
     >>> model, inputs = build_preset("gpt-tiny", device="meta")
     >>> a = analyze(model, inputs, hardware="a100-80g")
@@ -19,13 +19,14 @@ import networkx as nx
 import torch
 from torch import nn
 
-from lynx.capture import Captured, capture
-from lynx.cost import annotate_times, measure_times
+from lynx.frontend.capture import Captured, capture
+from lynx.frontend.measure import measure_times
+from lynx.planner.cost import annotate_times
 from lynx.errors import LynxConfigError
-from lynx.graph import build_graph
-from lynx.hardware import HardwareSpec, get_hardware
+from lynx.frontend.graph import build_graph
+from lynx.planner.hardware import HardwareSpec, get_hardware
 from lynx.models.presets import infer_dims
-from lynx.profile import TARGETS, Profile, profile
+from lynx.frontend.profile import TARGETS, Profile, profile
 
 __all__ = ["Analysis", "analyze"]
 

@@ -1,12 +1,12 @@
-"""From a contract graph and a config to the planning inputs: the :class:`~lynx.timeline.Pipeline`,
+"""From a contract graph and a config to the planning inputs: the :class:`~lynx.planner.timeline.Pipeline`,
 static memory per stage, and one :class:`~lynx.solvers.problem.StageProblem` per stage built
 from a replayed timeline; and back from solver assignments to plan decisions.
 
 Example::
 
-    >>> from lynx.problem_build import build_pipeline, build_problems, static_bytes, synthetic_graph
-    >>> from lynx.partition import CommModel
-    >>> from lynx.timeline import run_timeline
+    >>> from lynx.planner.problems import build_pipeline, build_problems, static_bytes, synthetic_graph
+    >>> from lynx.planner.comm import CommModel
+    >>> from lynx.planner.timeline import run_timeline
     >>> g = synthetic_graph(layers=4)          # a small graph that follows the graph contract
     >>> pipe = build_pipeline(g, pp=2, microbatches=4, comm=CommModel.free())
     >>> problems = build_problems(g, pipe, run_timeline(pipe), budget_bytes=2**40,
@@ -21,16 +21,12 @@ from typing import Any, Optional
 
 import networkx as nx
 
-from lynx.partition import (
-    CommModel,
-    block_costs,
-    dtype_bytes,
-    partition_graph,
-    static_bytes_per_param,
-)
+from lynx.planner.comm import CommModel
+from lynx.planner.partition import block_costs, partition_graph, static_bytes_per_param
+from lynx.units import dtype_bytes
 from lynx.plan import Decision
 from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem
-from lynx.timeline import Loads, Pipeline, Timeline
+from lynx.planner.timeline import Loads, Pipeline, Timeline
 
 __all__ = [
     "build_pipeline",
@@ -67,8 +63,8 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
         nbytes = sum(int(graph.nodes[n].get("output_bytes", 0)) for n in sent) // tp
         boundary.append(comm.p2p(nbytes))
     optimizer_s: tuple[float, ...] = ()
-    if hardware is not None:  # each device's optimizer step over its parameters (lynx.cost.optimizer_step_s)
-        from lynx.cost import optimizer_step_s
+    if hardware is not None:  # each device's optimizer step over its parameters (lynx.planner.cost.optimizer_step_s)
+        from lynx.planner.cost import optimizer_step_s
 
         size = dtype_bytes(graph.graph.get("dims", {}).get("dtype"))
         optimizer_s = tuple(optimizer_step_s(sum(costs[b].param_bytes for c in chunks if c.device == s

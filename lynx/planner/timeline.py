@@ -14,7 +14,7 @@ and a plan made on one replay can be scored on another.
 
 Example::
 
-    >>> from lynx.timeline import Pipeline, run_timeline
+    >>> from lynx.planner.timeline import Pipeline, run_timeline
     >>> pipe = Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0)
     >>> t = run_timeline(pipe)
     >>> t.step_time_s == (8 + 4 - 1) * 3.0
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lynx.errors import LynxConfigError, LynxPlanError
-from lynx.partition import BlockCost, Chunk
+from lynx.planner.partition import BlockCost, Chunk
 
 __all__ = ["Pipeline", "Loads", "Action", "Window", "Segment", "Timeline", "schedule_order", "run_timeline"]
 

@@ -5,15 +5,15 @@
 * :func:`greedy` — *keep while it fits*: from "drop all but layer boundaries"
   (:func:`boundary_kept`), keep or prefetch what saves the most exposed time per byte.
 
-Both return :class:`~lynx.solvers.heu_books.Books` (or None when no plan fits), which
-:mod:`lynx.solvers.heu` replicates to every layer of the family.
+Both return :class:`~lynx.solvers.heu.books.Books` (or None when no plan fits), which
+:mod:`lynx.solvers.heu.solve` replicates to every layer of the family.
 
 Example::
 
-    >>> from lynx.solvers.opt import model_from_problem
-    >>> from lynx.solvers.problem import make_uniform_problem
-    >>> from lynx.solvers.heu_books import Layout
-    >>> from lynx.solvers.heu_greedy import greedy
+    >>> from lynx.solvers.stage_model import model_from_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.heu.books import Layout
+    >>> from lynx.solvers.heu.greedy import greedy
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=0.001)
     >>> books = greedy(Layout(model_from_problem(p)), p.activation_budget_bytes)
     >>> books.peak() <= p.activation_budget_bytes
@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.heu_books import (
+from lynx.solvers.heu.books import (
     Books,
     Layout,
     apply_keep,

@@ -8,7 +8,8 @@ because they do not keep their output. See :mod:`lynx.solvers.problem` for the c
 
 Example::
 
-    >>> from lynx.solvers.problem import Assignment, make_uniform_problem
+    >>> from lynx.solvers.problem import Assignment
+    >>> from lynx.solvers.synthetic import make_uniform_problem
     >>> p = make_uniform_problem(layers=1, microbatches=1, in_flight=1)
     >>> sorted(required_recompute_closure(p, {"l0.drop1"}))
     ['l0.drop1', 'l0.proj']

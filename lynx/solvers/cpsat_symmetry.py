@@ -24,9 +24,9 @@ its layer does not matter, since its decisions stay where they are.
 Example::
 
     >>> from ortools.sat.python import cp_model
-    >>> from lynx.solvers.problem import make_uniform_problem
-    >>> from lynx.solvers.opt_model import model_from_problem
-    >>> from lynx.solvers.opt_cpsat import solve_model
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.stage_model import model_from_problem
+    >>> from lynx.solvers.cpsat import solve_model
     >>> p = make_uniform_problem(layers=4, microbatches=2, in_flight=2, recv_grad_capacity_s=0.001)
     >>> solve_model(model_from_problem(p), time_limit_s=10.0).status
     'OPTIMAL'
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
-from lynx.solvers.opt_model import StageModel
+from lynx.solvers.stage_model import StageModel
 
 __all__ = ["break_layer_symmetry", "identical_layer_pairs"]
 

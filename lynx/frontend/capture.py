@@ -9,7 +9,7 @@ them — and what to do about it.
 Example::
 
     >>> import torch
-    >>> from lynx.capture import capture
+    >>> from lynx.frontend.capture import capture
     >>> from lynx.models import build_preset
     >>> model, inputs = build_preset("gpt-tiny", device="meta")
     >>> captured = capture(model, inputs)
@@ -153,7 +153,7 @@ def capture(
     """Capture ``model`` called on ``example_inputs`` (one microbatch) as an fx graph.
 
     ``fold_repeats`` (default: when every parameter is on the meta device) captures a deep
-    model with only two of its repeated layers; :func:`lynx.graph.build_graph` replicates them
+    model with only two of its repeated layers; :func:`lynx.frontend.graph.build_graph` replicates them
     to the full depth. Such a capture plans; it does not run.
     """
     if fold_repeats is None:

@@ -10,9 +10,9 @@ layer-restricted windows) — each layer's share of the capacity.
 
 Example::
 
-    >>> from lynx.solvers.opt import model_from_problem
-    >>> from lynx.solvers.problem import make_uniform_problem
-    >>> from lynx.solvers.heu_layers import families, reduced
+    >>> from lynx.solvers.stage_model import model_from_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.heu.layers import families, reduced
     >>> p = make_uniform_problem(layers=4, pre=True, post=True)
     >>> model = model_from_problem(p)
     >>> fam = families(p, model)
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from lynx.solvers.opt import ModelClass, ModelItem, StageModel
+from lynx.solvers.stage_model import ModelClass, ModelItem, StageModel
 from lynx.solvers.problem import StageProblem
 
 __all__ = ["Family", "families", "reduced", "reduced_classes"]

@@ -11,7 +11,7 @@ asynchronous kernels).
 
 Example::
 
-    >>> from lynx.hardware import get_hardware
+    >>> from lynx.planner.hardware import get_hardware
     >>> h100 = get_hardware("h100-sxm")
     >>> h100.links["tp"].beta_bytes_per_s > h100.links["dp"].beta_bytes_per_s
     True

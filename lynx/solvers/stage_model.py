@@ -1,7 +1,7 @@
 """The stage problem in solver form: items, microbatch classes, and back to an assignment.
 
 A :class:`StageModel` is a :class:`~lynx.solvers.problem.StageProblem` shrunk for CP-SAT
-(:mod:`lynx.solvers.opt_cpsat`) and HEU: *items* (one per node, or a bundle of a node and
+(:mod:`lynx.solvers.cpsat`) and HEU: *items* (one per node, or a bundle of a node and
 the zero-byte helpers recomputed with it, or — in HEU's reduced model — one per family of
 identical nodes replicated over ``mult`` layers), *microbatch classes* (microbatches with
 identical windows, decided once), the microbatches in flight and the budget.
@@ -10,7 +10,7 @@ identical windows, decided once), the microbatches in flight and the budget.
 
 Example::
 
-    >>> from lynx.solvers.problem import make_uniform_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=1.0, views=True)
     >>> m = model_from_problem(p)
     >>> len(p.nodes) > len(m.items), [c.count for c in m.classes]
@@ -22,14 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lynx.solvers.memory import is_sent, savers_of
-from lynx.solvers.problem import (
-    Assignment,
-    StageProblem,
-    group_key,
-    group_ranks,
-    microbatch_classes,
-    required_recompute_closure,
-)
+from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, microbatch_classes
+from lynx.solvers.validate import required_recompute_closure
 
 __all__ = [
     "ModelItem",

@@ -11,10 +11,10 @@ stage 0: 8.35 -> 7.40 ms exposed; simulated hidden share 88.9% -> 90.8%.)
 
 Example::
 
-    >>> from lynx.solvers.opt import model_from_problem
-    >>> from lynx.solvers.problem import make_uniform_problem
-    >>> from lynx.solvers.heu_books import Books, Layout
-    >>> from lynx.solvers.heu_trade import trade
+    >>> from lynx.solvers.stage_model import model_from_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.heu.books import Books, Layout
+    >>> from lynx.solvers.heu.trade import trade
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=0.001)
     >>> lay = Layout(model_from_problem(p))
     >>> books = Books(lay, [False] * lay.n)
@@ -24,9 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.heu_books import CAPACITY_SLACK, Books, Layout, clusters_of, first_window, repair_order
-from lynx.solvers.heu_greedy import _drop_unit, _try_drop, boundary_kept
-from lynx.solvers.heu_realise import fill, prefetch_needed
+from lynx.solvers.heu.books import CAPACITY_SLACK, Books, Layout, clusters_of, first_window, repair_order
+from lynx.solvers.heu.greedy import _drop_unit, _try_drop, boundary_kept
+from lynx.solvers.heu.realise import fill, prefetch_needed
 
 __all__ = ["trade", "CANDIDATES", "SHARE"]
 

@@ -10,10 +10,10 @@ first), in both orders (:func:`realise`).
 
 Example::
 
-    >>> from lynx.solvers.opt import model_from_problem
-    >>> from lynx.solvers.problem import make_uniform_problem
-    >>> from lynx.solvers.heu_books import Layout
-    >>> from lynx.solvers.heu_realise import realise
+    >>> from lynx.solvers.stage_model import model_from_problem
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> from lynx.solvers.heu.books import Layout
+    >>> from lynx.solvers.heu.realise import realise
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=0.001)
     >>> lay = Layout(model_from_problem(p))
     >>> anywhere = [[True] * lay.n for _ in lay.classes]
@@ -23,7 +23,7 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.heu_books import (
+from lynx.solvers.heu.books import (
     CAPACITY_SLACK,
     Books,
     Layout,

@@ -1,0 +1,87 @@
+"""`lynx.compile`: analyse a model, plan recomputation per pipeline stage, return a `Compiled`.
+
+The analysis is :func:`lynx.analyze` (capture, profile, graph); the plan comes from the planning
+loop (:func:`lynx.planner.loop.plan_graph`) or from a saved plan checked against this model;
+:meth:`Compiled.stage` builds the executable module of one pipeline stage.
+
+Example::
+
+    >>> import lynx
+    >>> model, inputs = lynx.models.build_preset("gpt-tiny", device="cpu")
+    >>> compiled = lynx.compile(model, inputs, pp=2, microbatches=2, memory_budget="1GiB",
+    ...                         hardware="cpu-local", solver="none")
+    >>> len(compiled.plan.stages), compiled.plan.predicted.fits_budget
+    (2, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from lynx.config import CompileConfig
+from lynx.errors import LynxConfigError
+from lynx.plan import Plan, check_fingerprint
+from lynx.planner.loop import plan_graph
+from lynx.planner.fingerprint import graph_fingerprint
+from lynx.planner.simulator import SimResult
+
+__all__ = ["compile", "Compiled", "resolve_config"]
+
+
+@dataclass
+class Compiled:
+    """The result of :func:`compile`: the plan, the settings and the analysis it was made from."""
+
+    plan: Plan
+    config: CompileConfig
+    analysis: Any
+
+    def stage(self, index: int) -> Any:
+        """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.config.pp:
+            raise LynxConfigError(f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}")
+        gm = self.analysis.captured.gm
+        meta = [name for name, t in (*gm.named_parameters(), *gm.named_buffers()) if t.is_meta]
+        if meta:
+            raise LynxConfigError(
+                f"cannot build stage {index}: the model was compiled on the meta device ({len(meta)} "
+                f"parameter(s)/buffer(s) have no data, e.g. {meta[0]!r}), so the stage could not run. "
+                f"A meta model can be planned but not executed: build the model on cpu or cuda (or load "
+                f"its weights) and compile it again, reusing the saved plan with plan=.")
+        from lynx.rewrite import build_stage_module
+
+        return build_stage_module(self, index)
+
+    def simulate(self) -> SimResult:
+        """Replay the plan on this model's timeline."""
+        from lynx.planner.simulator import simulate
+
+        return simulate(self.plan, self.analysis.graph)
+
+
+def resolve_config(config: Optional[CompileConfig], settings: dict[str, Any]) -> CompileConfig:
+    """One config from an optional ``CompileConfig`` and keyword overrides."""
+    if config is None:
+        return CompileConfig(**settings)
+    if not isinstance(config, CompileConfig):
+        raise LynxConfigError(f"config must be a lynx.CompileConfig, got {type(config).__name__}")
+    return config.replace(**settings) if settings else config
+
+
+def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = None, **settings: Any) -> Compiled:
+    """Analyse ``model`` on one microbatch of ``example_inputs`` and plan it (see module doc).
+
+    Settings are those of :class:`lynx.CompileConfig`, as one object, keywords, or both
+    (keywords win). With ``plan=`` the saved plan is checked against this model and config
+    (:class:`lynx.LynxFingerprintError` when it was made for others) and used as it is.
+    """
+    config = resolve_config(config, settings)
+    from lynx.frontend.analyze import analyze
+
+    analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
+    if config.plan is not None:
+        plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
+        check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
+        return Compiled(plan=plan, config=config, analysis=analysis)
+    return Compiled(plan=plan_graph(analysis.graph, config), config=config, analysis=analysis)

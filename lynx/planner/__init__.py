@@ -1,0 +1,13 @@
+"""The planner: torch-free, from an op graph and a hardware spec to per-stage problems and plans.
+
+``hardware`` (specs and presets) and ``cost`` (roofline node times, α-β collectives) price the
+graph; ``partition`` cuts it into pipeline stages, ``comm`` prices what crosses them;
+``schedule`` gives the action order of 1F1B / GPipe / interleaved 1F1B, ``timeline`` replays it
+and finds the windows where a device waits; ``problems`` turns each stage into a
+:class:`~lynx.solvers.problem.StageProblem`; ``simulator`` replays solver decisions on the
+timeline; ``loop`` is the fixed-point planning loop behind :func:`lynx.compile`.
+
+It imports no torch (``tests/test_layout.py`` keeps it so) and may import only
+:mod:`lynx.solvers`, :mod:`lynx.plan`, :mod:`lynx.config`, :mod:`lynx.errors` and
+:mod:`lynx.units`.
+"""
