@@ -27,43 +27,19 @@ import os
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lynx.errors import LynxConfigError, LynxFingerprintError, LynxRuntimeError
+from lynx.errors import LynxFingerprintError, LynxRuntimeError
 from lynx.runtime.pipeline import RuntimeConfig
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import make_topology, rank_device, select_backend
+from lynx.runtime.worker import WorkerSpec, rank_seed
 
 __all__ = ["WorkerSpec", "RankResult", "TokenBatches", "run_rank", "spawn", "free_port", "rank_seed"]
-
-Batches = Callable[[int, int, int], Sequence[dict[str, torch.Tensor]]]  # (step, dp_rank, microbatches)
-
-
-@dataclass
-class WorkerSpec:
-    build: Callable[[], tuple[torch.nn.Module, tuple]]   # same model on every rank (seed inside)
-    pp: int
-    dp: int = 1
-    runtime: RuntimeConfig | list[RuntimeConfig] = field(default_factory=RuntimeConfig)  # several: run each in turn
-    plan: Any = None                      # lynx.Plan or path: stages, drops and windows
-    stage_nodes: list[list[str]] | None = None   # without a plan: the split ...
-    schedules: list[Any] | None = None    # ... and per stage a StageSchedule (dropped, prefetch) or None
-    batches: Batches | None = None        # microbatches of (step, dp_rank); default: the example inputs
-    steps: int = 1
-    seed: int = 0
-    threads: int = 1
-    optimizer: Callable[[list, Any], Any] | None = None  # (stage params, dp group) -> optimizer
-    return_grads: bool = False
-    fail_rank: int | None = None          # fault injection for tests: this rank raises in step 0
-    fingerprint: str | dict[int, str] | None = None  # plan fingerprint per rank (default: the plan's)
-    compile_settings: dict[str, Any] = field(default_factory=dict)
-    lr_schedule: Callable[[int], float] | None = None  # step -> learning rate of every param group
-
 
 @dataclass
 class RankResult:
@@ -94,55 +70,10 @@ class TokenBatches:
         return out
 
 
-def rank_seed(seed: int, stage: int, dp_rank: int) -> int:
-    """The RNG seed of the rank running ``stage`` of replica ``dp_rank`` (dropout draws)."""
-    return seed + 1009 * dp_rank + stage
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple,
-                 stage: int) -> tuple[Any, Any, list[set[str]], list[str]]:
-    """The stage module, its schedule, every stage's parameter names and the model's input names."""
-    from lynx.frontend.capture import capture
-    from lynx.rewrite.build import build_stages, split_cached, stage_node_lists
-
-    device = rank_device()  # CUDA under NCCL: the model moves before the stage is cut out of it
-    if device.type != "cpu":
-        model = model.to(device)
-        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-    if spec.plan is not None:
-        import lynx
-        from lynx.plan import Plan
-
-        from lynx.config import FINGERPRINT_FIELDS
-
-        plan = spec.plan if isinstance(spec.plan, Plan) else Plan.load(spec.plan)
-        settings = spec.compile_settings or {k: plan.config[k] for k in FINGERPRINT_FIELDS if k in plan.config}
-        # refuses a plan made for another model or settings, before anything runs
-        compiled = lynx.compile(model, inputs, plan=plan, **settings)
-        gm = compiled.analysis.captured.gm
-        nodes = stage_node_lists(plan, compiled.analysis.graph)
-        schedule = plan.stage_schedule(stage)
-        dropped = schedule.dropped
-    else:
-        if spec.stage_nodes is None:
-            raise LynxConfigError("WorkerSpec needs a plan or stage_nodes")
-        gm = capture(model, inputs).gm
-        nodes = spec.stage_nodes
-        schedule = spec.schedules[stage] if spec.schedules else None
-        dropped = schedule.dropped if schedule is not None else frozenset()
-    if len(nodes) != spec.pp:
-        raise LynxConfigError(f"the split has {len(nodes)} stages but pp={spec.pp}")
-    parts = split_cached(gm, nodes)
-    names = [{str(n.target) for n in part.gm.graph.nodes if n.op == "get_attr"} for part in parts]
-    stage_module = build_stages(gm, nodes, [frozenset() if s != stage else dropped for s in range(spec.pp)])[stage]
-    input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    return stage_module, schedule, names, input_names
 
 
 def _check_fingerprints(spec: WorkerSpec, store: Any, rank: int, world: int) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lynx.runtime.launch import WorkerSpec, _stage_setup, rank_seed
+from lynx.runtime.worker import WorkerSpec, rank_seed, stage_setup
 from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import Topology, tied_groups
@@ -52,7 +52,7 @@ class RankTrainer:
         torch.manual_seed(spec.seed)  # the same initial weights on every rank
         model, inputs = spec.build()
         model.train()
-        self.stage, self.schedule, self.stage_param_names, self.input_names = _stage_setup(
+        self.stage, self.schedule, self.stage_param_names, self.input_names = stage_setup(
             spec, model, inputs, topo.stage)
         self.example_inputs = inputs
         self.tied = tied_groups(topo, self.stage_param_names)

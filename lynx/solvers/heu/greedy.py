@@ -289,10 +289,10 @@ def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False, give_up_at: 
         for i in range(lay.n):
             if books.rec[i] or not droppable[i] or tbytes[i] == 0:
                 continue
-            unit = _drop_unit(lay, books.rec, droppable, i)
+            unit = drop_unit(lay, books.rec, droppable, i)
             if unit is None:
                 continue
-            trial = _try_drop(lay, books, unit, hide)
+            trial = try_drop(lay, books, unit, hide)
             freed = now - trial.peak()
             if freed <= 0:
                 continue
@@ -309,7 +309,7 @@ def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False, give_up_at: 
     return books
 
 
-def _drop_unit(lay: Layout, rec: list[bool], droppable: list[bool], i: int) -> list[int] | None:
+def drop_unit(lay: Layout, rec: list[bool], droppable: list[bool], i: int) -> list[int] | None:
     """Item i plus the not-saved producers it needs regenerated (None if one cannot be)."""
     unit, stack = {i}, [i]
     out_saved = lay.out_saved
@@ -324,7 +324,7 @@ def _drop_unit(lay: Layout, rec: list[bool], droppable: list[bool], i: int) -> l
     return sorted(unit)
 
 
-def _try_drop(lay: Layout, books: Books, unit: list[int], hide: bool = False) -> Books:
+def try_drop(lay: Layout, books: Books, unit: list[int], hide: bool = False) -> Books:
     """A copy of the books with ``unit`` dropped, prefetched wherever a window has room (and
     that costs no peak, unless ``hide``)."""
     trial = books.copy()

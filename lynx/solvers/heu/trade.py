@@ -25,7 +25,7 @@ Example::
 from __future__ import annotations
 
 from lynx.solvers.heu.books import CAPACITY_SLACK, Books, Layout, clusters_of, first_window, repair_order
-from lynx.solvers.heu.greedy import _drop_unit, _try_drop, boundary_kept
+from lynx.solvers.heu.greedy import drop_unit, try_drop, boundary_kept
 from lynx.solvers.heu.realise import fill, prefetch_needed
 
 __all__ = ["trade", "CANDIDATES", "SHARE"]
@@ -60,7 +60,7 @@ def trade(lay: Layout, books: Books, budget: int, *, reserve: bool = False, drop
     for i in range(lay.n):
         if rec[i] or not droppable[i] or lay.tbytes[i] == 0:
             continue
-        unit = _drop_unit(lay, rec, droppable, i)
+        unit = drop_unit(lay, rec, droppable, i)
         if unit is not None:
             units.append((-lay.nbytes(unit) / max(lay.cost(unit), 1e-12), i, unit))
     units.sort(key=lambda t: (t[0], -t[1]))  # (ties: the last layers first, to the few windows serving them)
@@ -70,7 +70,7 @@ def trade(lay: Layout, books: Books, budget: int, *, reserve: bool = False, drop
         cost = lay.cost(unit)
         if any(first_window(lay, cur, c, unit, cost) is None for c in range(len(lay.classes))):
             continue  # (checked before copying: no window of some class can take it)
-        trial = _try_drop(lay, cur, unit, hide=True)
+        trial = try_drop(lay, cur, unit, hide=True)
         if any(where[i] is None for where in trial.where for i in unit):
             continue  # not hidden everywhere: it would only add exposure
         if any(load[where[unit[0]]] > cls.capacities[where[unit[0]]] * SHARE
