@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lynx.planner.loop import plan_graph_outcome  # noqa: E402
-from lynx.config import CompileConfig, format_size  # noqa: E402
+from lynx.config import CompileConfig  # noqa: E402
+from lynx.units import format_size  # noqa: E402
 from lynx.errors import LynxError  # noqa: E402
 
 BASELINES = ("none", "full", "full-block", "selective")

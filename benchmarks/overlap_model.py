@@ -52,7 +52,7 @@ class Stage:
 
 
 def _actions(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
-    from lynx.runtime.schedule import stage_actions
+    from lynx.planner.schedule import stage_actions
 
     return [(a.kind, a.microbatch) for a in stage_actions(schedule, stage=stage, stages=stages, microbatches=m)]
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lynx.config import format_size
+from lynx.units import format_size
 from lynx.errors import LynxConfigError, LynxError
 
 DEFAULT_LR = {"adamw": 6e-3, "demo": 6e-3, "lion": 2e-3}   # benchmarks/convergence.py's tuned peaks

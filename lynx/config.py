@@ -5,7 +5,8 @@ raise :class:`lynx.LynxConfigError` naming the setting and what to do.
 
 Example::
 
-    >>> from lynx.config import CompileConfig, parse_size
+    >>> from lynx.config import CompileConfig
+    >>> from lynx.units import parse_size
     >>> parse_size("60GiB") == 60 * 2**30
     True
     >>> cfg = CompileConfig(pp=4, microbatches=8, memory_budget="40GiB", solver="heu")
@@ -21,20 +22,18 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from lynx.errors import LynxConfigError
-from lynx.units import format_size, parse_size
+from lynx.planner.schedule import SCHEDULES
+from lynx.solvers import SOLVERS
+from lynx.units import parse_size
 
 __all__ = [
     "CompileConfig",
-    "parse_size",
-    "format_size",
     "SCHEDULES",
     "SOLVERS",
     "OPTIMIZERS",
     "FINGERPRINT_FIELDS",
 ]
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b")
-SOLVERS = ("opt", "heu", "none", "full", "full-block", "selective", "checkmate")
 OPTIMIZERS = ("adamw", "demo", "lion")
 # Settings that change the planning problem: a plan made under other values is refused.
 FINGERPRINT_FIELDS = (

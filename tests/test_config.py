@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lynx.config import CompileConfig, format_size, parse_size
+from lynx.config import CompileConfig
+from lynx.units import format_size, parse_size
 from lynx.errors import LynxConfigError
 
 

@@ -8,7 +8,8 @@ from lynx.errors import LynxConfigError
 from lynx.planner.comm import CommModel
 from lynx.planner.partition import balanced_boundaries, partition_graph
 from lynx.planner.problems import build_pipeline, synthetic_graph
-from lynx.planner.timeline import Pipeline, run_timeline, schedule_order
+from lynx.planner.schedule import schedule_order
+from lynx.planner.timeline import Pipeline, run_timeline
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 16), (8, 8), (8, 32), (3, 7)])

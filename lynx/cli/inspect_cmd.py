@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lynx.cli import app, table_console
-from lynx.config import format_size
+from lynx.units import format_size
 from lynx.frontend.inspect import InspectReport, inspect_model
 from lynx.models import resolve_model
 

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lynx.cli import app, table_console
-from lynx.config import SOLVERS, CompileConfig, format_size
+from lynx.config import SOLVERS, CompileConfig
+from lynx.units import format_size
 from lynx.errors import LynxConfigError, LynxError
 
 __all__ = ["plan_command", "show_command", "compare_command", "bench_search_command", "compare_records",

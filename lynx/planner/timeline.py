@@ -1,6 +1,6 @@
 """The pipeline timeline: schedule × cost model → timed actions per stage and the idle windows.
 
-:func:`schedule_order` gives each device's ordered forward/backward actions for ``1f1b``,
+:func:`~lynx.planner.schedule.schedule_order` gives each device's ordered forward/backward actions for ``1f1b``,
 ``gpipe`` and ``interleaved1f1b`` (Megatron's order). :func:`run_timeline` replays that order
 with per-block costs and p2p times (a forward waits for its activation, a backward for its
 gradient), optionally with recomputation placed in windows or on demand, and records every
@@ -30,8 +30,9 @@ from typing import Optional
 
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.partition import BlockCost, Chunk
+from lynx.planner.schedule import dp_window_id, recv_window_id, schedule_order, tp_window_id
 
-__all__ = ["Pipeline", "Loads", "Action", "Window", "Segment", "Timeline", "schedule_order", "run_timeline"]
+__all__ = ["Pipeline", "Loads", "TimedAction", "Window", "Segment", "Timeline", "run_timeline"]
 
 _EPS = 1e-12
 
@@ -74,7 +75,9 @@ class Loads:
 
 
 @dataclass
-class Action:
+class TimedAction:
+    """A scheduled action as the replay ran it."""
+
     device: int
     kind: str            # "F" | "B"
     chunk: int
@@ -109,7 +112,7 @@ class Segment:
 @dataclass
 class Timeline:
     pipeline: Pipeline
-    actions: list[list[Action]]
+    actions: list[list[TimedAction]]
     windows: list[Window]
     segments: list[Segment]
     step_time_s: float
@@ -134,48 +137,6 @@ class Timeline:
         raise KeyError(window_id)
 
 
-def schedule_order(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> list[list[tuple[str, int, int]]]:
-    """Per device the ordered ``(kind, chunk, microbatch)`` actions of one training step."""
-    m = microbatches
-    order: list[list[tuple[str, int, int]]] = []
-    for s in range(pp):
-        acts: list[tuple[str, int, int]] = []
-        if schedule == "gpipe":
-            acts = [("F", s, j) for j in range(m)] + [("B", s, j) for j in range(m)]
-        elif schedule == "1f1b":
-            warm = min(pp - s - 1, m)
-            acts = [("F", s, j) for j in range(warm)]
-            for i in range(m - warm):
-                acts += [("F", s, warm + i), ("B", s, i)]
-            acts += [("B", s, j) for j in range(m - warm, m)]
-        elif schedule == "interleaved1f1b":
-            if m % pp:
-                raise LynxConfigError(f"interleaved1f1b needs microbatches divisible by pp ({m} % {pp} != 0)")
-            total = m * virtual
-
-            def fwd(k: int) -> tuple[int, int]:
-                local = (k % (pp * virtual)) // pp
-                return local * pp + s, (k // (pp * virtual)) * pp + k % pp
-
-            def bwd(k: int) -> tuple[int, int]:
-                local = virtual - 1 - (k % (pp * virtual)) // pp
-                return local * pp + s, (k // (pp * virtual)) * pp + k % pp
-
-            warm = min((pp - s - 1) * 2 + (virtual - 1) * pp, total)
-            acts = [("F", *fwd(k)) for k in range(warm)]
-            for i in range(total - warm):
-                acts += [("F", *fwd(warm + i)), ("B", *bwd(i))]
-            acts += [("B", *bwd(k)) for k in range(total - warm, total)]
-        else:
-            raise LynxConfigError(f"unknown schedule {schedule!r}; use 1f1b, gpipe or interleaved1f1b")
-        order.append(acts)
-    return order
-
-
-def _wid(device: int, kind: str, chunk: int, mb: int, virtual: int) -> str:
-    return f"s{device}.{kind}.mb{mb}" if virtual == 1 else f"s{device}.{kind}.c{chunk}.mb{mb}"
-
-
 def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool = True) -> Timeline:
     """Replay one training step; ``loads`` places recomputation (see :class:`Loads`);
     ``record=False`` skips the drawing segments (faster, for planning loops)."""
@@ -185,7 +146,7 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool 
     n_chunks = len(pipe.chunks)
     chunk_of = {c.index: c for c in pipe.chunks}
     done: dict[tuple[str, int, int], float] = {}
-    actions = [[Action(device=s, kind=k, chunk=c, microbatch=j) for k, c, j in acts] for s, acts in enumerate(order)]
+    actions = [[TimedAction(device=s, kind=k, chunk=c, microbatch=j) for k, c, j in acts] for s, acts in enumerate(order)]
     pointer, free = [0] * pipe.pp, [0.0] * pipe.pp
     busy, exposed, hidden = [0.0] * pipe.pp, [0.0] * pipe.pp, [0.0] * pipe.pp
     windows: list[Window] = []
@@ -197,7 +158,7 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool 
         used.add(wid)
         return loads.window.get(wid, 0.0)
 
-    def dependency(a: Action) -> Optional[float]:
+    def dependency(a: TimedAction) -> Optional[float]:
         if a.kind == "F":
             if a.chunk == 0:
                 return 0.0
@@ -248,7 +209,7 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool 
                 chunk = chunk_of[a.chunk]
                 # --- the wait before the action: a window
                 kind = "recv_act" if a.kind == "F" else "recv_grad"
-                wid = _wid(s, kind, a.chunk, a.microbatch, pipe.virtual)
+                wid = recv_window_id(s, kind, a.microbatch, a.chunk if pipe.virtual > 1 else None)
                 serves = (a.chunk, a.microbatch) if a.kind == "B" else served_by_recv_act(s, pointer[s])
                 load = window_load(wid) if serves is not None else 0.0
                 capacity = max(0.0, arrival - a.ready)
@@ -287,7 +248,7 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool 
                         t += cost.backward_s
                         busy[s] += cost.backward_s
                         if cost.tp_backward_s > 0 and cost.layer is not None:
-                            tid = f"s{s}.tp.l{cost.layer}.b.mb{a.microbatch}"
+                            tid = tp_window_id(s, cost.layer, a.microbatch)
                             tload = window_load(tid)
                             windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
                                                   eligible(s, a.chunk, below_block=b), tload))
@@ -323,7 +284,7 @@ def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool 
                 segments.append(Segment(s, "dp", start, link, f"dp {pipe.costs[b].name}"))
             idle_from = max(start, free[s])
             if link > idle_from + _EPS:
-                windows.append(Window(f"s{s}.dp.b{b}", s, "dp_collective", last_bwd_mb[_chunk_of_block(pipe, b)],
+                windows.append(Window(dp_window_id(s, b), s, "dp_collective", last_bwd_mb[_chunk_of_block(pipe, b)],
                                       idle_from, link - idle_from, (), 0.0))
             device_end[s] = max(device_end[s], link)
         step = pipe.optimizer_s[s] if s < len(pipe.optimizer_s) else 0.0
@@ -358,7 +319,7 @@ def _chunk_of_block(pipe: Pipeline, block: int) -> int:
     return next(c.index for c in pipe.chunks if block in c.blocks)
 
 
-def _in_flight(actions: list[list[Action]], virtual: int) -> list[int]:
+def _in_flight(actions: list[list[TimedAction]], virtual: int) -> list[int]:
     """Per device: most microbatches forwarded but not yet backpropagated, at a backward's start
     (chunk-microbatch pairs ÷ chunks per device, rounded up, for the interleaved schedule)."""
     result = []

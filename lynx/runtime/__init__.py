@@ -19,9 +19,9 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "Action": "lynx.runtime.schedule",
-    "stage_actions": "lynx.runtime.schedule",
-    "max_in_flight": "lynx.runtime.schedule",
+    "ScheduledAction": "lynx.planner.schedule",
+    "stage_actions": "lynx.planner.schedule",
+    "max_in_flight": "lynx.planner.schedule",
     "run_local": "lynx.runtime.local",
     "InFlight": "lynx.runtime.step",
     "forward_step": "lynx.runtime.step",

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from lynx.runtime.schedule import Action, stage_actions
+from lynx.planner.schedule import ScheduledAction, stage_actions
 from lynx.runtime.step import InFlight, as_received, backward_step, forward_step
 
 __all__ = ["run_local", "Prefetch"]
@@ -47,7 +47,7 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
     if schedule == "sequential":
         queues = [[] for _ in range(p)]
         order = [(s, a) for j in range(m) for s, a in
-                 [(s, Action("F", j)) for s in range(p)] + [(s, Action("B", j)) for s in reversed(range(p))]]
+                 [(s, ScheduledAction("F", s, j)) for s in range(p)] + [(s, ScheduledAction("B", s, j)) for s in reversed(range(p))]]
     else:
         queues = [list(stage_actions(schedule, stage=s, stages=p, microbatches=m)) for s in range(p)]
         order = None

@@ -36,7 +36,7 @@ from lynx.errors import LynxConfigError, LynxError, LynxRuntimeError
 from lynx.runtime.data_parallel import AllReduceSync, BucketLauncher
 from lynx.runtime.faults import FaultMonitor, PeerTimeoutError
 from lynx.runtime.p2p import ACT, FLAGS, GRAD, Pollable, boundary_meta, post_recv, post_send
-from lynx.runtime.schedule import stage_actions
+from lynx.planner.schedule import recv_window_id, stage_actions, window_place
 from lynx.runtime.stats import StepStats
 from lynx.runtime.step import InFlight, as_received, backward_step, forward_step, needs_grad
 from lynx.runtime.topology import Topology
@@ -103,10 +103,11 @@ class PipelineRunner:
         position = {name: k for k, name in enumerate(self.stage.spec.nodes)}
         for j, entries in schedule.prefetch.items():
             for wid, nodes in entries:
-                if ".dp." in wid or ".tp." in wid:
+                device, kind = window_place(wid)
+                if kind in ("tp_allreduce", "dp_collective"):
                     continue  # served on demand while those collectives run
-                if not (wid.startswith(f"s{s}.recv_act.mb") or wid.startswith(f"s{s}.recv_grad.mb")):
-                    wid = f"s{s}.recv_grad.mb{j}"  # unknown anchor: just before B(j)
+                if device != s:
+                    wid = recv_window_id(s, "recv_grad", j)  # unknown anchor: just before B(j)
                 windows.setdefault(wid, []).append((int(j), sorted(nodes, key=lambda n: position.get(n, -1))))
         return windows
 
@@ -196,7 +197,7 @@ class PipelineRunner:
                 received: list[torch.Tensor] = []
                 if not first:
                     buffers, works = act_recv.pop(j)
-                    self._run_window(f"s{topo.stage}.recv_act.mb{j}", works, stats)
+                    self._run_window(recv_window_id(topo.stage, "recv_act", j), works, stats)
                     t0 = time.perf_counter()
                     for w in works:
                         stats.wait_act_s += self._wait(w, f"activation receive of microbatch {j}",
@@ -227,7 +228,7 @@ class PipelineRunner:
                                              only=self.send_flags)
             else:
                 buffers, works = grad_recv.pop(j) if not last else ([], [])
-                self._run_window(f"s{topo.stage}.recv_grad.mb{j}", works, stats)
+                self._run_window(recv_window_id(topo.stage, "recv_grad", j), works, stats)
                 t0 = time.perf_counter()
                 for w in works:
                     stats.wait_grad_s += self._wait(w, f"gradient receive of microbatch {j}", topo.next_rank)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lynx.planner.schedule import dp_window_id, recv_window_id, tp_window_id
 from lynx.solvers.problem import ProblemNode, ProblemWindow, StageProblem
 
 __all__ = ["make_uniform_problem"]
@@ -111,15 +112,15 @@ def make_uniform_problem(
         raise ValueError(f"recv_grad_capacity_s has {len(caps)} entries for {microbatches} microbatches")
     for mb in range(microbatches):
         if caps[mb] > 0:
-            windows.append(ProblemWindow(f"s{stage}.recv_grad.mb{mb}", "recv_grad", mb, float(caps[mb]), None))
+            windows.append(ProblemWindow(recv_window_id(stage, "recv_grad", mb), "recv_grad", mb, float(caps[mb]), None))
         if tp_capacity_s > 0:
             for layer in reversed(range(1, layers)):  # backward runs from the last layer down
                 windows.append(
-                    ProblemWindow(f"s{stage}.tp.l{layer}.b.mb{mb}", "tp_allreduce", mb, tp_capacity_s, tuple(range(layer)))
+                    ProblemWindow(tp_window_id(stage, layer, mb), "tp_allreduce", mb, tp_capacity_s, tuple(range(layer)))
                 )
     for i, cap in enumerate(dp_capacity_s):
         last = microbatches - 1
-        windows.append(ProblemWindow(f"s{stage}.dp.b{i}", "dp_collective", last, float(cap), tuple(range(max(1, layers - 1 - i)))))
+        windows.append(ProblemWindow(dp_window_id(stage, i), "dp_collective", last, float(cap), tuple(range(max(1, layers - 1 - i)))))
     keep_all = in_flight * sum(n.saved_bytes for n in nodes)
     budget = budget_bytes if budget_bytes is not None else int(keep_all * (budget_fraction if budget_fraction is not None else 1.0))
     return StageProblem(

@@ -105,7 +105,7 @@ def test_pipeline_equals_single_process_reference(dp: int) -> None:
 def _check_trace(events: list, stage: int) -> None:
     """The traced actions follow the schedule; a window's recompute runs after the gradient receive
     was posted (after the forward that sent the activations) and before its wait and backward."""
-    from lynx.runtime.schedule import stage_actions
+    from lynx.planner.schedule import stage_actions
 
     actions = [f"{w}{j}" for w, j, _t0, _t1 in events if w in ("F", "B")]
     assert actions == [str(a) for a in stage_actions("1f1b", stage=stage, stages=2, microbatches=M)]
