@@ -98,7 +98,7 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
 
     if order is not None:
         params = list(dict.fromkeys(p for stage in stages for p in stage.parameters()))
-        for s, (kind, j) in order:
+        for s, (kind, _, j) in order:
             if kind == "B" and s == p - 1:
                 # Accumulate this microbatch's gradients apart, then add them to the earlier ones,
                 # as the unsplit model does: a weight used by two stages (tied embeddings) then gets
@@ -114,8 +114,9 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
     while any(queues):
         progressed = False
         for s in range(p):
-            if queues[s] and ready(s, *queues[s][0]):
-                run(s, *queues[s].pop(0))
+            if queues[s] and ready(s, queues[s][0].kind, queues[s][0].microbatch):
+                action = queues[s].pop(0)
+                run(s, action.kind, action.microbatch)
                 progressed = True
         if not progressed:  # pragma: no cover - the schedules above never deadlock
             raise RuntimeError("local pipeline deadlocked")
