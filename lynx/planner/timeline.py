@@ -140,167 +140,199 @@ class Timeline:
 def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool = True) -> Timeline:
     """Replay one training step; ``loads`` places recomputation (see :class:`Loads`);
     ``record=False`` skips the drawing segments (faster, for planning loops)."""
-    loads = loads or Loads()
-    used: set[str] = set()
-    order = schedule_order(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
-    n_chunks = len(pipe.chunks)
-    chunk_of = {c.index: c for c in pipe.chunks}
-    done: dict[tuple[str, int, int], float] = {}
-    actions = [[TimedAction(device=s, kind=k, chunk=c, microbatch=j) for k, c, j in acts] for s, acts in enumerate(order)]
-    pointer, free = [0] * pipe.pp, [0.0] * pipe.pp
-    busy, exposed, hidden = [0.0] * pipe.pp, [0.0] * pipe.pp, [0.0] * pipe.pp
-    windows: list[Window] = []
-    segments: list[Segment] = []
-    last_bwd_mb = {c.index: max(j for k, cc, j in order[c.device] if k == "B" and cc == c.index) for c in pipe.chunks}
-    block_done: dict[tuple[int, int], float] = {}   # (device, block) -> time its final gradient exists
+    replay = _Replay(pipe, loads or Loads(), record)
+    replay.run_actions()
+    device_end = replay.data_parallel_and_optimizer()
+    unknown = sorted(set(replay.loads.window) - replay.used)
+    if unknown:
+        raise LynxPlanError(f"plan places recomputation in windows this schedule does not have: {unknown[:5]}")
+    replay.windows.sort(key=lambda w: (w.device, w.start, w.id))
+    return Timeline(pipeline=pipe, actions=replay.actions, windows=replay.windows, segments=replay.segments,
+                    step_time_s=max(device_end), device_end_s=device_end, busy_s=replay.busy,
+                    in_flight=_in_flight(replay.actions, pipe.virtual), exposed_recompute_s=replay.exposed,
+                    hidden_recompute_s=replay.hidden)
 
-    def window_load(wid: str) -> float:
-        used.add(wid)
-        return loads.window.get(wid, 0.0)
 
-    def dependency(a: TimedAction) -> Optional[float]:
+class _Replay:
+    """The state of one replay: each device runs its actions in order as soon as their input
+    (activation or gradient) has arrived; every wait before an action is a window."""
+
+    def __init__(self, pipe: Pipeline, loads: Loads, record: bool) -> None:
+        self.pipe, self.loads, self.record = pipe, loads, record
+        order = schedule_order(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
+        self.actions = [[TimedAction(device=s, kind=k, chunk=c, microbatch=j) for k, c, j in acts]
+                        for s, acts in enumerate(order)]
+        self.n_chunks = len(pipe.chunks)
+        self.chunk_of = {c.index: c for c in pipe.chunks}
+        self.last_bwd_mb = {c.index: max(j for k, cc, j in order[c.device] if k == "B" and cc == c.index)
+                            for c in pipe.chunks}
+        self.used: set[str] = set()
+        self.done: dict[tuple[str, int, int], float] = {}
+        self.free = [0.0] * pipe.pp
+        self.busy, self.exposed, self.hidden = [0.0] * pipe.pp, [0.0] * pipe.pp, [0.0] * pipe.pp
+        self.windows: list[Window] = []
+        self.segments: list[Segment] = []
+        self.block_done: dict[tuple[int, int], float] = {}   # (device, block) -> time its final gradient exists
+        self._eligible: dict[tuple[int, int, Optional[int]], Optional[tuple[int, ...]]] = {}
+        # per device: position of each forward, and of the next backward at or after each position
+        self.fwd_pos = [{(a.chunk, a.microbatch): i for i, a in enumerate(acts) if a.kind == "F"}
+                        for acts in self.actions]
+        self.next_bwd: list[list[Optional[int]]] = []
+        for acts in self.actions:
+            nxt: list[Optional[int]] = [None] * (len(acts) + 1)
+            for i in range(len(acts) - 1, -1, -1):
+                nxt[i] = i if acts[i].kind == "B" else nxt[i + 1]
+            self.next_bwd.append(nxt)
+
+    def segment(self, s: int, kind: str, start: float, end: float, label: str) -> None:
+        if self.record:
+            self.segments.append(Segment(s, kind, start, end, label))
+
+    def window_load(self, wid: str) -> float:
+        self.used.add(wid)
+        return self.loads.window.get(wid, 0.0)
+
+    def arrival(self, a: TimedAction) -> Optional[float]:
+        """When the action's input is on its device (None: not produced yet)."""
+        pipe = self.pipe
         if a.kind == "F":
             if a.chunk == 0:
                 return 0.0
-            t = done.get(("F", a.chunk - 1, a.microbatch))
+            t = self.done.get(("F", a.chunk - 1, a.microbatch))
             return None if t is None else t + pipe.boundary_s[a.chunk - 1]
-        if a.chunk == n_chunks - 1:
-            return done.get(("F", a.chunk, a.microbatch))
-        t = done.get(("B", a.chunk + 1, a.microbatch))
+        if a.chunk == self.n_chunks - 1:
+            return self.done.get(("F", a.chunk, a.microbatch))
+        t = self.done.get(("B", a.chunk + 1, a.microbatch))
         return None if t is None else t + pipe.boundary_s[a.chunk]
 
-    # per device: position of each forward, and of the next backward at or after each position
-    fwd_pos = [{(a.chunk, a.microbatch): i for i, a in enumerate(acts) if a.kind == "F"} for acts in actions]
-    next_bwd: list[list[Optional[int]]] = []
-    for acts in actions:
-        nxt: list[Optional[int]] = [None] * (len(acts) + 1)
-        for i in range(len(acts) - 1, -1, -1):
-            nxt[i] = i if acts[i].kind == "B" else nxt[i + 1]
-        next_bwd.append(nxt)
-
-    def served_by_recv_act(s: int, index: int) -> Optional[tuple[int, int]]:
+    def served_by_recv_act(self, s: int, index: int) -> Optional[tuple[int, int]]:
         """The next backward on device s after action `index` whose forward already ran."""
-        b = next_bwd[s][index]
+        b = self.next_bwd[s][index]
         if b is None:
             return None
-        key = (actions[s][b].chunk, actions[s][b].microbatch)
-        return key if fwd_pos[s].get(key, len(actions[s])) < index else None
+        key = (self.actions[s][b].chunk, self.actions[s][b].microbatch)
+        return key if self.fwd_pos[s].get(key, len(self.actions[s])) < index else None
 
-    eligible_cache: dict[tuple[int, int, Optional[int]], Optional[tuple[int, ...]]] = {}
-
-    def eligible(s: int, upto_chunk: int, below_block: Optional[int] = None) -> Optional[tuple[int, ...]]:
-        if pipe.virtual == 1 and below_block is None:
+    def eligible(self, s: int, upto_chunk: int, below_block: Optional[int] = None) -> Optional[tuple[int, ...]]:
+        if self.pipe.virtual == 1 and below_block is None:
             return None
         key = (s, upto_chunk, below_block)
-        if key not in eligible_cache:
-            eligible_cache[key] = _eligible_layers(pipe, s, upto_chunk, below_block)
-        return eligible_cache[key]
+        if key not in self._eligible:
+            self._eligible[key] = _eligible_layers(self.pipe, s, upto_chunk, below_block)
+        return self._eligible[key]
 
-    remaining = sum(len(a) for a in actions)
-    while remaining:
-        progressed = False
+    def account(self, s: int, start: float, load: float, capacity: float, label: str) -> None:
+        _account(self.segments if self.record else None, self.busy, self.exposed, self.hidden,
+                 s, start, load, capacity, label)
+
+    def run_actions(self) -> None:
+        pointer = [0] * self.pipe.pp
+        remaining = sum(len(a) for a in self.actions)
+        while remaining:
+            progressed = False
+            for s in range(self.pipe.pp):
+                while pointer[s] < len(self.actions[s]):
+                    a = self.actions[s][pointer[s]]
+                    arrival = self.arrival(a)
+                    if arrival is None:
+                        break
+                    self.wait_before(s, pointer[s], a, arrival)
+                    end = self.forward(s, a) if a.kind == "F" else self.backward(s, a)
+                    self.finish(s, a, end)
+                    pointer[s] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise LynxConfigError(f"schedule {self.pipe.schedule!r} deadlocks for pp={self.pipe.pp}, "
+                                      f"m={self.pipe.microbatches}")
+
+    def wait_before(self, s: int, index: int, a: TimedAction, arrival: float) -> None:
+        """The wait for the action's input: a window, filled with the recomputation placed in it."""
+        a.ready, a.arrival = self.free[s], arrival
+        kind = "recv_act" if a.kind == "F" else "recv_grad"
+        wid = recv_window_id(s, kind, a.microbatch, a.chunk if self.pipe.virtual > 1 else None)
+        serves = (a.chunk, a.microbatch) if a.kind == "B" else self.served_by_recv_act(s, index)
+        load = self.window_load(wid) if serves is not None else 0.0
+        capacity = max(0.0, arrival - a.ready)
+        if serves is not None and (capacity > _EPS or load > 0):
+            self.windows.append(Window(wid, s, kind, serves[1], a.ready, capacity, self.eligible(s, serves[0]), load))
+        a.start = max(arrival, a.ready + load)
+        self.account(s, a.ready, load, capacity, wid)
+        if a.start > a.ready + load + _EPS:
+            self.segment(s, "wait", a.ready + load, a.start, wid)
+
+    def forward(self, s: int, a: TimedAction) -> float:
+        t = a.start
+        for b in self.chunk_of[a.chunk].blocks:
+            cost = self.pipe.costs[b]
+            self.segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}")
+            t += cost.forward_s
+            self.busy[s] += cost.forward_s
+            if cost.tp_forward_s > 0:
+                self.segment(s, "tp", t, t + cost.tp_forward_s, f"tp F{a.microbatch}")
+                t += cost.tp_forward_s
+        return t
+
+    def backward(self, s: int, a: TimedAction) -> float:
+        """Per block in reverse: on-demand recomputation, the backward, its tp all-reduces (a window)."""
+        t = a.start
+        for b in reversed(self.chunk_of[a.chunk].blocks):
+            cost = self.pipe.costs[b]
+            od = self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
+            if od > 0:
+                self.segment(s, "recompute", t, t + od, f"on demand {cost.name}")
+                t += od
+                self.busy[s] += od
+                self.exposed[s] += od
+            self.segment(s, "backward", t, t + cost.backward_s, f"B{a.microbatch} {cost.name}")
+            t += cost.backward_s
+            self.busy[s] += cost.backward_s
+            if cost.tp_backward_s > 0 and cost.layer is not None:
+                tid = tp_window_id(s, cost.layer, a.microbatch)
+                tload = self.window_load(tid)
+                self.windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
+                                           self.eligible(s, a.chunk, below_block=b), tload))
+                self.account(s, t, tload, cost.tp_backward_s, tid)
+                if cost.tp_backward_s > tload:
+                    self.segment(s, "tp", t + tload, t + cost.tp_backward_s, tid)
+                t += max(cost.tp_backward_s, tload)
+            if a.microbatch == self.last_bwd_mb[a.chunk]:
+                self.block_done[(s, b)] = t
+        return t
+
+    def finish(self, s: int, a: TimedAction, end: float) -> None:
+        boundary = self.pipe.boundary_s
+        a.end = self.free[s] = self.done[(a.kind, a.chunk, a.microbatch)] = end
+        if a.kind == "F" and a.chunk < self.n_chunks - 1 and boundary[a.chunk] > 0:
+            self.segment(s, "send", end, end + boundary[a.chunk], f"act {a.microbatch}")
+        if a.kind == "B" and a.chunk > 0 and boundary[a.chunk - 1] > 0:
+            self.segment(s, "send", end, end + boundary[a.chunk - 1], f"grad {a.microbatch}")
+
+    def data_parallel_and_optimizer(self) -> list[float]:
+        """Per device: gradient collectives (one bucket per block, in gradient order), then the
+        optimizer step once every gradient is exchanged. Returns each device's end of step."""
+        pipe = self.pipe
+        device_end = list(self.free)
         for s in range(pipe.pp):
-            while pointer[s] < len(actions[s]):
-                a = actions[s][pointer[s]]
-                arrival = dependency(a)
-                if arrival is None:
-                    break
-                a.ready, a.arrival = free[s], arrival
-                chunk = chunk_of[a.chunk]
-                # --- the wait before the action: a window
-                kind = "recv_act" if a.kind == "F" else "recv_grad"
-                wid = recv_window_id(s, kind, a.microbatch, a.chunk if pipe.virtual > 1 else None)
-                serves = (a.chunk, a.microbatch) if a.kind == "B" else served_by_recv_act(s, pointer[s])
-                load = window_load(wid) if serves is not None else 0.0
-                capacity = max(0.0, arrival - a.ready)
-                if serves is not None and (capacity > _EPS or load > 0):
-                    windows.append(Window(wid, s, kind, serves[1], a.ready, capacity,
-                                          eligible(s, serves[0]), load))
-                a.start = max(arrival, a.ready + load)
-                _account(segments if record else None, busy, exposed, hidden, s, a.ready, load, capacity, wid)
-                if record and a.start > a.ready + load + _EPS:
-                    segments.append(Segment(s, "wait", a.ready + load, a.start, wid))
-                # --- the action itself
-                t = a.start
-                if a.kind == "F":
-                    for b in chunk.blocks:
-                        cost = pipe.costs[b]
-                        if record:
-                            segments.append(Segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}"))
-                        t += cost.forward_s
-                        busy[s] += cost.forward_s
-                        if cost.tp_forward_s > 0:
-                            if record:
-                                segments.append(Segment(s, "tp", t, t + cost.tp_forward_s, f"tp F{a.microbatch}"))
-                            t += cost.tp_forward_s
-                else:
-                    for b in reversed(chunk.blocks):
-                        cost = pipe.costs[b]
-                        od = loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
-                        if od > 0:
-                            if record:
-                                segments.append(Segment(s, "recompute", t, t + od, f"on demand {cost.name}"))
-                            t += od
-                            busy[s] += od
-                            exposed[s] += od
-                        if record:
-                            segments.append(Segment(s, "backward", t, t + cost.backward_s, f"B{a.microbatch} {cost.name}"))
-                        t += cost.backward_s
-                        busy[s] += cost.backward_s
-                        if cost.tp_backward_s > 0 and cost.layer is not None:
-                            tid = tp_window_id(s, cost.layer, a.microbatch)
-                            tload = window_load(tid)
-                            windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
-                                                  eligible(s, a.chunk, below_block=b), tload))
-                            _account(segments if record else None, busy, exposed, hidden, s, t, tload,
-                                     cost.tp_backward_s, tid)
-                            if record and cost.tp_backward_s > tload:
-                                segments.append(Segment(s, "tp", t + tload, t + cost.tp_backward_s, tid))
-                            t += max(cost.tp_backward_s, tload)
-                        if a.microbatch == last_bwd_mb[a.chunk]:
-                            block_done[(s, b)] = t
-                a.end = t
-                free[s] = t
-                done[(a.kind, a.chunk, a.microbatch)] = t
-                if record and a.kind == "F" and a.chunk < n_chunks - 1 and pipe.boundary_s[a.chunk] > 0:
-                    segments.append(Segment(s, "send", t, t + pipe.boundary_s[a.chunk], f"act {a.microbatch}"))
-                if record and a.kind == "B" and a.chunk > 0 and pipe.boundary_s[a.chunk - 1] > 0:
-                    segments.append(Segment(s, "send", t, t + pipe.boundary_s[a.chunk - 1], f"grad {a.microbatch}"))
-                pointer[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise LynxConfigError(f"schedule {pipe.schedule!r} deadlocks for pp={pipe.pp}, m={pipe.microbatches}")
-
-    device_end = list(free)
-    for s in range(pipe.pp):  # data-parallel gradient collectives, one bucket per block, in gradient order
-        link = 0.0
-        for (dev, b), ready in sorted(block_done.items(), key=lambda kv: kv[1]):
-            if dev != s or pipe.costs[b].dp_s <= 0:
-                continue
-            start = max(ready, link)
-            link = start + pipe.costs[b].dp_s
-            if record:
-                segments.append(Segment(s, "dp", start, link, f"dp {pipe.costs[b].name}"))
-            idle_from = max(start, free[s])
-            if link > idle_from + _EPS:
-                windows.append(Window(dp_window_id(s, b), s, "dp_collective", last_bwd_mb[_chunk_of_block(pipe, b)],
-                                      idle_from, link - idle_from, (), 0.0))
-            device_end[s] = max(device_end[s], link)
-        step = pipe.optimizer_s[s] if s < len(pipe.optimizer_s) else 0.0
-        if step > 0:  # the update waits for every gradient (and its data-parallel exchange)
-            if record:
-                segments.append(Segment(s, "optimizer", device_end[s], device_end[s] + step, "optimizer step"))
-            device_end[s] += step
-            busy[s] += step
-    unknown = sorted(set(loads.window) - used)
-    if unknown:
-        raise LynxPlanError(f"plan places recomputation in windows this schedule does not have: {unknown[:5]}")
-    windows.sort(key=lambda w: (w.device, w.start, w.id))
-    return Timeline(pipeline=pipe, actions=actions, windows=windows, segments=segments,
-                    step_time_s=max(device_end), device_end_s=device_end, busy_s=busy,
-                    in_flight=_in_flight(actions, pipe.virtual), exposed_recompute_s=exposed,
-                    hidden_recompute_s=hidden)
+            link = 0.0
+            for (dev, b), ready in sorted(self.block_done.items(), key=lambda kv: kv[1]):
+                if dev != s or pipe.costs[b].dp_s <= 0:
+                    continue
+                start = max(ready, link)
+                link = start + pipe.costs[b].dp_s
+                self.segment(s, "dp", start, link, f"dp {pipe.costs[b].name}")
+                idle_from = max(start, self.free[s])
+                if link > idle_from + _EPS:
+                    self.windows.append(Window(dp_window_id(s, b), s, "dp_collective",
+                                               self.last_bwd_mb[_chunk_of_block(pipe, b)],
+                                               idle_from, link - idle_from, (), 0.0))
+                device_end[s] = max(device_end[s], link)
+            step = pipe.optimizer_s[s] if s < len(pipe.optimizer_s) else 0.0
+            if step > 0:
+                self.segment(s, "optimizer", device_end[s], device_end[s] + step, "optimizer step")
+                device_end[s] += step
+                self.busy[s] += step
+        return device_end
 
 
 def _account(segments: Optional[list[Segment]], busy: list[float], exposed: list[float], hidden: list[float],

@@ -112,17 +112,55 @@ def solve_model(
     identical layers (:mod:`lynx.solvers.cpsat_symmetry`; the optimum is kept).
     """
     start = time.perf_counter()
-    items, classes = model.items, model.classes
+    items = model.items
     total_cost = sum(it.mult * it.recompute_s for it in items) or 1.0
     tau = total_cost / 1e6  # seconds per time unit
     unit = _byte_unit(model)
     mem_w = [-(-it.mult * it.saved_bytes // unit) for it in items]  # ceil: never optimistic
     mem_t = [-(-it.saved_bytes // unit) for it in items]
     cost = [round(it.mult * it.recompute_s / tau) for it in items]
-    budget = model.budget_bytes // unit
 
     m = cp_model.CpModel()
     free = _free_items(model)
+    r, x, od = _decision_vars(m, model, free)
+    _dependencies(m, model, free, r, x, od)
+    if symmetry:
+        break_layer_symmetry(m, model, free, r, x)
+    peak = _peak(m, model, free, r, x, od, mem_w, mem_t)
+    exposed = _exposed(m, model, free, x, od, cost, tau)
+    if minimise == "memory":
+        m.minimize(peak)
+        scale = float(unit)
+    else:
+        m.add(peak <= model.budget_bytes // unit)
+        m.minimize(exposed)
+        scale = tau
+    if hint is not None:
+        _add_hint(m, hint, free, r, x)
+
+    solver = _solver(time_limit_s - (time.perf_counter() - start), workers, deterministic_limit)
+    callback = _Progress(progress, scale, start) if progress else None
+    code = solver.solve(m, callback) if callback else solver.solve(m)
+    status = solver.status_name(code)
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        bound = solver.best_objective_bound * scale if code == cp_model.UNKNOWN else math.inf
+        return ModelSolution(status, (), (), math.inf, bound, time.perf_counter() - start)
+    rec = tuple(bool(solver.value(v)) for v in r)
+    placement = []
+    for xc in x:
+        where = [None] * len(items)
+        for (i, k), v in xc.items():
+            if solver.value(v):
+                where[i] = k
+        placement.append(tuple(where))
+    return ModelSolution(status, rec, tuple(placement), solver.objective_value * scale,
+                         solver.best_objective_bound * scale, time.perf_counter() - start)
+
+
+def _decision_vars(m: cp_model.CpModel, model: StageModel, free: list[bool]):
+    """``r[i]``: item i is recomputed; ``x[c][i, k]``: for microbatch class c it is recomputed in
+    window k; ``od[c][i]``: on demand (recomputed and placed in no window)."""
+    items, classes = model.items, model.classes
     r = [m.new_bool_var(f"r{i}") if free[i] else m.new_constant(0) for i in range(len(items))]
     x: list[dict[tuple[int, int], cp_model.IntVar]] = []
     od: list[list] = []
@@ -150,7 +188,12 @@ def solve_model(
                 m.add(sum(placed) <= r[i])
             odc.append(r[i] - sum(placed))
         od.append(odc)
+    return r, x, od
 
+
+def _dependencies(m: cp_model.CpModel, model: StageModel, free: list[bool], r, x, od) -> None:
+    """A recomputed item's inputs are kept, or recomputed no later than it."""
+    items, classes = model.items, model.classes
     for i, item in enumerate(items):
         if not free[i]:
             continue
@@ -183,16 +226,13 @@ def solve_model(
                     upre = [xc[u, q] for q in range(len(cls.capacities)) if (u, q) in xc]
                     m.add(od[c][i] <= 1 - r[u] + sum(upre))
 
-    if symmetry:
-        break_layer_symmetry(m, model, free, r, x)
 
-    # memory
-    peak = _peak(m, model, free, r, x, od, mem_w, mem_t)
-
-    # exposed time
+def _exposed(m: cp_model.CpModel, model: StageModel, free: list[bool], x, od, cost: list[int], tau: float):
+    """Exposed recompute time in units of ``tau``: everything on demand plus each window's
+    load beyond its capacity, per microbatch class times its count."""
     exposed_terms = []
-    for c, cls in enumerate(classes):
-        terms = [cost[i] * od[c][i] for i in range(len(items)) if free[i] and cost[i]]
+    for c, cls in enumerate(model.classes):
+        terms = [cost[i] * od[c][i] for i in range(len(model.items)) if free[i] and cost[i]]
         for k, cap in enumerate(cls.capacities):
             load = [cost[i] * v for (i, q), v in x[c].items() if q == k and cost[i]]
             if load:
@@ -201,31 +241,26 @@ def solve_model(
                 terms.append(ov)
         if terms:
             exposed_terms.append(cls.count * sum(terms))
-    exposed = sum(exposed_terms) if exposed_terms else 0
+    return sum(exposed_terms) if exposed_terms else 0
 
-    if minimise == "memory":
-        m.minimize(peak)
-        scale = float(unit)
-    else:
-        m.add(peak <= budget)
-        m.minimize(exposed)
-        scale = tau
 
-    if hint is not None:
-        rec, plc = hint
-        for i in range(len(items)):
-            if free[i]:
-                m.add_hint(r[i], bool(rec[i]))
-        hinted: set[int] = set()
-        for c, xc in enumerate(x):
-            if id(xc) in hinted:
-                continue
-            hinted.add(id(xc))
-            for (i, k), v in xc.items():
-                m.add_hint(v, plc[c][i] == k)
+def _add_hint(m: cp_model.CpModel, hint, free: list[bool], r, x) -> None:
+    rec, plc = hint
+    for i in range(len(r)):
+        if free[i]:
+            m.add_hint(r[i], bool(rec[i]))
+    hinted: set[int] = set()
+    for c, xc in enumerate(x):
+        if id(xc) in hinted:  # classes sharing one set of variables (see _decision_vars)
+            continue
+        hinted.add(id(xc))
+        for (i, k), v in xc.items():
+            m.add_hint(v, plc[c][i] == k)
 
+
+def _solver(time_left_s: float, workers: int, deterministic_limit: float | None) -> cp_model.CpSolver:
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.001, time_limit_s - (time.perf_counter() - start))
+    solver.parameters.max_time_in_seconds = max(0.001, time_left_s)
     solver.parameters.num_workers = workers
     if deterministic_limit is not None:
         solver.parameters.max_deterministic_time = deterministic_limit
@@ -234,28 +269,7 @@ def solve_model(
     solver.parameters.linearization_level = 2  # cuts: proves these knapsack-like models far faster
     if workers > 1:
         solver.parameters.interleave_search = True  # deterministic with several workers
-    callback = _Progress(progress, scale, start) if progress else None
-    code = solver.solve(m, callback) if callback else solver.solve(m)
-    status = solver.status_name(code)
-    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        bound = solver.best_objective_bound * scale if code == cp_model.UNKNOWN else math.inf
-        return ModelSolution(status, (), (), math.inf, bound, time.perf_counter() - start)
-    rec = tuple(bool(solver.value(v)) for v in r)
-    placement = []
-    for c, cls in enumerate(classes):
-        where = [None] * len(items)
-        for (i, k), v in x[c].items():
-            if solver.value(v):
-                where[i] = k
-        placement.append(tuple(where))
-    return ModelSolution(
-        status,
-        rec,
-        tuple(placement),
-        solver.objective_value * scale,
-        solver.best_objective_bound * scale,
-        time.perf_counter() - start,
-    )
+    return solver
 
 
 class _Progress(cp_model.CpSolverSolutionCallback):

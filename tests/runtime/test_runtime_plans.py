@@ -102,9 +102,9 @@ def test_measured_memory_matches_plan(solver: str) -> None:
 
 
 def test_plan_for_another_model_is_refused_before_running() -> None:
-    from lynx.runtime.launch import WorkerSpec, _stage_setup
+    from lynx.runtime.worker import WorkerSpec, stage_setup
 
     _, _, compiled = _compiled("full")
     other, other_inputs = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.0)
     with pytest.raises(lynx.LynxFingerprintError, match="does not match this model"):
-        _stage_setup(WorkerSpec(build=None, pp=2, plan=compiled.plan), other, other_inputs, 0)
+        stage_setup(WorkerSpec(build=None, pp=2, plan=compiled.plan), other, other_inputs, 0)

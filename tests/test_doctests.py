@@ -1,0 +1,24 @@
+"""Every docstring example under ``lynx/`` runs, as the reader would type it."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import lynx
+
+MODULES = sorted(m.name for m in pkgutil.walk_packages(lynx.__path__, "lynx."))
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name: str) -> None:
+    module = importlib.import_module(name)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    for test in finder.find(module, name):  # globals: a copy of the module's, as doctest does
+        runner.run(test)
+    result = runner.summarize(verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} docstring examples in {name} failed (output above)"
