@@ -10,7 +10,8 @@ from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxConfigError, LynxFingerprintError
 from lynx.planner.comm import CommModel
 from lynx.plan import Plan
-from lynx.planner.problems import assignment_from_decisions, synthetic_graph
+from lynx.planner.problems import assignment_from_decisions
+from lynx.planner.synthetic import synthetic_graph
 from lynx.solvers.validate import validate
 
 FREE = CommModel.free()

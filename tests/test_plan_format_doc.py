@@ -9,7 +9,7 @@ import lynx
 from lynx.planner.loop import plan_graph
 from lynx.planner.comm import CommModel
 from lynx.plan import Decision, Predicted, StagePlan, WindowRecord
-from lynx.planner.problems import synthetic_graph
+from lynx.planner.synthetic import synthetic_graph
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plan_format.md"
 

@@ -7,7 +7,8 @@ import pytest
 
 from lynx.errors import LynxPlanError
 from lynx.planner.comm import CommModel
-from lynx.planner.problems import build_pipeline, build_problems, static_bytes, synthetic_graph
+from lynx.planner.problems import build_pipeline, build_problems, static_bytes
+from lynx.planner.synthetic import synthetic_graph
 from lynx.planner.simulator import simulate_assignments
 from lynx.solvers.problem import Assignment
 from lynx.planner.timeline import Loads, Pipeline, run_timeline

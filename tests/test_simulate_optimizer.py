@@ -12,7 +12,8 @@ from lynx.planner.cost import optimizer_step_s
 from lynx.planner.hardware import get_hardware
 from lynx.planner.comm import CommModel
 from lynx.units import dtype_bytes
-from lynx.planner.problems import build_pipeline, synthetic_graph
+from lynx.planner.problems import build_pipeline
+from lynx.planner.synthetic import synthetic_graph
 from lynx.planner.timeline import Pipeline, run_timeline
 
 

@@ -7,7 +7,8 @@ import pytest
 from lynx.errors import LynxConfigError
 from lynx.planner.comm import CommModel
 from lynx.planner.partition import balanced_boundaries, partition_graph
-from lynx.planner.problems import build_pipeline, synthetic_graph
+from lynx.planner.problems import build_pipeline
+from lynx.planner.synthetic import synthetic_graph
 from lynx.planner.schedule import schedule_order
 from lynx.planner.timeline import Pipeline, run_timeline
 

@@ -10,7 +10,7 @@ exposes what the solvers predicted — keeping the plan the simulator scores bes
 Example::
 
     >>> import lynx
-    >>> from lynx.planner.problems import synthetic_graph
+    >>> from lynx.planner.synthetic import synthetic_graph
     >>> from lynx.planner.comm import CommModel
     >>> from lynx.planner.loop import plan_graph
     >>> cfg = lynx.CompileConfig(pp=2, microbatches=4, solver="none", memory_budget="80GiB")
@@ -33,6 +33,7 @@ from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, fingerprint_of
 from lynx.planner.comm import CommModel
 from lynx.planner.fingerprint import graph_fingerprint
+from lynx.planner.graph_schema import check_graph
 from lynx.planner.problems import build_pipeline, build_problems, decisions_from_assignment, static_breakdown
 from lynx.planner.simulator import SimResult, simulate_assignments
 from lynx.planner.timeline import Pipeline, run_timeline
@@ -84,6 +85,7 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
                        assemble: bool = True) -> PlanOutcome:
     """:func:`plan_graph` returning the pipeline, problems and simulation as well
     (``assemble=False``: no Plan object, for benchmarks that only need the figures)."""
+    check_graph(graph)
     if solve is None:
         from lynx.solvers import solve as registry_solve
 

@@ -9,7 +9,8 @@ no solver's own objective is trusted.
 
 Example::
 
-    >>> from lynx.planner.problems import build_pipeline, build_problems, static_bytes, synthetic_graph
+    >>> from lynx.planner.problems import build_pipeline, build_problems, static_bytes
+    >>> from lynx.planner.synthetic import synthetic_graph
     >>> from lynx.planner.comm import CommModel
     >>> from lynx.planner.timeline import run_timeline
     >>> from lynx.solvers.problem import Assignment
