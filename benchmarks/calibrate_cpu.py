@@ -15,7 +15,7 @@ run by Lynx's stage interpreter:
 
 Prints the measured values beside the preset's (``--json PATH`` also writes them). Run it on
 a quiet machine (``flock /work/notes/bench.lock`` where others share it) and copy the figures
-into ``lynx/hardware.py``.
+into ``lynx/planner/hardware.py``.
 
     python benchmarks/calibrate_cpu.py
 """
@@ -71,7 +71,7 @@ def node_rates(analysis, overhead: float) -> dict[str, float]:
     in a forward the activations are fresh memory, so the model's own ops are the reference.
     """
     from lynx.frontend.measure import measure_times
-    from lynx.planner.cost import _random_elements
+    from lynx.planner.cost import random_elements
 
     G = measure_times(analysis.graph.copy(), analysis.captured, repeats=9, statistic=min)
     flops = matmul_s = moved = moved_s = 0.0
@@ -80,14 +80,14 @@ def node_rates(analysis, overhead: float) -> dict[str, float]:
         if attrs.get("is_view"):
             continue
         t = max(0.0, attrs["forward_s"] - overhead)
-        if _random_elements(attrs):
+        if random_elements(attrs):
             random_nodes.append((attrs, t))
         elif attrs.get("flops", 0) > 0 and any(w in str(attrs.get("op")) for w in MATMUL_OPS):
             flops, matmul_s = flops + attrs["flops"], matmul_s + t
         else:
             moved, moved_s = moved + attrs["input_bytes"] + attrs["output_bytes"], moved_s + t
     bandwidth = moved / moved_s
-    elements = sum(_random_elements(a) for a, _ in random_nodes)
+    elements = sum(random_elements(a) for a, _ in random_nodes)
     rng_s = sum(t - (a["input_bytes"] + a["output_bytes"]) / bandwidth for a, t in random_nodes)
     return {"matmul_flops": flops / matmul_s, "bandwidth": bandwidth, "rng_s_per_element": max(0.0, rng_s) / elements}
 

@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default per optimizer)")
     ap.add_argument("--solver", default="heu", help="opt | heu | none | full | selective | checkmate")
     ap.add_argument("--memory-budget", default=None, help="per device, e.g. 7MiB (default 12MiB: forces recompute on stage 0)")
-    ap.add_argument("--hardware", default=None, help="cost-model preset (default cpu-local, h100-sxm on CUDA)")
+    ap.add_argument("--hardware", default=None,
+                    help="cost model: a preset, a hardware file (.yaml/.json) or auto (this machine, measured once "
+                         "by `lynx calibrate` and cached); default auto on CPU, h100-sxm on CUDA")
     ap.add_argument("--plan", default=None, help="a saved plan (lynx plan ... -o plan.json) instead of compiling")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--checkpoint-dir", default=None)
@@ -91,9 +93,7 @@ def plan_settings(args: argparse.Namespace, pp: int, dp: int, plan_config: dict[
     """lynx.compile settings: the flags given, else the saved plan's, else the defaults."""
     base = dict(plan_config or {})
     pick = lambda flag, key, default: flag if flag is not None else base.get(key, default)  # noqa: E731
-    hardware = pick(args.hardware, "hardware", "h100-sxm" if device.type == "cuda" else "cpu-local")
-    if isinstance(hardware, str) and "hardware" not in base:
-        hardware = _shared_cpu(hardware, pp * dp)
+    hardware = pick(args.hardware, "hardware", "h100-sxm" if device.type == "cuda" else "auto")
     return {"pp": pp, "dp": dp, "microbatches": int(pick(args.microbatches, "microbatches", 4)),
             "memory_budget": pick(args.memory_budget, "memory_budget", DEFAULT_BUDGET),
             "optimizer": pick(args.optimizer, "optimizer", "demo"),
@@ -101,15 +101,33 @@ def plan_settings(args: argparse.Namespace, pp: int, dp: int, plan_config: dict[
             "schedule": base.get("schedule", "1f1b")}
 
 
-def _shared_cpu(hardware: str, ranks: int) -> Any:
-    """A CPU preset as each rank sees it when the ranks outnumber this machine's cores
-    (``lynx.planner.hardware.share_cores``: a preset assumes a core per rank); otherwise the name."""
-    from lynx.planner.hardware import get_hardware, share_cores
+def resolve_hardware(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str]:
+    """Rank 0: the spec to plan with (``auto`` may measure this machine first) and a line naming it.
 
-    spec = get_hardware(hardware)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    shared = share_cores(spec, ranks, cores)
-    return hardware if shared is spec else shared
+    A CPU spec assumes a core per rank; with more ranks than cores each rank gets its share
+    (``lynx.planner.hardware.share_cores``). A saved plan's hardware is used as recorded.
+    """
+    from lynx.planner.hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware, share_cores
+
+    spec = HardwareSpec.model_validate(hardware) if isinstance(hardware, dict) else get_hardware(hardware)
+    if not from_plan:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        shared = share_cores(spec, ranks, cores)
+        hardware = hardware if shared is spec and isinstance(hardware, str) and hardware in HARDWARE_PRESETS else shared
+    return hardware, _hardware_line(spec, hardware)
+
+
+def _hardware_line(spec: Any, used: Any) -> str:
+    """Where the cost model's figures come from: a preset, or a file (and how it was measured)."""
+    name = used if isinstance(used, str) else getattr(used, "name", "a custom spec")
+    line = f"hardware {name}: " + (f"file {spec.source}" if spec.source else "preset (lynx/planner/hardware.py)")
+    cal = spec.calibration
+    if cal is not None:
+        steadiest = sorted(cal.spread.items(), key=lambda kv: kv[1])
+        spread = ", ".join(f"{k} {v:.0%}" for k, v in steadiest)
+        line += (f"; calibrated {cal.date} on {cal.host} in {cal.seconds:.1f} s at load {cal.load_before:.2f}, "
+                 f"{cal.repeats} repeats, spread (max-min)/median: {spread}")
+    return line
 
 
 def build_model(model: str, seq: int, microbatch: int, device: str) -> tuple[torch.nn.Module, tuple]:
@@ -207,6 +225,7 @@ class Setup:
     meta: dict[str, Any]
     device: torch.device
     resume_from: str | None
+    hardware_line: str = ""
 
 
 def setup(args: argparse.Namespace) -> Setup:
@@ -236,11 +255,13 @@ def setup(args: argparse.Namespace) -> Setup:
     settings = plan_settings(args, pp, dp, saved_config, device)
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
 
-    def decide() -> tuple[str, str | None]:
-        plan = make_plan(args, settings, device)
-        return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr))
+    def decide() -> tuple[str, str | None, str]:
+        hardware, line = resolve_hardware(settings["hardware"], pp * dp, from_plan=args.hardware is None
+                                          and saved_config is not None and "hardware" in saved_config)
+        plan = make_plan(args, {**settings, "hardware": hardware}, device)
+        return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr)), line
 
-    plan_json, resume_from = decided_by_rank0(decide)
+    plan_json, resume_from, hardware_line = decided_by_rank0(decide)
     plan = Plan.from_json(plan_json)
     spec = WorkerSpec(
         build=functools.partial(build_model, args.model, args.seq, args.microbatch, str(device)),
@@ -250,7 +271,7 @@ def setup(args: argparse.Namespace) -> Setup:
         batches=StdlibBatches(("idx", "targets"), batch=args.microbatch, seq=args.seq, seed=args.seed),
         optimizer=functools.partial(make_optimizer, settings["optimizer"], lr),
         lr_schedule=functools.partial(warmup_lr, lr))
-    return Setup(plan, spec, settings, run_meta(args, plan, settings, lr), device, resume_from)
+    return Setup(plan, spec, settings, run_meta(args, plan, settings, lr), device, resume_from, hardware_line)
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -264,6 +285,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     trainer = RankTrainer(spec, topo)
     start = load_checkpoint(trainer, run.resume_from) if run.resume_from else 0
     if rank == 0:
+        _say(run.hardware_line)
         _say(_banner(args, run, start))
     tokens = spec.dp * m * args.microbatch * args.seq
     log: dict[str, Any] = {"meta": run.meta, "start_step": start, "steps": []}
@@ -289,6 +311,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             _write_json(args.log_json, log)
     progress.close()
     trainer.close()
+    log["hardware"] = run.hardware_line
     _finish(args, run.plan, history, cpu_s, log, _predicted_optimizer_s(run.plan, trainer))
     return log
 
@@ -335,6 +358,8 @@ def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list
     print(format_summary(summary, plan))
     cpu = [statistics.median(c[1:] or c) for _, c, _ in everyone]        # per rank, after the warm-up step
     print(_cpu_line(plan, per_step[0], cpu, [o for _, _, o in everyone]), flush=True)
+    hardware = log.get("hardware") or "the hardware the plan records"
+    print(f"predicted with {hardware}", flush=True)
     log["summary"] = dataclasses.asdict(summary)
     log["per_rank"] = _per_rank_medians(per_step)
     for row, c in zip(log["per_rank"], cpu):

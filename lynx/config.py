@@ -46,8 +46,9 @@ class CompileConfig(BaseModel):
 
     ``memory_budget`` is per device (``None``: the hardware's memory); ``target`` defaults to
     the hardware's device (``"cpu"`` for ``cpu-local``, ``"cuda"`` for the GPU presets);
-    ``hardware`` is a preset name, a :class:`lynx.HardwareSpec` or its fields as a dict (as a
-    saved plan records it); ``plan`` (a saved plan's path or a :class:`lynx.Plan`) is used
+    ``hardware`` is a preset name, a hardware file's path, ``"auto"`` (this machine, measured
+    once: :mod:`lynx.planner.hardware_cache`), a :class:`lynx.HardwareSpec` or its fields as a dict (as
+    a saved plan records it) — a file or ``auto`` is recorded as the spec it resolves to; ``plan`` (a saved plan's path or a :class:`lynx.Plan`) is used
     instead of solving.
     """
 
@@ -109,14 +110,15 @@ class CompileConfig(BaseModel):
     def _hardware(cls, value: Any) -> Any:
         if isinstance(value, str):
             try:
-                from lynx.planner.hardware import get_hardware
+                from lynx.planner.hardware import HARDWARE_PRESETS, get_hardware
             except ImportError:  # foundation not installed: the name is checked when used
                 return value
-            try:
-                get_hardware(value)
+            if value in HARDWARE_PRESETS:
+                return value  # a preset is recorded by its name
+            try:  # a hardware file or "auto": recorded as the spec it resolves to
+                return get_hardware(value)
             except Exception as err:  # noqa: BLE001 - re-raised with the setting's name
-                raise ValueError(f"unknown hardware {value!r}: {err}") from None
-            return value
+                raise ValueError(str(err)) from None
         if hasattr(value, "model_dump") and hasattr(value, "links"):
             return value
         if isinstance(value, dict):  # a spec as a saved plan records it (hardware_record)
@@ -130,7 +132,8 @@ class CompileConfig(BaseModel):
                 raise ValueError(f"hardware spec is invalid at {where or 'top level'}: {first.get('msg')} "
                                  f"({err.error_count()} problem(s)); see lynx.HardwareSpec's fields") from None
         raise ValueError(
-            f"hardware must be a preset name, a lynx.HardwareSpec or its fields as a dict, got {value!r}")
+            f"hardware must be a preset name, a hardware file's path, 'auto', a lynx.HardwareSpec or its fields "
+            f"as a dict, got {value!r}")
 
     @field_validator("plan", mode="before")
     @classmethod

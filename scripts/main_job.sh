@@ -10,8 +10,8 @@ bash scripts/install.sh
 run_dir=$(mktemp -d "${TMPDIR:-/tmp}/lynx-main-job.XXXXXX")
 settings=(--model gpt-tiny --seq 64 --microbatch 8 --pp 2 --microbatches 4 --optimizer demo --memory-budget 12MiB)
 echo "== training (torchrun, 2 processes, gloo); checkpoints and log in $run_dir"
-OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 2 examples/train_gpt.py "${settings[@]}" --solver heu \
+OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc_per_node 2 examples/train_gpt.py "${settings[@]}" --hardware auto --solver heu \
     --steps 60 --checkpoint-dir "$run_dir/ckpt" --checkpoint-every 20 --log-json "$run_dir/log.json"
 echo "== the same model and budget under every solver and baseline (lynx compare)"
 .venv/bin/lynx compare gpt-tiny --seq 64 --microbatch 8 --pp 2 --dp 1 --microbatches 4 --optimizer demo \
-    --memory-budget 12MiB --hardware cpu-local --time-limit 10
+    --memory-budget 12MiB --hardware auto --time-limit 10

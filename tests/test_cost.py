@@ -33,7 +33,8 @@ def test_roofline_compute_and_memory_bound():
 
 
 def test_presets_and_unknown_hardware():
-    assert set(HARDWARE_PRESETS) == {"a100-80g", "h100-sxm", "h200", "cpu-local"}
+    assert set(HARDWARE_PRESETS) == {"a100-80g", "h100-sxm", "h200", "cpu-local", "a100-pcie-box", "a100-25gbe",
+                                     "a100-100gbe", "a100-dp-1gbit", "a100-dp-100mbit"}
     with pytest.raises(LynxConfigError, match="a100-80g"):
         get_hardware("tpu-v5")
     spec = HARDWARE_PRESETS["h200"]

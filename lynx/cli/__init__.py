@@ -1,4 +1,4 @@
-"""The `lynx` command line: inspect, plan, show, compare, bench.
+"""The `lynx` command line: inspect, plan, show, compare, bench, calibrate.
 
 Each sub-command lives in its own module and registers itself on :data:`app`.
 
@@ -34,7 +34,7 @@ def table_console() -> Console:
 
 
 # Sub-command modules: importing one registers its commands on `app`.
-from lynx.cli import inspect_cmd  # noqa: E402,F401
+from lynx.cli import calibrate_cmd, inspect_cmd  # noqa: E402,F401
 
 try:  # the planner's commands (plan, show, compare, bench)
     from lynx.cli import plan_cmd  # noqa: E402,F401

@@ -68,7 +68,7 @@ def inspect(
     microbatch: Optional[int] = typer.Option(None, help="Microbatch size (presets)."),
     dtype: Optional[str] = typer.Option(None, help="fp16 | bf16 | fp32."),
     attention: Optional[str] = typer.Option(None, help="math | sdpa (GPT presets)."),
-    hardware: str = typer.Option("h100-sxm", help="a100-80g | h100-sxm | h200 | cpu-local."),
+    hardware: str = typer.Option("h100-sxm", help="a preset (cpu-local, h100-sxm, a100-25gbe, ...), a hardware file (.yaml/.json) or auto (this machine, measured)."),
     target: Optional[str] = typer.Option(None, help="cuda | cpu (default: the hardware's device)."),
     measure: bool = typer.Option(False, "--measure", help="Time the real nodes on this device (needs real weights)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

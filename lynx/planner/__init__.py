@@ -1,7 +1,9 @@
 """The planner: torch-free, from an op graph and a hardware spec to per-stage problems and plans.
 
 ``hardware`` (specs and presets) and ``cost`` (roofline node times, α-β collectives) price the
-graph; ``partition`` cuts it into pipeline stages, ``comm`` prices what crosses them;
+graph — ``hardware_files`` reads a spec from a JSON/YAML file (``yaml_subset``), and
+``hardware_cache`` keeps this host's measurement for ``hardware="auto"`` (measured by
+:mod:`lynx.calibrate` in a subprocess); ``partition`` cuts it into pipeline stages, ``comm`` prices what crosses them;
 ``schedule`` gives the action order of 1F1B / GPipe / interleaved 1F1B, ``timeline`` replays it
 and finds the windows where a device waits; ``problems`` turns each stage into a
 :class:`~lynx.solvers.problem.StageProblem`; ``simulator`` replays solver decisions on the

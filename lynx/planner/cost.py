@@ -32,6 +32,7 @@ from lynx.errors import LynxConfigError
 from lynx.planner.hardware import HardwareSpec, LinkSpec
 
 __all__ = [
+    "random_elements",
     "node_forward_s",
     "node_backward_s",
     "optimizer_step_s",
@@ -48,7 +49,8 @@ __all__ = [
 _RANDOM_OPS = ("dropout", "bernoulli", "rand", "normal", "multinomial", "rrelu")
 
 
-def _random_elements(attrs: dict[str, Any]) -> int:
+def random_elements(attrs: dict[str, Any]) -> int:
+    """Random numbers a node draws: one per element of its first output for a random op, else 0."""
     op = str(attrs.get("op", ""))
     if not any(word in op for word in _RANDOM_OPS):
         return 0
@@ -61,7 +63,7 @@ def node_forward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float
         return hw.interpreter_node_s
     compute = attrs["flops"] / hw.achievable_flops(dtype)
     memory = (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
-    rng = _random_elements(attrs) * hw.rng_s_per_element
+    rng = random_elements(attrs) * hw.rng_s_per_element
     return max(compute, memory) + rng + hw.op_overhead_s + hw.interpreter_node_s
 
 

@@ -21,13 +21,13 @@ Example::
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["LinkSpec", "HardwareSpec", "HARDWARE_PRESETS", "get_hardware", "share_cores"]
+__all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "get_hardware", "share_cores"]
 
 
 class LinkSpec(BaseModel):
@@ -38,8 +38,33 @@ class LinkSpec(BaseModel):
     beta_bytes_per_s: float = Field(gt=0.0)
 
 
+class Calibration(BaseModel):
+    """How a measured spec was measured (``lynx calibrate``): where, when, how long, how steady.
+
+    ``spread`` is, per measured field, ``(max − min) / median`` over the repeats; the spec
+    holds the medians.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    host: str
+    date: str  # ISO 8601, UTC
+    seconds: float = Field(ge=0.0)  # how long the calibration took
+    repeats: int = Field(ge=1)
+    threads: int = Field(ge=1)  # torch threads per process while measuring (a rank's)
+    cpus: int = Field(ge=1)
+    load_before: float = Field(ge=0.0)  # 1-minute load average
+    load_after: float = Field(ge=0.0)
+    torch: str
+    spread: dict[str, float] = Field(default_factory=dict)
+    notes: list[str] = Field(default_factory=list)
+
+
 class HardwareSpec(BaseModel):
-    """One device and its links; every rate is per device."""
+    """One device and its links; every rate is per device.
+
+    ``source`` (the file it was read from) and ``calibration`` describe where a spec came
+    from; neither is part of what a plan records or fingerprints.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str
@@ -54,6 +79,8 @@ class HardwareSpec(BaseModel):
     rng_s_per_element: float = Field(default=0.0, ge=0.0)   # one random number (dropout's mask)
     interpreter_node_s: float = Field(default=0.0, ge=0.0)  # the stage interpreter, per graph node run
     optimizer_s_per_param: dict[str, float] = Field(default_factory=dict)  # optimizer name -> step s/param
+    source: Optional[str] = Field(default=None, exclude=True)
+    calibration: Optional[Calibration] = Field(default=None, exclude=True)
 
     @field_validator("links")
     @classmethod
@@ -74,7 +101,8 @@ class HardwareSpec(BaseModel):
 _GiB = 1024**3
 
 
-def _gpu(name: str, fp16: float, fp32: float, bw: float, mem_gib: int, nvlink: float, ib: float) -> HardwareSpec:
+def _gpu(name: str, fp16: float, fp32: float, bw: float, mem_gib: int, pp: LinkSpec, tp: LinkSpec,
+         dp: LinkSpec) -> HardwareSpec:
     return HardwareSpec(
         name=name,
         device="cuda",
@@ -82,24 +110,61 @@ def _gpu(name: str, fp16: float, fp32: float, bw: float, mem_gib: int, nvlink: f
         achievable_fraction=0.6,
         memory_bandwidth=bw,
         memory_bytes=mem_gib * _GiB,
-        links={
-            # Pipeline stages usually span nodes (InfiniBand); tensor parallelism stays in NVLink.
-            "pp": LinkSpec(alpha_s=10e-6, beta_bytes_per_s=ib),
-            "tp": LinkSpec(alpha_s=5e-6, beta_bytes_per_s=nvlink),
-            "dp": LinkSpec(alpha_s=20e-6, beta_bytes_per_s=ib),
-        },
+        links={"pp": pp, "tp": tp, "dp": dp},
     )
 
 
+# Links. Bandwidths are per device and per direction; α is the one-way latency of a message.
+_NVLINK3 = LinkSpec(alpha_s=5e-6, beta_bytes_per_s=300e9)  # A100 NVLink3: 600 GB/s bidirectional
+_NVLINK4 = LinkSpec(alpha_s=5e-6, beta_bytes_per_s=450e9)  # H100 NVLink4: 900 GB/s bidirectional
+# InfiniBand HDR 200 Gb/s and NDR 400 Gb/s, one port per GPU: 25 and 50 GB/s.
+_IB_HDR_PP, _IB_HDR_DP = LinkSpec(alpha_s=10e-6, beta_bytes_per_s=25e9), LinkSpec(alpha_s=20e-6, beta_bytes_per_s=25e9)
+_IB_NDR_PP, _IB_NDR_DP = LinkSpec(alpha_s=10e-6, beta_bytes_per_s=50e9), LinkSpec(alpha_s=20e-6, beta_bytes_per_s=50e9)
+# PCIe 4.0 x16 (PCI-SIG): 16 GT/s × 16 lanes × 128/130 = 31.5 GB/s per direction; about 80% of
+# it is left after packet headers (TLP/DLLP overhead at 256-byte payloads), so 25 GB/s. α: a
+# few µs per hop through the PCIe switch plus NCCL's launch, taken as 10 µs.
+_PCIE4 = LinkSpec(alpha_s=10e-6, beta_bytes_per_s=25e9)
+
+
+def _ethernet(gbit_per_s: float, alpha_s: float) -> LinkSpec:
+    """Ethernet at its IEEE 802.3 line rate, less TCP/IPv4 framing at MTU 1500: 1448 payload
+    bytes (20 IP + 32 TCP-with-timestamps header bytes) per 1538 on the wire (preamble, header,
+    FCS, inter-frame gap) = 94.1% of the line rate."""
+    return LinkSpec(alpha_s=alpha_s, beta_bytes_per_s=gbit_per_s * 1e9 / 8 * 1448 / 1538)
+
+
+# A100 80GB: SXM 312 TF fp16/bf16 dense, 19.5 TF fp32 (non-TF32), 2.0 TB/s HBM2e; PCIe card:
+# the same compute, 1.935 TB/s (NVIDIA A100 datasheet, 2021).
+_A100_SXM = dict(fp16=312e12, fp32=19.5e12, bw=2.0e12, mem_gib=80)
+_A100_PCIE = dict(fp16=312e12, fp32=19.5e12, bw=1.935e12, mem_gib=80)
+# Ethernet between nodes over the kernel's TCP (NCCL's socket transport, no RDMA): a message
+# costs tens of µs one way on one switch; 30 µs assumed. The presets give each GPU its own port
+# (as cloud instances with a NIC per GPU do); a port shared by g GPUs gives each β/g — write
+# your own file for that (docs/hardware.md).
+_TCP_ALPHA = 30e-6
+
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    # A100 SXM 80GB: 312 TF fp16 dense, 19.5 TF fp32 (non-TF32), 2.0 TB/s HBM2e, NVLink3 300 GB/s
-    # per direction, HDR InfiniBand 200 Gb/s = 25 GB/s per GPU.
-    "a100-80g": _gpu("a100-80g", 312e12, 19.5e12, 2.0e12, 80, 300e9, 25e9),
-    # H100 SXM: 989 TF fp16 dense, 67 TF fp32, 3.35 TB/s HBM3, NVLink4 450 GB/s per direction,
-    # NDR InfiniBand 400 Gb/s = 50 GB/s per GPU.
-    "h100-sxm": _gpu("h100-sxm", 989e12, 67e12, 3.35e12, 80, 450e9, 50e9),
-    # H200: H100's compute with 141 GB HBM3e at 4.8 TB/s.
-    "h200": _gpu("h200", 989e12, 67e12, 4.8e12, 141, 450e9, 50e9),
+    # A100 SXM 80GB, NVLink3 inside a node, HDR InfiniBand between nodes.
+    "a100-80g": _gpu("a100-80g", **_A100_SXM, pp=_IB_HDR_PP, tp=_NVLINK3, dp=_IB_HDR_DP),
+    # H100 SXM: 989 TF fp16 dense, 67 TF fp32, 3.35 TB/s HBM3 (NVIDIA H100 datasheet), NVLink4,
+    # NDR InfiniBand.
+    "h100-sxm": _gpu("h100-sxm", 989e12, 67e12, 3.35e12, 80, pp=_IB_NDR_PP, tp=_NVLINK4, dp=_IB_NDR_DP),
+    # H200: H100's compute with 141 GB HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
+    "h200": _gpu("h200", 989e12, 67e12, 4.8e12, 141, pp=_IB_NDR_PP, tp=_NVLINK4, dp=_IB_NDR_DP),
+    # A box of A100 80GB PCIe cards without NVLink bridges: every link is PCIe 4.0 x16.
+    "a100-pcie-box": _gpu("a100-pcie-box", **_A100_PCIE, pp=_PCIE4, tp=_PCIE4, dp=_PCIE4),
+    # A100 SXM nodes joined by 25 GbE (2.94 GB/s of TCP payload) or 100 GbE (11.8 GB/s):
+    # tensor parallelism inside a node on NVLink, pipeline and data parallelism across nodes.
+    "a100-25gbe": _gpu("a100-25gbe", **_A100_SXM, pp=_ethernet(25, _TCP_ALPHA), tp=_NVLINK3,
+                       dp=_ethernet(25, _TCP_ALPHA)),
+    "a100-100gbe": _gpu("a100-100gbe", **_A100_SXM, pp=_ethernet(100, _TCP_ALPHA), tp=_NVLINK3,
+                        dp=_ethernet(100, _TCP_ALPHA)),
+    # Data parallelism between sites over 1 Gbit/s (117.7 MB/s) or 100 Mbit/s (11.8 MB/s) of
+    # TCP — the setting DeMo and Distributed Lion are for — while each site's pipeline runs on
+    # HDR InfiniBand and NVLink. α: one way across a metro link (1 Gbit/s, ~1 ms: light in fibre
+    # covers 200 km per ms) and across a region (100 Mbit/s, ~10 ms); both assumed, not measured.
+    "a100-dp-1gbit": _gpu("a100-dp-1gbit", **_A100_SXM, pp=_IB_HDR_PP, tp=_NVLINK3, dp=_ethernet(1, 1e-3)),
+    "a100-dp-100mbit": _gpu("a100-dp-100mbit", **_A100_SXM, pp=_IB_HDR_PP, tp=_NVLINK3, dp=_ethernet(0.1, 10e-3)),
     # This machine's CPU cores, one thread per rank, gloo over loopback; measured by
     # `benchmarks/calibrate_cpu.py` (2026-12-03, fastest of many runs at load 4-7 on 2 cores):
     # matmul 114-119 GFLOP/s and elementwise 14-15 GB/s fitted to gpt-tiny's own nodes, 1.9 µs
@@ -126,17 +191,19 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 }
 
 
-def get_hardware(hardware: str | HardwareSpec) -> HardwareSpec:
-    """Return a preset by name, or ``hardware`` itself when it already is a spec."""
+def get_hardware(hardware: "str | HardwareSpec") -> HardwareSpec:
+    """A spec from a preset name, a hardware file's path, ``"auto"`` (this host, measured once and
+    cached: :mod:`lynx.planner.hardware_cache`), or ``hardware`` itself when it already is a spec."""
     if isinstance(hardware, HardwareSpec):
         return hardware
-    try:
+    if not isinstance(hardware, str):
+        raise LynxConfigError(f"hardware must be a preset name, a hardware file's path, 'auto' or a lynx.HardwareSpec, "
+                              f"got {type(hardware).__name__}")
+    if hardware in HARDWARE_PRESETS:
         return HARDWARE_PRESETS[hardware]
-    except (KeyError, TypeError):
-        raise LynxConfigError(
-            f"unknown hardware {hardware!r}; presets: {', '.join(HARDWARE_PRESETS)} "
-            "(or pass a lynx.HardwareSpec)"
-        ) from None
+    from lynx.planner.hardware_files import resolve_hardware  # files and "auto" (the presets need neither)
+
+    return resolve_hardware(hardware)
 
 
 def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:

@@ -24,7 +24,10 @@ STEPS, EVERY = 6, 4           # one checkpoint, at step 4; the run goes on to st
 
 
 def start(args: list[str], world: int = 2, cwd: Path | None = None) -> list[subprocess.Popen]:
-    """Start the script on ``world`` ranks with torchrun's environment."""
+    """Start the script on ``world`` ranks with torchrun's environment (the fixed cpu-local
+    preset unless ``args`` choose the hardware or a plan: ``auto`` would measure this machine)."""
+    if "--hardware" not in args and "--plan" not in args:
+        args = [*args, "--hardware", "cpu-local"]
     port = free_port()
     procs = []
     for rank in range(world):

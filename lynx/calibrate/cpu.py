@@ -1,0 +1,110 @@
+"""What a CPU rank costs: eager op overhead, matmul and elementwise rates, random numbers, optimizer steps.
+
+Rates are fitted to the forward times of a small GPT's own nodes (``gpt-tiny`` at seq 64 × 8,
+``examples/train_gpt.py``'s shapes) as :func:`lynx.frontend.measure.measure_times` times them, each less
+the eager op overhead: matmul nodes give FLOP/s, the rest bytes moved per second, random ops
+(dropout) the seconds per random number beyond their memory traffic. Microbenchmarks that
+reuse one buffer hit the cache and overstate both rates 1.5-5×; in a forward the activations
+are fresh memory, so a model's own ops are the reference. bf16 and fp16 matmul rates are the
+fp32 fit scaled by a matmul of gpt-tiny's shape timed in each dtype. Optimizer steps are timed
+on gpt-tiny's parameters (one rank, no exchange).
+
+Example::
+
+    >>> import torch
+    >>> from lynx.calibrate.cpu import op_overhead_s
+    >>> 0 < op_overhead_s(ops=200, runs=2) < 1e-3
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lynx.calibrate.repeats import best_of
+
+__all__ = ["MATMUL_OPS", "ReferenceModel", "op_overhead_s", "node_rates", "matmul_dtype_ratios", "optimizer_s_per_param"]
+
+MATMUL_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "conv")
+OPTIMIZERS = ("adamw", "demo", "lion")
+
+
+class ReferenceModel:
+    """gpt-tiny at train_gpt's shapes, captured and profiled once for every repeat."""
+
+    def __init__(self, seq: int = 64, microbatch: int = 8) -> None:
+        import lynx
+
+        torch.manual_seed(0)
+        self.resolved = lynx.models.resolve_model("gpt-tiny", seq=seq, microbatch=microbatch, device="cpu")
+        self.analysis = lynx.analyze(self.resolved.model, self.resolved.example_inputs, target="cpu",
+                                     hardware="cpu-local")
+
+
+def op_overhead_s(ops: int = 2000, runs: int = 3) -> float:
+    """Seconds of one eager op on a 4-element tensor: dispatch, allocation, no work to speak of."""
+    x = torch.randn(4)
+    return best_of(lambda: [x.add(1.0) for _ in range(ops)], runs) / ops
+
+
+def node_rates(reference: ReferenceModel, overhead_s: float) -> dict[str, float]:
+    """``matmul_flops``, ``memory_bandwidth`` and ``rng_s_per_element`` fitted to the reference's nodes."""
+    from lynx.frontend.measure import measure_times
+    from lynx.planner.cost import random_elements
+
+    G = measure_times(reference.analysis.graph.copy(), reference.analysis.captured, repeats=3, statistic=min)
+    flops = matmul_s = moved = moved_s = 0.0
+    random_nodes = []
+    for _, attrs in G.nodes(data=True):
+        if attrs.get("is_view"):
+            continue
+        t = max(0.0, attrs["forward_s"] - overhead_s)
+        if random_elements(attrs):
+            random_nodes.append((attrs, t))
+        elif attrs.get("flops", 0) > 0 and any(w in str(attrs.get("op")) for w in MATMUL_OPS):
+            flops, matmul_s = flops + attrs["flops"], matmul_s + t
+        else:
+            moved, moved_s = moved + attrs["input_bytes"] + attrs["output_bytes"], moved_s + t
+    bandwidth = moved / max(moved_s, 1e-12)
+    elements = sum(random_elements(a) for a, _ in random_nodes)
+    rng_s = sum(t - (a["input_bytes"] + a["output_bytes"]) / bandwidth for a, t in random_nodes)
+    return {"matmul_flops": flops / max(matmul_s, 1e-12), "memory_bandwidth": bandwidth,
+            "rng_s_per_element": max(0.0, rng_s) / elements if elements else 0.0}
+
+
+def matmul_dtype_ratios(m: int = 512, k: int = 128, n: int = 512, runs: int = 5) -> dict[str, float]:
+    """Per dtype, the speed of a ``(m, k) @ (k, n)`` matmul relative to float32's."""
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)  # (m, k), (k, n)
+        torch.mm(a, b)
+        times[str(dtype).removeprefix("torch.")] = best_of(lambda: torch.mm(a, b), runs)
+    return {name: times["float32"] / t for name, t in times.items()}
+
+
+def optimizer_s_per_param(reference: ReferenceModel, runs: int = 3) -> dict[str, float]:
+    """Seconds per parameter of one step of AdamW, DeMo and DistributedLion on the reference's parameters."""
+    from lynx.optim import DeMo, DistributedLion
+
+    params = [p for p in reference.resolved.model.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    makers: dict[str, Any] = {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+        "demo": lambda: DeMo(params, lr=1e-3, process_group=None),
+        "lion": lambda: DistributedLion(params, lr=1e-3, process_group=None),
+    }
+    saved = [p.detach().clone() for p in params]
+    out = {}
+    for name in OPTIMIZERS:
+        opt = makers[name]()
+        opt.step()  # state allocation, first-step work
+        out[name] = best_of(opt.step, runs) / count
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+    return out

@@ -1,0 +1,105 @@
+"""A link's α (latency) and β (bandwidth) between two processes: gloo on CPU, NCCL between two GPUs.
+
+Two worker processes join a process group of their own (a ``FileStore`` in a temporary folder,
+no default group, so this also runs inside a rank of a training job) and time point-to-point
+round trips: many of one element give α (half a round trip), a few of 16 MiB give β from
+what is left after α. On CPU the workers are forked (no second torch import); for NCCL they
+are spawned, one per GPU.
+
+Example::
+
+    >>> from lynx.calibrate.links import measure_link
+    >>> alphas, betas = measure_link("gloo", repeats=1, small_trips=5, large_trips=1, large_numel=2**16)
+    >>> 0 < alphas[0] < 1.0 and betas[0] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from lynx.errors import LynxRuntimeError
+
+__all__ = ["measure_link"]
+
+
+def measure_link(backend: str, repeats: int = 5, small_trips: int = 50, large_trips: int = 3,
+                 large_numel: int = 4 * 2**20, timeout_s: float = 60.0) -> tuple[list[float], list[float]]:
+    """Per repeat, ``(alpha_s, beta_bytes_per_s)`` of one link between two processes."""
+    ctx = mp.get_context("fork" if backend == "gloo" and hasattr(os, "fork") else "spawn")
+    with tempfile.TemporaryDirectory(prefix="lynx-link-") as folder:
+        queue = ctx.Queue()
+        args = (backend, os.path.join(folder, "store"), repeats, small_trips, large_trips, large_numel, timeout_s)
+        procs = [ctx.Process(target=_worker, args=(rank, queue, *args), daemon=True) for rank in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            status, result = queue.get(timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - queue.Empty or a dead worker: say what was measured
+            status, result = "error", f"no result within {timeout_s:.0f} s"
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    if status != "ok":
+        raise LynxRuntimeError(f"could not measure the {backend} link between two processes: {result}")
+    return result
+
+
+def _worker(rank: int, queue, backend: str, store_path: str, repeats: int, small_trips: int, large_trips: int,
+            large_numel: int, timeout_s: float) -> None:
+    try:
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.FileStore(store_path, 2)
+        if backend == "nccl":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            group = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+        else:
+            device = torch.device("cpu")
+            group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+        small, large = torch.zeros(1, device=device), torch.zeros(large_numel, device=device)
+        peer = 1 - rank
+        alphas, betas = [], []
+        _trips(group, small, peer, rank, 2, device)  # warm-up: connections, buffers
+        _trips(group, large, peer, rank, 1, device)
+        for _ in range(repeats):
+            alpha = _trips(group, small, peer, rank, small_trips, device) / (2 * small_trips)
+            one_way = _trips(group, large, peer, rank, large_trips, device) / (2 * large_trips)
+            alphas.append(alpha)
+            betas.append(large.numel() * large.element_size() / max(one_way - alpha, 1e-9))
+        if rank == 0:
+            queue.put(("ok", (alphas, betas)))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
+        if rank == 0:
+            queue.put(("error", f"{type(err).__name__}: {err}"))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
+
+
+def _trips(group, buf: torch.Tensor, peer: int, rank: int, trips: int, device: torch.device) -> float:
+    """Seconds for ``trips`` round trips of ``buf`` (rank 0 sends first)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(trips):
+        if rank == 0:
+            group.send([buf], peer, 0).wait()
+            group.recv([buf], peer, 0).wait()
+        else:
+            group.recv([buf], peer, 0).wait()
+            group.send([buf], peer, 0).wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter() - start
