@@ -107,9 +107,10 @@ def resolve_hardware(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, s
     A CPU spec assumes a core per rank; with more ranks than cores each rank gets its share
     (``lynx.planner.hardware.share_cores``). A saved plan's hardware is used as recorded.
     """
-    from lynx.planner.hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware, share_cores
+    from lynx.planner.hardware import HARDWARE_PRESETS, HardwareSpec, share_cores
+    from lynx.planner.hardware_ref import resolve_hardware
 
-    spec = HardwareSpec.model_validate(hardware) if isinstance(hardware, dict) else get_hardware(hardware)
+    spec = HardwareSpec.model_validate(hardware) if isinstance(hardware, dict) else resolve_hardware(hardware)
     if not from_plan:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         shared = share_cores(spec, ranks, cores)

@@ -48,6 +48,7 @@ _LAZY = {
     "HardwareSpec": ("lynx.planner.hardware", "HardwareSpec"),
     "LinkSpec": ("lynx.planner.hardware", "LinkSpec"),
     "get_hardware": ("lynx.planner.hardware", "get_hardware"),
+    "resolve_hardware": ("lynx.planner.hardware_ref", "resolve_hardware"),
     "Analysis": ("lynx.frontend.analyze", "Analysis"),
     "inspect_model": ("lynx.frontend.inspect", "inspect_model"),
     "CompileConfig": ("lynx.config", "CompileConfig"),

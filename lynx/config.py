@@ -110,13 +110,14 @@ class CompileConfig(BaseModel):
     def _hardware(cls, value: Any) -> Any:
         if isinstance(value, str):
             try:
-                from lynx.planner.hardware import HARDWARE_PRESETS, get_hardware
+                from lynx.planner.hardware import HARDWARE_PRESETS
+                from lynx.planner.hardware_ref import resolve_hardware
             except ImportError:  # foundation not installed: the name is checked when used
                 return value
             if value in HARDWARE_PRESETS:
                 return value  # a preset is recorded by its name
             try:  # a hardware file or "auto": recorded as the spec it resolves to
-                return get_hardware(value)
+                return resolve_hardware(value)
             except Exception as err:  # noqa: BLE001 - re-raised with the setting's name
                 raise ValueError(str(err)) from None
         if hasattr(value, "model_dump") and hasattr(value, "links"):
@@ -176,9 +177,9 @@ class CompileConfig(BaseModel):
 
     def hardware_spec(self) -> Any:
         """The resolved :class:`lynx.HardwareSpec`."""
-        from lynx.planner.hardware import get_hardware
+        from lynx.planner.hardware_ref import resolve_hardware
 
-        return get_hardware(self.hardware)
+        return resolve_hardware(self.hardware)
 
     def budget_bytes(self) -> int:
         """The per-device memory budget in bytes (the hardware's memory when unset)."""

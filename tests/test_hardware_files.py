@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 from lynx.cli import app
 from lynx.config import CompileConfig
 from lynx.errors import LynxConfigError
-from lynx.planner.hardware import HARDWARE_PRESETS, Calibration, get_hardware
-from lynx.planner.hardware_files import load_hardware_file, resolve_hardware, write_hardware_file
+from lynx.planner.hardware import HARDWARE_PRESETS, Calibration
+from lynx.planner.hardware_files import load_hardware_file, write_hardware_file
+from lynx.planner.hardware_ref import resolve_hardware
 from lynx.planner.yaml_subset import dumps, loads
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hardware" / "ethernet_cluster.yaml"
@@ -65,7 +66,7 @@ def test_cluster_on_another_file_merges_links_and_dicts(tmp_path) -> None:
     (tmp_path / "two.yaml").write_text(
         "name: two-hosts\ndevice: host.json\nlinks:\n  dp: {beta_bytes_per_s: 1.25e8}\n"
         "optimizer_s_per_param: {demo: 2e-8}\n")
-    spec = get_hardware(str(tmp_path / "two.yaml"))
+    spec = resolve_hardware(tmp_path / "two.yaml")
     host = HARDWARE_PRESETS["cpu-local"]
     assert spec.links["dp"].beta_bytes_per_s == 1.25e8 and spec.links["dp"].alpha_s == host.links["dp"].alpha_s
     assert spec.optimizer_s_per_param == {**host.optimizer_s_per_param, "demo": 2e-8}

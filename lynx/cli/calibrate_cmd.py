@@ -49,8 +49,7 @@ def calibrate_command(
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda (default: cuda where present)"),
 ) -> None:
     """Measure this machine (rates, overheads, links; about 20 s) into the cache `--hardware auto` reads."""
-    from lynx.cli.plan_cmd import _run
-    from lynx.errors import LynxConfigError
+    from lynx.errors import LynxConfigError, LynxError
     from lynx.planner.hardware_cache import auto_path
     from lynx.planner.hardware_files import write_hardware_file
 
@@ -67,7 +66,11 @@ def calibrate_command(
             written.append(write_hardware_file(spec, output))
         _print(spec, written)
 
-    _run(go)
+    try:
+        go()
+    except LynxError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _print(spec: Any, written: list[Path]) -> None:

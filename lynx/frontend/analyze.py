@@ -24,7 +24,8 @@ from lynx.frontend.measure import measure_times
 from lynx.planner.cost import annotate_times
 from lynx.errors import LynxConfigError
 from lynx.frontend.graph import build_graph
-from lynx.planner.hardware import HardwareSpec, get_hardware
+from lynx.planner.hardware import HardwareSpec
+from lynx.planner.hardware_ref import resolve_hardware
 from lynx.models.presets import infer_dims
 from lynx.frontend.profile import TARGETS, Profile, profile
 
@@ -64,7 +65,7 @@ def analyze(
     fold_repeats: bool | None = None,
 ) -> Analysis:
     """Capture, profile (for ``target``, default the hardware's device) and time ``model``."""
-    hw = get_hardware(hardware)
+    hw = resolve_hardware(hardware)
     target = target or hw.device
     if target not in TARGETS:
         raise LynxConfigError(f"unknown target {target!r}; use one of {TARGETS}")

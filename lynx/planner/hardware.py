@@ -192,18 +192,17 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 
 
 def get_hardware(hardware: "str | HardwareSpec") -> HardwareSpec:
-    """A spec from a preset name, a hardware file's path, ``"auto"`` (this host, measured once and
-    cached: :mod:`lynx.planner.hardware_cache`), or ``hardware`` itself when it already is a spec."""
+    """Return a preset by name, or ``hardware`` itself when it already is a spec (files and
+    ``"auto"``: :func:`lynx.planner.hardware_ref.resolve_hardware`)."""
     if isinstance(hardware, HardwareSpec):
         return hardware
-    if not isinstance(hardware, str):
-        raise LynxConfigError(f"hardware must be a preset name, a hardware file's path, 'auto' or a lynx.HardwareSpec, "
-                              f"got {type(hardware).__name__}")
-    if hardware in HARDWARE_PRESETS:
+    try:
         return HARDWARE_PRESETS[hardware]
-    from lynx.planner.hardware_files import resolve_hardware  # files and "auto" (the presets need neither)
-
-    return resolve_hardware(hardware)
+    except (KeyError, TypeError):
+        raise LynxConfigError(
+            f"unknown hardware {hardware!r}; presets: {', '.join(HARDWARE_PRESETS)} "
+            "(or pass a lynx.HardwareSpec; for a hardware file or 'auto' use resolve_hardware)"
+        ) from None
 
 
 def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:

@@ -12,8 +12,8 @@ A file takes one of two forms.
   rest from the device; ``peak_flops`` and ``optimizer_s_per_param`` merge the same way.
 
 A malformed or incomplete file is refused with the file and every field at fault named.
-``resolve_hardware`` is what ``--hardware`` and ``CompileConfig(hardware=...)`` take: a preset
-name, ``"auto"`` (this host, :mod:`lynx.planner.hardware_cache`) or a file's path.
+:func:`lynx.planner.hardware_ref.resolve_hardware` turns what ``--hardware`` takes (a preset,
+``auto`` or a file's path) into a spec.
 
 Example::
 
@@ -26,11 +26,11 @@ Example::
     ...   pp: {alpha_s: 30e-6, beta_bytes_per_s: 2.94e9}   # 25 GbE between nodes
     ...   dp: {alpha_s: 30e-6, beta_bytes_per_s: 2.94e9}
     ... ''')
-    >>> spec = resolve_hardware(str(folder / "my_cluster.yaml"))
+    >>> spec = load_hardware_file(folder / "my_cluster.yaml")
     >>> spec.name, spec.links["dp"].beta_bytes_per_s, spec.links["tp"].beta_bytes_per_s   # tp: the preset's
     ('a100-nodes-25gbe', 2940000000.0, 300000000000.0)
     >>> _ = (folder / "bad.yaml").write_text("device: a100-80g\\nlinks:\\n  dp: {alpha_s: -1}\\n")
-    >>> resolve_hardware(str(folder / "bad.yaml"))  # doctest: +ELLIPSIS
+    >>> load_hardware_file(folder / "bad.yaml")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     lynx.errors.LynxConfigError: hardware file .../bad.yaml: links.dp.alpha_s: Input should be greater than or equal to 0 (got -1); the format: docs/hardware.md
@@ -49,28 +49,11 @@ from lynx.errors import LynxConfigError
 from lynx.planner.hardware import HARDWARE_PRESETS, Calibration, HardwareSpec
 from lynx.planner.yaml_subset import dumps, loads
 
-__all__ = ["resolve_hardware", "load_hardware_file", "write_hardware_file", "HARDWARE_SUFFIXES"]
+__all__ = ["load_hardware_file", "write_hardware_file", "HARDWARE_SUFFIXES", "DOCS_HINT"]
 
 HARDWARE_SUFFIXES = (".json", ".yaml", ".yml")
 _MERGED = ("peak_flops", "optimizer_s_per_param")  # dict fields a cluster file merges into its device's
-_DOCS = "the format: docs/hardware.md"
-
-
-def resolve_hardware(ref: str | os.PathLike) -> HardwareSpec:
-    """A preset name, ``"auto"`` (this host, measured once and cached) or a hardware file's path."""
-    text = os.fspath(ref)
-    if text in HARDWARE_PRESETS:
-        return HARDWARE_PRESETS[text]
-    if text == "auto":
-        from lynx.planner.hardware_cache import auto_hardware
-
-        return auto_hardware()
-    path = Path(text).expanduser()
-    if path.suffix.lower() in HARDWARE_SUFFIXES or path.exists() or os.sep in text:
-        return load_hardware_file(path)
-    raise LynxConfigError(
-        f"unknown hardware {text!r}: give a preset ({', '.join(HARDWARE_PRESETS)}), 'auto' (this machine, "
-        f"measured once by `lynx calibrate`) or the path of a hardware file (.json or .yaml; {_DOCS})")
+DOCS_HINT = "the format: docs/hardware.md"
 
 
 def load_hardware_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> HardwareSpec:
@@ -80,7 +63,7 @@ def load_hardware_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) ->
         chain = " -> ".join(str(p) for p in (*_seen, path))
         raise LynxConfigError(f"hardware files name each other in a circle: {chain}")
     if not path.is_file():
-        raise LynxConfigError(f"hardware file {path} does not exist (a preset name, 'auto' or a file path; {_DOCS})")
+        raise LynxConfigError(f"hardware file {path} does not exist (a preset name, 'auto' or a file path; {DOCS_HINT})")
     data = _read(path)
     calibration = _calibration(data.pop("calibration", None), path)
     device = data.get("device")
@@ -92,11 +75,11 @@ def load_hardware_file(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) ->
         raise LynxConfigError(
             f"hardware file {path}: device: {'missing' if device is None else f'got {device!r}'}; give 'cpu' or "
             f"'cuda' and every field of a device, or the name of a preset ({', '.join(HARDWARE_PRESETS)}) or "
-            f"another hardware file to take the device from; {_DOCS}")
+            f"another hardware file to take the device from; {DOCS_HINT}")
     try:
         spec = HardwareSpec.model_validate(fields)
     except ValidationError as err:
-        raise LynxConfigError(f"hardware file {path}: {_explain(err)}; {_DOCS}") from None
+        raise LynxConfigError(f"hardware file {path}: {_explain(err)}; {DOCS_HINT}") from None
     return spec.model_copy(update={"source": str(path), "calibration": calibration})
 
 
@@ -109,7 +92,7 @@ def write_hardware_file(spec: HardwareSpec, path: str | os.PathLike) -> Path:
     if path.suffix.lower() == ".json":
         text = json.dumps(data, indent=1) + "\n"
     else:
-        text = f"# Lynx hardware file ({_DOCS})\n" + dumps(data)
+        text = f"# Lynx hardware file ({DOCS_HINT})\n" + dumps(data)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
@@ -128,7 +111,7 @@ def _read(path: Path) -> dict[str, Any]:
     else:
         data = loads(text, f"hardware file {path}")
     if not isinstance(data, dict):
-        raise LynxConfigError(f"hardware file {path}: expected a mapping of fields, got {type(data).__name__}; {_DOCS}")
+        raise LynxConfigError(f"hardware file {path}: expected a mapping of fields, got {type(data).__name__}; {DOCS_HINT}")
     return data
 
 
@@ -140,7 +123,7 @@ def _base(device: str, path: Path, seen: tuple[Path, ...]) -> HardwareSpec:
         return load_hardware_file(candidate, (*seen, path))
     raise LynxConfigError(
         f"hardware file {path}: device: {device!r} is neither 'cpu', 'cuda', a preset ({', '.join(HARDWARE_PRESETS)}) "
-        f"nor a hardware file next to it; {_DOCS}")
+        f"nor a hardware file next to it; {DOCS_HINT}")
 
 
 def _over_base(data: dict[str, Any], base: HardwareSpec, path: Path) -> dict[str, Any]:
@@ -152,7 +135,7 @@ def _over_base(data: dict[str, Any], base: HardwareSpec, path: Path) -> dict[str
             continue
         if key == "links":
             if not isinstance(value, dict):
-                raise LynxConfigError(f"hardware file {path}: links: expected a mapping of pp, tp, dp to links; {_DOCS}")
+                raise LynxConfigError(f"hardware file {path}: links: expected a mapping of pp, tp, dp to links; {DOCS_HINT}")
             for dim, link in value.items():
                 if dim not in fields["links"]:
                     raise LynxConfigError(f"hardware file {path}: links.{dim}: unknown mesh dimension; use pp, tp or dp")
