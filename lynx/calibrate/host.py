@@ -42,6 +42,9 @@ def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None =
         raise LynxRuntimeError("calibrate measures one rank alone, so it needs a process without a process group: "
                                "run `lynx calibrate` or `python -m lynx.calibrate --output FILE` instead")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise LynxRuntimeError("--device cuda: torch sees no CUDA device here (a CPU-only torch build, or no GPU "
+                               "visible); measure the CPU with --device cpu")
     say = _Progress(progress)
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     threads = torch.get_num_threads()
