@@ -12,17 +12,20 @@ Example::
     ...                         hardware="cpu-local", solver="none")
     >>> len(compiled.plan.stages), compiled.plan.predicted.fits_budget
     (2, True)
+    >>> list(compiled.phases)  # wall seconds per phase (lynx.phases)
+    ['capture', 'profile', 'graph', 'setup', 'simulate', 'plan', 'search']
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lynx.config import CompileConfig
 from lynx.errors import LynxConfigError
+from lynx.phases import Phases
 from lynx.plan import Plan, check_fingerprint
-from lynx.planner.loop import plan_graph
+from lynx.planner.loop import plan_graph_outcome
 from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.simulator import SimResult
 
@@ -36,6 +39,8 @@ class Compiled:
     plan: Plan
     config: CompileConfig
     analysis: Any
+    # wall seconds per phase: capture, profile, graph, setup, plan, search, simulate (lynx.phases)
+    phases: Phases = field(default_factory=Phases)
 
     def stage(self, index: int) -> Any:
         """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
@@ -80,8 +85,10 @@ def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = N
     from lynx.frontend.analyze import analyze
 
     analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
+    phases = Phases(analysis.phases)
     if config.plan is not None:
         plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
         check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
-        return Compiled(plan=plan, config=config, analysis=analysis)
-    return Compiled(plan=plan_graph(analysis.graph, config), config=config, analysis=analysis)
+        return Compiled(plan=plan, config=config, analysis=analysis, phases=phases)
+    outcome = plan_graph_outcome(analysis.graph, config)
+    return Compiled(plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases))

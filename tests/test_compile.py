@@ -124,5 +124,13 @@ def test_a_stage_whose_plan_still_hides_everything_is_not_solved_again() -> None
         return solve(name, problem, **kw)
 
     g = synthetic_graph(layers=4)
-    out = plan_graph_outcome(g, _cfg(max_iterations=3), comm=FREE, solve=spy)  # 80 GiB: keeps everything
-    assert out.iterations == 2 and calls == [0, 1]  # round 2 reuses both stages' plans, then stops
+    # 1000 MiB: stage 0 recomputes, stage 1 keeps everything; round 2 re-solves stage 0 only
+    out = plan_graph_outcome(g, _cfg(max_iterations=3, memory_budget=1000 * 2**20), comm=FREE, solve=spy)
+    assert out.iterations == 2 and calls == [0, 1, 0]
+    assert out.results[0].assignment.recompute and not out.results[1].assignment.recompute
+
+
+def test_a_plan_that_recomputes_nothing_stops_after_one_round() -> None:
+    """Nothing recomputed: the replay's windows are the ones solved for, a second round is moot."""
+    out = plan_graph_outcome(synthetic_graph(layers=4), _cfg(max_iterations=3), comm=FREE)  # 80 GiB
+    assert out.iterations == 1 and not any(r.assignment.recompute for r in out.results)

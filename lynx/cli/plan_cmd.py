@@ -51,12 +51,20 @@ def _config(pp: int, dp: int, tp: int, microbatches: int, schedule: str, virtual
 
 def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None, microbatch: Optional[int] = None,
                  dtype: Optional[str] = None, attention: Optional[str] = None) -> Any:
-    """Resolve ``model`` (preset or module:factory) on the meta device and analyse it."""
+    """Resolve ``model`` (preset or module:factory) on the meta device and analyse it (the
+    analysis's ``phases`` add ``import`` and ``model``: see :mod:`lynx.phases`)."""
     from lynx.frontend.analyze import analyze
     from lynx.models import resolve_model
+    from lynx.phases import Phases
 
-    resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
-    return analyze(resolved.model, resolved.example_inputs, target=config.target, hardware=config.hardware_spec())
+    phases = Phases()
+    with phases.timed("import"):  # capture needs it, and building a model on meta would import it unnamed
+        import torch._dynamo  # noqa: F401
+    with phases.timed("model"):
+        resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
+    analysis = analyze(resolved.model, resolved.example_inputs, target=config.target, hardware=config.hardware_spec())
+    analysis.phases = phases.update_from(analysis.phases)
+    return analysis
 
 
 def _run(fn: Any) -> Any:
@@ -98,21 +106,28 @@ def plan_command(
     iterations: int = _ITER, seq: Optional[int] = _SEQ, microbatch: Optional[int] = _MB,
     dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
 ) -> None:
-    """Plan recomputation for MODEL and write the plan as JSON."""
-    from lynx.planner.loop import plan_graph
+    """Plan recomputation for MODEL and write the plan as JSON; print the seconds of each phase."""
+    from lynx.phases import Phases, since_process_start
+    from lynx.planner.loop import plan_graph_outcome
+
+    startup = since_process_start()
 
     def work() -> Any:
         config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
                          solver, time_limit, target, seed, iterations)
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
-            plan = plan_graph(analysis.graph, config, progress=lambda msg: status.update(msg))
-        plan.save(output)
-        return plan
+            outcome = plan_graph_outcome(analysis.graph, config, progress=lambda msg: status.update(msg))
+        phases = Phases() if startup is None else Phases(startup=startup)
+        phases.update_from(analysis.phases).update_from(outcome.phases)
+        with phases.timed("write"):
+            outcome.plan.save(output)
+        return outcome.plan, phases
 
-    plan = _run(work)
+    plan, phases = _run(work)
     _summary(plan)
     console.print(f"wrote {output}")
+    console.print(f"phases: {phases.format()}", soft_wrap=True)
 
 
 def _summary(plan: Any) -> None:

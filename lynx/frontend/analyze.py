@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import networkx as nx
@@ -27,6 +27,7 @@ from lynx.frontend.graph import build_graph
 from lynx.planner.hardware import HardwareSpec
 from lynx.planner.hardware_ref import resolve_hardware
 from lynx.models.presets import infer_dims
+from lynx.phases import Phases
 from lynx.frontend.profile import TARGETS, Profile, profile
 
 __all__ = ["Analysis", "analyze"]
@@ -42,6 +43,7 @@ class Analysis:
     hardware: HardwareSpec
     dims: dict[str, Any]
     name: str
+    phases: Phases = field(default_factory=Phases)  # capture, profile, graph seconds (lynx.phases)
 
     @property
     def target(self) -> str:
@@ -73,10 +75,14 @@ def analyze(
         raise LynxConfigError(f"times must be 'analytic' or 'measure', got {times!r}")
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     dims = {**infer_dims(model, inputs), **(dims or {})} if isinstance(model, nn.Module) else dict(dims or {})
-    captured = capture(model, inputs, fold_repeats=False if times == "measure" else fold_repeats)
-    prof = profile(captured, target=target)
-    G = build_graph(captured, prof, dims)
-    annotate_times(G, hw, dims.get("dtype") or prof.dtype)
-    if times == "measure":
-        measure_times(G, captured)
-    return Analysis(captured, prof, G, hw, dims, name or type(model).__name__)
+    phases = Phases()
+    with phases.timed("capture"):
+        captured = capture(model, inputs, fold_repeats=False if times == "measure" else fold_repeats)
+    with phases.timed("profile"):
+        prof = profile(captured, target=target)
+    with phases.timed("graph"):
+        G = build_graph(captured, prof, dims)
+        annotate_times(G, hw, dims.get("dtype") or prof.dtype)
+        if times == "measure":
+            measure_times(G, captured)
+    return Analysis(captured, prof, G, hw, dims, name or type(model).__name__, phases)

@@ -10,6 +10,6 @@ and finds the windows where a device waits; ``problems`` turns each stage into a
 timeline; ``loop`` is the fixed-point planning loop behind :func:`lynx.compile`.
 
 It imports no torch (``tests/test_layout.py`` keeps it so) and may import only
-:mod:`lynx.solvers`, :mod:`lynx.plan`, :mod:`lynx.config`, :mod:`lynx.errors` and
+:mod:`lynx.solvers`, :mod:`lynx.plan`, :mod:`lynx.config`, :mod:`lynx.errors`, :mod:`lynx.phases` and
 :mod:`lynx.units`.
 """

@@ -30,6 +30,7 @@ import networkx as nx
 
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxPlanError
+from lynx.phases import Phases
 from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, fingerprint_of
 from lynx.planner.comm import CommModel
 from lynx.planner.fingerprint import graph_fingerprint
@@ -38,6 +39,7 @@ from lynx.planner.problems import build_pipeline, build_problems, decisions_from
 from lynx.planner.simulator import SimResult, simulate_assignments
 from lynx.planner.timeline import Pipeline, run_timeline
 from lynx.solvers.problem import StageProblem, exposed_recompute_s
+from lynx.solvers.setup import REGISTRY, prepare, setup_seconds
 from lynx.solvers.validate import validate
 from lynx.units import format_size
 from lynx.viz import timeline_bars
@@ -65,6 +67,7 @@ class PlanOutcome:
     results: list[Any]
     search_time_s: float
     iterations: int
+    phases: Phases = dataclasses.field(default_factory=Phases)  # setup, plan, search, simulate (lynx.phases)
 
     @property
     def status(self) -> str:
@@ -83,13 +86,18 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
                        solve: Optional[Callable[..., Any]] = None, progress: Optional[Callable[[str], None]] = None,
                        check_budget: bool = True, pipeline: Optional[Pipeline] = None,
                        assemble: bool = True) -> PlanOutcome:
-    """:func:`plan_graph` returning the pipeline, problems and simulation as well
+    """:func:`plan_graph` returning the pipeline, problems, simulation and phase times as well
     (``assemble=False``: no Plan object, for benchmarks that only need the figures)."""
-    check_graph(graph)
+    phases = Phases()
+    with phases.timed("setup"):  # before the search clock starts: importing a solver is not search
+        if config.solver in REGISTRY:
+            prepare(config.solver)
     if solve is None:
         from lynx.solvers import solve as registry_solve
 
         solve = registry_solve
+    planning, prepared = time.perf_counter(), phases["setup"]
+    check_graph(graph)
     say = progress or (lambda message: None)
     pipe = pipeline or build_pipeline(
         graph, pp=config.pp, microbatches=config.microbatches, schedule=config.schedule,
@@ -110,7 +118,7 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
         results = []
         try:
             for index, problem in enumerate(problems):
-                started = time.perf_counter()
+                started, imported = time.perf_counter(), setup_seconds()
                 try:
                     kept = previous_results and _still_hidden(problem, previous_results[index])
                     if kept:  # nothing to gain on this stage: its plan still hides everything
@@ -119,8 +127,10 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
                     say(f"iteration {iterations}: solving stage {problem.stage} with {config.solver} "
                         f"({len(problem.nodes)} nodes, {len(problem.windows)} windows)")
                     results.append(solve(config.solver, problem, time_limit_s=config.time_limit_s))
-                finally:
-                    search_time += time.perf_counter() - started
+                finally:  # a solver's first import of CP-SAT is setup (lynx.solvers.setup), not search
+                    first_imports = setup_seconds() - imported
+                    search_time += time.perf_counter() - started - first_imports
+                    phases.add("setup", first_imports)
         except LynxBudgetError as err:
             if best is not None:  # a later iteration's windows cannot make memory worse; keep the best
                 break
@@ -129,14 +139,17 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
                 f"{_static_line(breakdown, problem.stage)} leave {format_size(problem.activation_budget_bytes)} "
                 f"for activations; {err}") from None
         assignments = [r.assignment for r in results]
-        sim = simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget,
-                                   record=False)
+        with phases.timed("simulate"):
+            sim = simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget,
+                                       record=False)
         score = (not sim.fits_budget, round(sim.step_time_s, 12), max(sim.peak_memory_bytes))
         converged = best is not None and _converged(best[0], score) and _replay_agrees(results, sim)
         if best is None or score < best[0]:
             best = (score, sim, problems, results)
         if assignments == previous or converged:
             break
+        if not any(a.recompute for a in assignments):
+            break  # nothing recomputed: the replay's windows are the ones just solved for
         previous, previous_results = assignments, results
         timeline = sim.timeline  # windows re-derived from the replay
     assert best is not None
@@ -145,11 +158,16 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
         raise LynxBudgetError(_budget_message(graph, pipe, config, problems, sim, breakdown, solve))
     plan = None
     if assemble:  # the chosen plan once more, with drawing segments for the plan's timeline picture
-        sim = simulate_assignments(graph, pipe, problems, [r.assignment for r in results], static=static,
-                                   budget_bytes=budget, check=False)
+        with phases.timed("simulate"):
+            sim = simulate_assignments(graph, pipe, problems, [r.assignment for r in results], static=static,
+                                       budget_bytes=budget, check=False)
         plan = _assemble(graph, config, pipe, problems, results, sim, search_time, iterations)
+    # The rest of the loop's time is the planner's own work: partition, timelines, problems, the plan object.
+    first_imports = phases["setup"] - prepared
+    phases.add("plan", time.perf_counter() - planning - search_time - phases.get("simulate", 0.0) - first_imports)
+    phases.add("search", search_time)
     return PlanOutcome(plan=plan, sim=sim, pipeline=pipe, problems=problems, results=results,
-                       search_time_s=search_time, iterations=iterations)
+                       search_time_s=search_time, iterations=iterations, phases=phases)
 
 
 def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems: list[StageProblem],

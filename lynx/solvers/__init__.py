@@ -10,7 +10,8 @@
 * ``checkmate`` — ILP minimising on-demand recompute, no overlap (:mod:`lynx.solvers.checkmate`)
 
 ``progress``, when given, is called as ``progress(elapsed_s, objective_s, bound_s)`` on each
-improving solution of the CP-SAT based solvers. Every result is validated
+improving solution of the CP-SAT based solvers. A solver's module is imported on its first use
+(:mod:`lynx.solvers.setup`: OPT's imports OR-tools, HEU's does not). Every result is validated
 (:func:`~lynx.solvers.problem.validate`): an invalid plan raises ``LynxPlanError`` naming the
 solver instead of being returned.
 
@@ -25,26 +26,16 @@ Example::
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.solvers.problem import SolveResult, StageProblem
+from lynx.solvers.setup import REGISTRY, prepare
 from lynx.solvers.validate import validate
 
 __all__ = ["solve", "SOLVERS"]
 
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "opt": ("lynx.solvers.opt", "solve_opt"),
-    "heu": ("lynx.solvers.heu.solve", "solve_heu"),
-    "none": ("lynx.solvers.baselines", "solve_none"),
-    "full": ("lynx.solvers.baselines", "solve_full"),
-    "full-block": ("lynx.solvers.baselines", "solve_full_block"),
-    "selective": ("lynx.solvers.baselines", "solve_selective"),
-    "checkmate": ("lynx.solvers.checkmate", "solve_checkmate"),
-}
-
-SOLVERS: tuple[str, ...] = tuple(_REGISTRY)
+SOLVERS: tuple[str, ...] = tuple(REGISTRY)
 
 
 def solve(
@@ -55,13 +46,12 @@ def solve(
     progress: Callable[[float, float, float], None] | None = None,
 ) -> SolveResult:
     """Run solver ``name`` on one stage problem."""
-    if name not in _REGISTRY:
+    if name not in REGISTRY:
         raise LynxConfigError(f"unknown solver {name!r}; valid solvers: {', '.join(SOLVERS)}")
     from lynx.solvers.budget import check_time_limit
 
     check_time_limit(time_limit_s)
-    module, attr = _REGISTRY[name]
-    fn = getattr(importlib.import_module(module), attr)
+    fn = prepare(name)  # (imported on first use: see lynx.solvers.setup)
     result = fn(problem, time_limit_s=time_limit_s, progress=progress)
     try:  # every plan is checked here, so an invalid one never reaches a caller unnoticed
         validate(problem, result.assignment)

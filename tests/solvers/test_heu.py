@@ -209,3 +209,17 @@ def test_heu_plan_within_one_percent_of_opt_on_real_models(tiny_graphs, point):
     for problem, result in zip(heu.problems, heu.results):
         validate(problem, result.assignment)
         assert peak_activation_bytes(problem, result.assignment) <= problem.activation_budget_bytes
+
+
+def test_a_stage_whose_keep_all_fits_keeps_everything_at_once():
+    """Keep-all's peak is in_flight × the stage's saved bytes: at that budget nothing is dropped
+    (nothing to expose); a byte less and something is."""
+    p = make_uniform_problem(layers=4, microbatches=8, in_flight=4, recv_grad_capacity_s=0.002)
+    keep_all = p.in_flight * sum(n.saved_bytes for n in p.nodes)
+    roomy = dataclasses.replace(p, activation_budget_bytes=keep_all)
+    clear_cache()
+    res = solve_heu(roomy)
+    assert res.assignment.recompute == frozenset() and res.objective_s == 0.0
+    assert peak_activation_bytes(roomy, res.assignment) == keep_all
+    tight = dataclasses.replace(p, activation_budget_bytes=keep_all - 1)
+    assert solve_heu(tight).assignment.recompute

@@ -1,5 +1,7 @@
 """HEU: solve one representative layer, replicate it, fill what is left greedily.
 
+0. A stage whose keep-all fits the budget keeps everything, at once: nothing is exposed, so
+   no plan is better (its peak is ``in_flight`` × the stage's saved bytes).
 1. Contract the stage as OPT does (:func:`lynx.solvers.opt.model_from_problem`) and find the
    family of structurally identical layers (:mod:`lynx.solvers.heu.layers`).
 2. Build the reduced model (one item per family position, ``mult`` = family size; edge
@@ -28,7 +30,9 @@ The contraction and the layer families depend only on the stage's nodes, not on 
 windows or budget, so they are cached per node set: the planner's fixed point re-solves the
 same stages with re-derived windows. A stage solved again with the same windows and budget
 (HEU is deterministic) returns the earlier result. :func:`clear_cache` empties both caches;
-benchmarks call it to time cold solves.
+benchmarks call it to time cold solves. CP-SAT (the tiny stages' searches, the exact
+fallback) is imported only when first used (:func:`lynx.solvers.setup.cpsat`): most plans
+never import OR-tools, and one that does counts the import as setup, not search.
 
 Example::
 
@@ -57,9 +61,9 @@ from lynx.solvers.heu.realise import realise, reserves
 from lynx.solvers.heu.trade import trade
 from lynx.solvers.stage_model import ModelClass, ModelSolution, StageModel, expand_solution, model_from_problem
 from lynx.solvers.budget import budget_error
-from lynx.solvers.cpsat import solve_model
 from lynx.solvers.stage_model import hint_from_assignment
-from lynx.solvers.problem import SolveResult, StageProblem, exposed_recompute_s, microbatch_classes
+from lynx.solvers.problem import Assignment, SolveResult, StageProblem, exposed_recompute_s, microbatch_classes
+from lynx.solvers.setup import cpsat
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.validate import validate
 
@@ -144,6 +148,10 @@ def _structure(problem: StageProblem) -> tuple[_Structure, StageModel, Layout, S
 def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=None) -> SolveResult:
     """HEU plan for one stage (see module docstring); raises LynxBudgetError when none fits."""
     start = time.perf_counter()
+    if problem.in_flight * sum(n.saved_bytes for n in problem.nodes) <= problem.activation_budget_bytes:
+        # Keeping everything fits (its peak is in_flight × all saved bytes: lynx.solvers.memory)
+        # and exposes nothing: no plan is better, and none needs the stage's structure.
+        return SolveResult(Assignment(frozenset()), "HEURISTIC", 0.0, None, time.perf_counter() - start)
     cached, model, lay, red, red_lay = _structure(problem)
     # The planner's fixed point re-solves stages whose windows did not change: same answer.
     key = (problem.windows, problem.microbatches, problem.in_flight, problem.activation_budget_bytes, problem.stage,
@@ -233,7 +241,7 @@ def _traded(problem: StageProblem, model: StageModel, lay: Layout, books: Books,
 def _polish(problem: StageProblem, model: StageModel, assignment, exposed: float, time_limit_s: float):
     """A small stage's plan improved by a short deterministic CP-SAT search on the whole
     stage model from it (kept only when valid, within the budget and exposing less)."""
-    sol = solve_model(model, time_limit_s=time_limit_s, hint=hint_from_assignment(problem, model, assignment),
+    sol = cpsat().solve_model(model, time_limit_s=time_limit_s, hint=hint_from_assignment(problem, model, assignment),
                       deterministic_limit=POLISH_WORK)
     if sol.status not in ("OPTIMAL", "FEASIBLE"):
         return assignment, exposed
@@ -251,7 +259,7 @@ def _polish(problem: StageProblem, model: StageModel, assignment, exposed: float
 def _exact(red: StageModel, hint: tuple, time_limit_s: float) -> tuple | None:
     """A short, deterministic CP-SAT search on a tiny stage's representative model, from the
     first greedy policy (None when it finds nothing)."""
-    sol = solve_model(red, time_limit_s=time_limit_s, hint=hint, deterministic_limit=EXACT_WORK)
+    sol = cpsat().solve_model(red, time_limit_s=time_limit_s, hint=hint, deterministic_limit=EXACT_WORK)
     if sol.status not in ("OPTIMAL", "FEASIBLE"):
         return None
     return tuple(sol.recompute), tuple(tuple(w) for w in sol.placement)
@@ -298,7 +306,7 @@ def _remember(cached: _Structure, key: tuple, result: SolveResult) -> SolveResul
 
 def _fallback(problem: StageProblem, model: StageModel, time_limit_s: float, start: float) -> SolveResult:
     """The greedy could not realise a fitting plan: take the exact model's first good answer."""
-    sol = solve_model(model, time_limit_s=time_limit_s)
+    sol = cpsat().solve_model(model, time_limit_s=time_limit_s)
     if sol.status == "INFEASIBLE":
         raise budget_error(problem)
     if sol.status not in ("OPTIMAL", "FEASIBLE"):
