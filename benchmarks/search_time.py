@@ -1,6 +1,8 @@
-"""OPT vs HEU search time (and plan quality) over gpt-1.3b … gpt-20b.
+"""OPT vs HEU search time (and plan quality) over gpt-1.3b … gpt-20b, llama-7b and a transformers Llama.
 
-Each model is captured and profiled once (meta device, h100-sxm, 1F1B, pp 4, tp 1,
+The models: the GPT presets, the ``llama-7b`` preset (RMSNorm, RoPE, SwiGLU) and
+``hf-llama-7b``, transformers' LlamaForCausalLM built from Llama 2 7B's config (bf16, sdpa;
+``benchmarks/hf_llama.py``). Each model is captured and profiled once (meta device, h100-sxm, 1F1B, pp 4, tp 1,
 8 microbatches); the budget is 30% of the way from `full`'s peak to `none`'s. Both solvers
 get the same stage problems (the windows of the first timeline); search time is the solver
 time of that one round over all stages — HEU's the median of ``--repeats`` cold runs (HEU's
@@ -16,8 +18,12 @@ within 60 s. The load average is recorded with the figures (the machine is share
     .venv/bin/python benchmarks/search_time.py --reuse-opt     # HEU only; OPT columns from search.json
     lynx bench search                                     # the same
     .venv/bin/python benchmarks/search_time.py --opt-grid gpt-1.3b   # OPT on every grid stage
+    .venv/bin/python benchmarks/search_time.py --plans-only          # only the section below
 
-Writes benchmarks/results/search.{md,json,png}.
+Then HEU's whole plans at issue 17's points, cold (a fresh process per measurement) and warm,
+and ``lynx plan``'s wall time (``benchmarks/search_plan.py``; ``--no-plans`` skips them).
+
+Writes benchmarks/results/search.{md,json,png} and search_plan.{md,json}.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from lynx.planner.problems import build_problems  # noqa: E402
 from lynx.planner.simulator import simulate_assignments  # noqa: E402
 from lynx.planner.timeline import run_timeline  # noqa: E402
 
-MODELS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b"]
+MODELS = ["gpt-1.3b", "gpt-2.7b", "gpt-6.7b", "gpt-13b", "gpt-20b", "llama-7b", "hf-llama-7b"]
+# beyond the presets: transformers' LlamaForCausalLM with Llama 2 7B's config (benchmarks/hf_llama.py)
+SPECS = {"hf-llama-7b": f"{ROOT / 'benchmarks' / 'hf_llama.py'}:llama_7b"}
 
 
 def solve_round(solver: str, problems: list[Any], time_limit_s: float) -> tuple[float, float, list[Any]]:
@@ -82,7 +90,7 @@ def bench_model(name: str, repeats: int, opt_time_limit: float, level: float = 0
     from lynx.frontend.analyze import analyze
     from lynx.models import resolve_model
 
-    resolved = resolve_model(name)
+    resolved = resolve_model(SPECS.get(name, name))
     t0 = time.perf_counter()
     graph = analyze(resolved.model, resolved.example_inputs, target="cuda", hardware="h100-sxm").graph
     analyse_s = time.perf_counter() - t0
@@ -252,7 +260,14 @@ def opt_grid(model: str = "gpt-1.3b", time_limit_s: float = 60.0, out: Path = RO
 
 
 def main(models: Optional[list[str]] = None, repeats: int = 5, opt_time_limit: float = 60.0,
-         out: Path = ROOT / "benchmarks" / "results", reuse_opt: bool = False) -> int:
+         out: Path = ROOT / "benchmarks" / "results", reuse_opt: bool = False, plans: bool = True,
+         rounds: bool = True) -> int:
+    if plans:  # whole plans, cold and warm, and lynx plan (benchmarks/search_plan.py)
+        import search_plan
+
+        search_plan.main(repeats=repeats, out=Path(out))
+    if not rounds:
+        return 0
     earlier: dict[str, Any] = {}
     if reuse_opt:
         earlier = {r["model"]: r for r in json.loads((Path(out) / "search.json").read_text())}
@@ -280,6 +295,8 @@ if __name__ == "__main__":
     parser.add_argument("--opt-time-limit", type=float, default=60.0)
     parser.add_argument("--reuse-opt", action="store_true",
                         help="take OPT's figures from the existing search.json instead of re-solving (HEU only)")
+    parser.add_argument("--no-plans", action="store_true", help="skip the whole-plan section (search_plan.py)")
+    parser.add_argument("--plans-only", action="store_true", help="only the whole-plan section (search_plan.py)")
     parser.add_argument("--opt-grid", default=None, metavar="MODEL",
                         help="instead: OPT on every stage of MODEL's grid configurations → search_time_opt_MODEL.md")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -287,4 +304,5 @@ if __name__ == "__main__":
     if a.opt_grid:
         opt_grid(a.opt_grid, a.opt_time_limit, a.out)
         raise SystemExit(0)
-    raise SystemExit(main(a.models.split(","), a.repeats, a.opt_time_limit, a.out, a.reuse_opt))
+    raise SystemExit(main(a.models.split(","), a.repeats, a.opt_time_limit, a.out, a.reuse_opt,
+                          plans=not a.no_plans, rounds=not a.plans_only))

@@ -10,6 +10,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import sys
@@ -60,6 +61,8 @@ def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None
     phases = Phases()
     with phases.timed("import"):  # capture needs it, and building a model on meta would import it unnamed
         import torch._dynamo  # noqa: F401
+
+        gc.freeze()  # what the imports made lives to the end: later collections need not scan it (~0.2 s)
     with phases.timed("model"):
         resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
     analysis = analyze(resolved.model, resolved.example_inputs, target=config.target, hardware=config.hardware_spec())
