@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lynx.config import CompileConfig
 from lynx.errors import LynxConfigError
@@ -41,6 +41,7 @@ class Compiled:
     analysis: Any
     # wall seconds per phase: capture, profile, graph, setup, plan, search, simulate (lynx.phases)
     phases: Phases = field(default_factory=Phases)
+    loss: Any = None    # lynx.runtime.loss.LossSpec: which part of the output is the loss
 
     def stage(self, index: int) -> Any:
         """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
@@ -74,21 +75,33 @@ def resolve_config(config: Optional[CompileConfig], settings: dict[str, Any]) ->
     return config.replace(**settings) if settings else config
 
 
-def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = None, **settings: Any) -> Compiled:
+def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = None, *,
+            loss_fn: Optional[Callable[..., Any]] = None, **settings: Any) -> Compiled:
     """Analyse ``model`` on one microbatch of ``example_inputs`` and plan it (see module doc).
 
     Settings are those of :class:`lynx.CompileConfig`, as one object, keywords, or both
     (keywords win). With ``plan=`` the saved plan is checked against this model and config
     (:class:`lynx.LynxFingerprintError` when it was made for others) and used as it is.
+    ``example_inputs`` is a tuple (positional) or a dict (keyword inputs). ``compiled.loss``
+    says which part of the model's output is the training loss (``loss_fn(output, *targets)``
+    when given; see :mod:`lynx.runtime.loss`); an output without one is accepted for planning,
+    and :class:`lynx.runtime.Pipeline` refuses to train it with that message.
     """
     config = resolve_config(config, settings)
     from lynx.frontend.analyze import analyze
+    from lynx.runtime.loss import LossSpec, find_loss, output_structure
 
+    loss = LossSpec(None, "").with_loss_fn(loss_fn)  # a loss_fn that is not callable fails here, first
     analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
+    if loss_fn is None:
+        structure = output_structure(analysis.captured.gm)
+        loss = find_loss(structure) if structure is not None else LossSpec(
+            "scalar", "the model's output shapes were not recorded (symbolic_trace capture): it must be the loss")
     phases = Phases(analysis.phases)
     if config.plan is not None:
         plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
         check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
-        return Compiled(plan=plan, config=config, analysis=analysis, phases=phases)
+        return Compiled(plan=plan, config=config, analysis=analysis, phases=phases, loss=loss)
     outcome = plan_graph_outcome(analysis.graph, config)
-    return Compiled(plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases))
+    return Compiled(plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases),
+                    loss=loss)

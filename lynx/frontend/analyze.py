@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,7 +58,7 @@ class Analysis:
 
 def analyze(
     model: nn.Module,
-    example_inputs: tuple | list | torch.Tensor,
+    example_inputs: tuple | list | Mapping | torch.Tensor,
     *,
     target: str | None = None,
     hardware: str | HardwareSpec = "h100-sxm",
@@ -73,8 +74,12 @@ def analyze(
         raise LynxConfigError(f"unknown target {target!r}; use one of {TARGETS}")
     if times not in ("analytic", "measure"):
         raise LynxConfigError(f"times must be 'analytic' or 'measure', got {times!r}")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    dims = {**infer_dims(model, inputs), **(dims or {})} if isinstance(model, nn.Module) else dict(dims or {})
+    if isinstance(example_inputs, Mapping):  # by keyword: capture keeps the names
+        inputs: Any = dict(example_inputs)
+        values = tuple(inputs.values())
+    else:
+        inputs = values = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    dims = {**infer_dims(model, values), **(dims or {})} if isinstance(model, nn.Module) else dict(dims or {})
     phases = Phases()
     with phases.timed("capture"):
         captured = capture(model, inputs, fold_repeats=False if times == "measure" else fold_repeats)

@@ -26,7 +26,7 @@ import os
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import fx, nn
@@ -148,9 +148,13 @@ def _repeated_module_list(model: nn.Module) -> tuple[nn.Module, str, str, nn.Mod
 
 
 def capture(
-    model: nn.Module, example_inputs: tuple | list | torch.Tensor, *, fold_repeats: bool | None = None
+    model: nn.Module, example_inputs: tuple | list | Mapping | torch.Tensor, *, fold_repeats: bool | None = None
 ) -> Captured:
     """Capture ``model`` called on ``example_inputs`` (one microbatch) as an fx graph.
+
+    A mapping of example inputs is passed by keyword (``model(**example_inputs)``, e.g.
+    ``{"input_ids": ids, "labels": ids}`` for a ``transformers`` model); the graph's inputs are
+    then named and ordered as its keys.
 
     ``fold_repeats`` (default: when every parameter is on the meta device) captures a deep
     model with only two of its repeated layers; :func:`lynx.frontend.graph.build_graph` replicates them
@@ -171,24 +175,37 @@ def capture(
     return _capture(model, example_inputs)
 
 
-def _capture(model: nn.Module, example_inputs: tuple | list | torch.Tensor) -> Captured:
+def _capture(model: nn.Module, example_inputs: tuple | list | Mapping | torch.Tensor) -> Captured:
     if not isinstance(model, nn.Module):
         raise LynxCaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    # a mapping is passed by keyword (model(**example_inputs)); the graph's inputs follow its order
+    keywords = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
+    if keywords is not None:
+        inputs = tuple(keywords.values())
+    else:
+        inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if not all(isinstance(t, torch.Tensor) for t in inputs):
         raise LynxCaptureError(f"example_inputs must be tensors, got ({_input_summary(inputs)})")
+    # the same tensor passed twice (compile(model, (idx, idx))) would become one graph input,
+    # and the model would read the first input for both at run time
+    inputs = tuple(t.clone() if any(t is u for u in inputs[:i]) else t for i, t in enumerate(inputs))
+    if keywords is not None:
+        keywords = dict(zip(keywords, inputs))
     was_training = model.training
     model.train()
     try:
         # export prints the partial graph when it fails; the LynxCaptureError says what matters
         with quiet_torch(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            exported = torch.export.export(model, inputs, strict=False)
+            exported = (torch.export.export(model, (), kwargs=keywords, strict=False) if keywords is not None
+                        else torch.export.export(model, inputs, strict=False))
         gm = exported.module()
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         _share_original_tensors(gm, model)  # training-mode behaviour (dropout) is baked in
         return Captured(gm, inputs, "export", names)
     except Exception as export_err:  # noqa: BLE001 - every export failure falls back
         try:
+            if keywords is not None:
+                raise LynxCaptureError("symbolic_trace takes positional example inputs only") from export_err
             with quiet_torch():
                 gm = fx.symbolic_trace(model)
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

@@ -1,6 +1,7 @@
 """Runtime: execute planned stages, recomputing inside communication windows.
 
-``run_local`` runs every stage in one process (the reference); ``PipelineRunner`` runs one
+``Pipeline`` is the user-facing API: your own loop, optimizer and data under ``torchrun``
+(``docs/train_your_model.md``). ``run_local`` runs every stage in one process (the reference); ``PipelineRunner`` runs one
 stage per rank over ``torch.distributed`` (gloo or NCCL) with 1F1B or GPipe, posting each
 gradient receive, running the plan's window recomputation while it is in flight, then
 waiting and running backward; data parallelism over a ``(pp, dp)`` device mesh. See
@@ -26,6 +27,7 @@ _LAZY = {
     "InFlight": "lynx.runtime.step",
     "forward_step": "lynx.runtime.step",
     "backward_step": "lynx.runtime.step",
+    "Pipeline": "lynx.runtime.user_pipeline",
     "PipelineRunner": "lynx.runtime.pipeline",
     "RuntimeConfig": "lynx.runtime.pipeline",
     "Topology": "lynx.runtime.topology",

@@ -1,0 +1,97 @@
+"""A step's whole batch, as the model takes it, cut into this replica's microbatches.
+
+:meth:`lynx.runtime.Pipeline.step` takes the inputs of one training step for the whole job —
+``dp × microbatches`` microbatches of the size the model was compiled for, stacked along dim 0,
+positional or by keyword, as the model's ``forward`` takes them. :func:`bind_inputs` names
+them as the captured graph does; :func:`split_rows` gives data-parallel replica ``d`` rows
+``[d·m·b, (d+1)·m·b)`` cut into its ``m`` microbatches of ``b`` rows; :func:`match_layout`
+copies a microbatch into the memory layout of the example input the graph was captured with
+(``torch.export`` bakes the example's layout into views such as ``targets.view(-1)``: a
+non-contiguous slice would fail there).
+
+Example::
+
+    >>> import torch
+    >>> x = torch.arange(16).reshape(8, 2)[:, :1]                 # (8, 1), not contiguous
+    >>> parts = split_rows(x, "x", dp=2, dp_rank=1, microbatches=2)
+    >>> [p.flatten().tolist() for p in parts]
+    [[8, 10], [12, 14]]
+    >>> match_layout(parts[0], torch.zeros(2, 1)).is_contiguous()
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from lynx.errors import LynxConfigError
+
+__all__ = ["bind_inputs", "split_rows", "match_layout", "check_microbatch"]
+
+
+def bind_inputs(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` and ``kwargs`` named as the captured graph's inputs ``names`` (forward's order)."""
+    if len(args) > len(names):
+        raise LynxConfigError(f"step() got {len(args)} positional inputs but the model was compiled with "
+                              f"{len(names)} ({', '.join(names)})")
+    bound = dict(zip(names, args))
+    for key, value in kwargs.items():
+        if key not in names:
+            raise LynxConfigError(f"step() got an input {key!r} the compiled model does not take; its inputs are "
+                                  f"{', '.join(names)} (the example inputs given to lynx.compile)")
+        if key in bound:
+            raise LynxConfigError(f"step() got input {key!r} both by position and by keyword")
+        bound[key] = value
+    return bound
+
+
+def split_rows(value: Any, name: str, *, dp: int, dp_rank: int, microbatches: int) -> list[torch.Tensor]:
+    """Replica ``dp_rank``'s ``microbatches`` microbatches of the job's batch ``value`` (dim 0)."""
+    if not isinstance(value, torch.Tensor):
+        raise LynxConfigError(f"step() input {name!r} must be a tensor, got {type(value).__name__}")
+    parts = dp * microbatches
+    if value.dim() == 0 or value.shape[0] % parts:
+        rows = value.shape[0] if value.dim() else 0
+        raise LynxConfigError(
+            f"step() input {name!r} has {rows} rows along dim 0, not a multiple of dp × microbatches = "
+            f"{dp} × {microbatches} = {parts}: pass the whole step's batch (every replica's microbatches)")
+    per = value.shape[0] // parts
+    mine = value[dp_rank * microbatches * per:(dp_rank + 1) * microbatches * per]
+    return list(mine.split(per))
+
+
+def check_microbatch(value: torch.Tensor, name: str, example: torch.Tensor, *, dp: int, microbatches: int) -> None:
+    """Refuse a microbatch of another shape or dtype than the example input it replaces."""
+    if tuple(value.shape) != tuple(example.shape) or value.dtype != example.dtype:
+        rows = example.shape[0] * dp * microbatches if example.dim() else "?"
+        raise LynxConfigError(
+            f"step() input {name!r}: a microbatch is {tuple(value.shape)} {value.dtype} but the model was compiled "
+            f"for {tuple(example.shape)} {example.dtype} (its example input); a step takes {rows} rows "
+            f"(dp {dp} × {microbatches} microbatches × {example.shape[0] if example.dim() else '?'}), "
+            "the other dimensions as compiled")
+
+
+def match_layout(value: torch.Tensor, example: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """``value`` on ``device`` in ``example``'s memory layout (strides), copying only when needed."""
+    device = device or value.device
+    if example.is_contiguous():
+        return value.to(device).contiguous()
+    if value.stride() == example.stride() and value.device == device:
+        return value
+    if _dense(example):
+        out = torch.empty_strided(example.shape, example.stride(), dtype=value.dtype, device=device)
+        return out.copy_(value)
+    return value.to(device).contiguous()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span without gaps or overlaps (any dim order)."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -1,0 +1,323 @@
+"""``lynx.runtime.Pipeline``: train a compiled model across processes from your own loop.
+
+In the conventions of ``torch.distributed.pipelining`` (a stage, a schedule, ``step`` over the
+whole batch) and torchtitan: the script is launched by ``torchrun``, one process per device;
+every process compiles the same model (same seed) and builds a :class:`Pipeline`, which joins
+the job — the process group (NCCL on CUDA, gloo otherwise), the ``(pp, dp)`` device mesh and
+this rank's pipeline stage with the plan applied. The loop, optimizer, data and learning-rate
+schedule stay the user's::
+
+    compiled = lynx.compile(model, example_inputs, pp=2, microbatches=4, memory_budget="20GiB")
+    pipe = lynx.runtime.Pipeline(compiled)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    for batch in loader:                 # the whole step's batch: dp × microbatches microbatches
+        loss = pipe.step(*batch)         # 1F1B with the plan's windows; mean loss, on every rank
+        opt.step(); opt.zero_grad()
+    pipe.close()
+
+Conventions (see ``docs/train_your_model.md``):
+
+- **Data.** ``step(*inputs, target=None, **inputs_by_name)`` takes what ``forward`` takes,
+  for the whole step: ``dp × microbatches × b`` rows along dim 0 where ``b`` is the example
+  inputs' first dimension. Replica ``d`` trains rows ``[d·m·b, (d+1)·m·b)``, ``b`` rows per
+  microbatch, copied into the example inputs' layout. Every rank may get the same objects;
+  an input a rank's stage does not read may be ``None`` there.
+- **Loss.** ``loss_fn(output, *targets)`` when given (``target``: a tensor or a tuple of
+  tensors, split like the inputs), else what :attr:`lynx.Compiled.loss` found in the output:
+  a scalar, ``.loss``, or the first scalar of a tuple.
+- **Gradients** are the mean over the step's microbatches and replicas (each microbatch's
+  loss scaled by 1/m, then averaged over ``dp``, as ``torch.distributed.pipelining``'s
+  ``scale_grads=True`` and DDP): the gradient of the mean microbatch loss, i.e. of the whole
+  batch's loss when the loss is a mean over equal microbatches. ``step`` replaces ``.grad``.
+- **Returned loss**: the mean of the ``dp × m`` microbatch losses (float32, microbatch order),
+  the same value on every rank.
+- **Checkpoints**: :meth:`state_dict` / :meth:`load_state_dict` hold this rank's stage under
+  the model's own parameter names, for ``torch.distributed.checkpoint``.
+- **Failures**: an uncaught exception on any rank ends every rank with exit status 1 and a
+  message naming the failed rank (:mod:`lynx.runtime.failure_exit`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lynx.errors import LynxConfigError, LynxFingerprintError
+from lynx.runtime.batching import bind_inputs, check_microbatch, match_layout, split_rows
+from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig
+from lynx.runtime.stats import StepStats
+from lynx.runtime.topology import make_topology, select_backend, tied_groups
+
+__all__ = ["Pipeline"]
+
+
+class _LossStage:
+    """The last stage as the runner drives it: the stage module, then the loss of its output."""
+
+    def __init__(self, stage: Any, loss: Any) -> None:
+        self._stage, self._loss = stage, loss
+        self.targets: dict[int, tuple] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stage, name)
+
+    def __call__(self, *args: Any, microbatch: int = 0) -> torch.Tensor:
+        return self._loss(self._stage(*args, microbatch=microbatch), self.targets.get(microbatch, ()))
+
+
+class Pipeline:
+    """This rank's stage of ``compiled``, trained one step at a time (see module docstring).
+
+    Args:
+        compiled: the result of :func:`lynx.compile` (the same model and plan on every rank).
+        loss_fn: ``loss_fn(output, *targets) -> scalar``; default: the loss in the output.
+        timeout_s: how long a rank waits for a peer before naming it.
+        prefetch: run the plan's window recomputation (False: everything on demand).
+        exit_on_error: install :mod:`lynx.runtime.failure_exit` (torchrun scripts).
+    """
+
+    def __init__(self, compiled: Any, loss_fn: Callable[..., Any] | None = None, *, timeout_s: float = 60.0,
+                 prefetch: bool = True, exit_on_error: bool = True) -> None:
+        from lynx.rewrite.build import split_cached, stage_node_lists
+        from lynx.runtime.loss import LossSpec
+
+        plan, config = compiled.plan, compiled.config
+        self.compiled = compiled
+        self.loss = (compiled.loss or LossSpec("scalar", "the model's output")).with_loss_fn(loss_fn)
+        if self.loss.form is None:
+            raise LynxConfigError(f"cannot train: {self.loss.description}")
+        pp = len(plan.stages)
+        dp, m = int(plan.config.get("dp", config.dp)), int(plan.config.get("microbatches", config.microbatches))
+        self.microbatches = m
+        self._own_group = _join_job(pp * dp, timeout_s)
+        self.topology = topo = make_topology(pp, dp, device_type=_device_type())
+        _check_same_everywhere(plan.fingerprint, self.loss.form)
+        captured = compiled.analysis.captured
+        self.input_names = list(captured.input_names)
+        self._examples = dict(zip(self.input_names, captured.example_inputs))
+        stage = compiled.stage(topo.stage)
+        self.device = _rank_device()
+        if any(p.device != self.device for p in stage.parameters()):
+            stage.to(self.device)   # the user's parameters: the stage shares them
+        self.stage = stage
+        self._driven = _LossStage(stage, self.loss) if stage.spec.is_last else stage
+        parts = split_cached(captured.gm, stage_node_lists(plan, compiled.analysis.graph))
+        names = [{str(n.target) for n in part.gm.graph.nodes if n.op == "get_attr"} for part in parts]
+        self.tied = tied_groups(topo, names)
+        self.runtime = RuntimeConfig(schedule=plan.config.get("schedule", "1f1b"), microbatches=m,
+                                     timeout_s=timeout_s, loss_scale=1.0 / m, prefetch=prefetch)
+        self._schedule = plan.stage_schedule(topo.stage)
+        self.optimizer: Any = None
+        self.runner = self._make_runner()
+        self._hook = None
+        if exit_on_error:
+            from lynx.runtime.failure_exit import install_failure_exit
+
+            self._hook = install_failure_exit(self.runner.monitor)
+        self.last_stats: StepStats | None = None
+        self.losses: list[float] = []   # the last step's microbatch losses, every replica's
+
+    # ------------------------------------------------------------------ parts
+    def _make_runner(self) -> PipelineRunner:
+        return PipelineRunner(self._driven, self.topology, self.runtime, schedule=self._schedule,
+                              optimizer=self.optimizer, tied=self.tied)
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def stage_index(self) -> int:
+        return self.topology.stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.topology.stage == self.topology.pp - 1
+
+    @property
+    def dp_group(self) -> Any:
+        """This rank's data-parallel group (a group of itself alone when dp = 1), e.g. for
+        ``lynx.optim.DeMo(..., process_group=pipe.dp_group)``."""
+        return self.topology.dp_group if self.topology.dp_group is not None else self.topology.mesh.get_group("dp")
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """This stage's trainable parameters (the model's own tensors)."""
+        return (p for _, p in self.named_parameters())
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """This stage's trainable parameters under the model's own names."""
+        return ((n, p) for n, p in self.stage.gm.named_parameters() if p.requires_grad)
+
+    def use_optimizer(self, optimizer: Any) -> None:
+        """Let a Lynx data-parallel optimizer (``lynx.optim.DeMo``, ``DistributedLion``) send its
+        buckets while the last backward runs, instead of all-reducing gradients first; its
+        ``step()`` (yours to call) finishes them. Other optimizers need no call."""
+        if not all(hasattr(optimizer, a) for a in ("launch", "finish", "bucket_of")):
+            raise LynxConfigError(f"use_optimizer takes lynx.optim.DeMo or DistributedLion (optimizers that sync "
+                                  f"their own buckets), got {type(optimizer).__name__}; other optimizers need no call")
+        self.runner.close()
+        self.optimizer = _StepByUser(optimizer)
+        self.runner = self._make_runner()
+
+    # ------------------------------------------------------------------- step
+    def step(self, *inputs: Any, target: Any = None, **named: Any) -> torch.Tensor:
+        """One training step on the whole batch; returns the mean microbatch loss (every rank)."""
+        topo, m = self.topology, self.microbatches
+        bound = bind_inputs(self.input_names, inputs, named)
+        needed = list(self.stage.spec.inputs)
+        microbatches: list[dict[str, torch.Tensor]] = [{} for _ in range(m)]
+        for name in needed:
+            if bound.get(name) is None:
+                raise LynxConfigError(f"stage {topo.stage} (rank {topo.rank}) reads model input {name!r} but step() "
+                                      f"got {'None' if name in bound else 'nothing'} for it")
+            example = self._examples[name]
+            for j, part in enumerate(split_rows(bound[name], name, dp=topo.dp, dp_rank=topo.dp_rank, microbatches=m)):
+                check_microbatch(part, name, example, dp=topo.dp, microbatches=m)
+                microbatches[j][name] = match_layout(part, example, self.device)
+        if isinstance(self._driven, _LossStage):
+            self._driven.targets = self._split_targets(target)
+        self.last_stats = stats = self.runner.step(microbatches)
+        return self._mean_loss(stats)
+
+    def _split_targets(self, target: Any) -> dict[int, tuple]:
+        if target is None:
+            return {}   # loss_fn(output) alone, or the loss in the output
+        if self.loss.form != "loss_fn":
+            raise LynxConfigError(f"step() got target= but no loss_fn uses it ({self.loss.description}); pass "
+                                  "loss_fn= to Pipeline, or give the targets as model inputs")
+        targets = target if isinstance(target, tuple) else (target,)
+        topo, m = self.topology, self.microbatches
+        split = [split_rows(t, f"target[{i}]", dp=topo.dp, dp_rank=topo.dp_rank, microbatches=m)
+                 if isinstance(t, torch.Tensor) else [t] * m for i, t in enumerate(targets)]
+        return {j: tuple(s[j].to(self.device) if isinstance(s[j], torch.Tensor) else s[j] for s in split)
+                for j in range(m)}
+
+    def _mean_loss(self, stats: StepStats) -> torch.Tensor:
+        """Every replica's microbatch losses on every rank (summed with zeros: exact), then their mean."""
+        topo, m = self.topology, self.microbatches
+        losses = torch.zeros(topo.dp * m, dtype=torch.float32, device=self.device)   # (dp·m,)
+        if stats.losses:
+            losses[topo.dp_rank * m:(topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float32)
+        if topo.world > 1:
+            self.runner.monitor.wait(dist.all_reduce(losses, async_op=True), "the step's loss all-reduce")
+        losses = losses.cpu()
+        self.losses = losses.tolist()
+        return losses.mean()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, optimizer: Any = None) -> dict[str, Any]:
+        """This stage's tensors by the model's names (and ``optimizer``'s state by the same names),
+        for ``torch.distributed.checkpoint.save`` / ``load`` (see module docstring)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {"model": get_model_state_dict(self.stage.gm)}
+        if optimizer is not None:
+            opt = getattr(optimizer, "inner", optimizer)
+            osd = get_optimizer_state_dict(self.stage.gm, opt)
+            # compressed optimizers keep a momentum per replica: one entry each (not de-duplicated)
+            state["optimizer"] = {f"replica{self.topology.dp_rank}": osd} if _per_replica(opt) else osd
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], optimizer: Any = None) -> None:
+        """Put :meth:`state_dict`'s content (e.g. after ``dcp.load``) into the stage and ``optimizer``."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(self.stage.gm, state["model"])
+        if optimizer is not None:
+            if "optimizer" not in state:
+                raise LynxConfigError("load_state_dict got an optimizer but the state holds none: "
+                                      "save with pipe.state_dict(optimizer)")
+            opt = getattr(optimizer, "inner", optimizer)
+            osd = state["optimizer"]
+            osd = osd[f"replica{self.topology.dp_rank}"] if _per_replica(opt) else osd
+            set_optimizer_state_dict(self.stage.gm, opt, osd)
+
+    # ---------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Remove hooks; leave the process group (after every rank is done) if this pipe made it."""
+        if self.runner is not None:
+            self.runner.close()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self._own_group and dist.is_initialized():
+            dist.barrier()   # rank 0 hosts the store: nobody tears down while a peer still needs it
+            dist.destroy_process_group()
+            self._own_group = False
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        if kind is None:
+            self.close()
+
+
+class _StepByUser:
+    """A bucketed optimizer as the runner sees it: buckets launched during the last backward,
+    and ``step()`` left to the user's loop (where it finishes the collectives and updates)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def step(self) -> None:
+        pass
+
+
+def _per_replica(optimizer: Any) -> bool:
+    return all(hasattr(optimizer, a) for a in ("launch", "finish", "bucket_of"))
+
+
+def _device_type() -> str:
+    return _rank_device().type
+
+
+def _rank_device() -> torch.device:
+    from lynx.runtime.topology import rank_device
+
+    return rank_device()
+
+
+def _join_job(world: int, timeout_s: float) -> bool:
+    """Join the job's process group (torchrun's environment); True when this call created it."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise LynxConfigError(f"the process group has {dist.get_world_size()} ranks but the plan needs "
+                                  f"pp × dp = {world}")
+        return False
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is None:
+        if world != 1:
+            raise LynxConfigError(f"this plan runs on pp × dp = {world} processes: launch the script with "
+                                  f"`torchrun --nproc_per_node {world} SCRIPT.py` (no torchrun environment found)")
+        from lynx.runtime.launch import free_port
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    elif int(env_world) != world:
+        raise LynxConfigError(f"{env_world} processes were started but the plan needs pp × dp = {world}: launch "
+                              f"`torchrun --nproc_per_node {world}` or compile with pp × dp = {env_world}")
+    backend, device = select_backend(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, timeout_s)))
+    return True
+
+
+def _check_same_everywhere(fingerprint: str, loss_form: str | None) -> None:
+    """Every rank compiled the same plan (and found the same loss): else stop before any step."""
+    mine = (fingerprint, loss_form)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise LynxFingerprintError(
+            f"ranks {differ} compiled another plan than rank 0 (fingerprint, loss: {everyone[differ[0]]} vs "
+            f"{everyone[0]}): build the same model with the same seed and settings on every rank")

@@ -1,0 +1,136 @@
+"""Models and data shared by the Pipeline tests' torchrun worker and their single-process reference.
+
+``tuple_model``: a plain ``nn.Module`` whose forward returns ``(logits, loss)`` (nanoGPT's
+convention, with ``targets.view(-1)``, which needs contiguous targets). ``qwen2``: a
+``transformers`` Qwen2 built from a config, taking ``input_ids`` and ``labels`` by keyword and
+returning a ``ModelOutput`` whose ``.loss`` is the loss. Dropout is 0 in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, SEQ, MICRO, STEPS, MICROBATCHES = 64, 8, 2, 3, 4
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))   # (B, T, C)
+
+
+class TupleLM(nn.Module):
+    """forward(idx, targets) -> (logits, loss)."""
+
+    def __init__(self, dim: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.emb(idx)                                                  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)                                              # (B, T, V)
+        return logits, F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+def build(kind: str) -> tuple[nn.Module, tuple | dict]:
+    """The model (seed 0) and one microbatch of example inputs."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, VOCAB, (MICRO, SEQ))                           # (b, T)
+    if kind == "tuple":
+        return TupleLM(), (idx, idx.roll(-1, 1))
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False, attention_dropout=0.0)
+    return transformers.Qwen2ForCausalLM(cfg), {"input_ids": idx, "labels": idx.roll(-1, 1)}
+
+
+def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp: int) -> Any:
+    """An HEU plan under a budget halfway between what full recomputation and keeping
+    everything need on stage 0 (so it recomputes, whatever the cost model's figures)."""
+    import lynx
+    from lynx.planner.loop import plan_graph
+
+    compiled = lynx.compile(model, example, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="none",
+                            hardware="cpu-local", memory_budget="1GiB")
+    graph, config = compiled.analysis.graph, compiled.config
+    full = plan_graph(graph, config.replace(solver="full"))
+    keep, lean = compiled.plan.predicted.peak_memory_bytes[0], full.predicted.peak_memory_bytes[0]
+    config = config.replace(solver="heu", memory_budget=(keep + lean) // 2)
+    return dataclasses.replace(compiled, plan=plan_graph(graph, config), config=config)
+
+
+def batches(dp: int) -> list[torch.Tensor]:
+    """Per step, the whole job's batch of token windows (dp × microbatches × MICRO rows, SEQ + 1)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (dp * MICROBATCHES * MICRO, SEQ + 1), generator=gen) for _ in range(STEPS)]
+
+
+def step_inputs(kind: str, window: torch.Tensor) -> tuple[tuple, dict]:
+    """(positional, keyword) inputs of a step: non-contiguous slices, as a loader gives them."""
+    if kind == "tuple":
+        return (window[:, :-1], window[:, 1:]), {}
+    return (), {"input_ids": window[:, :-1], "labels": window[:, 1:]}
+
+
+def optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def reference(kind: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Single-process PyTorch training of the same batches: per replica, the microbatch losses
+    scaled by 1/m and accumulated; the replicas' gradients averaged; AdamW. Returns the
+    per-step mean microbatch losses, the first step's gradients and the final parameters."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as torchrun's workers: LayerNorm's weight gradient sums per thread
+    try:
+        return _reference(kind, dp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(kind: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model, _ = build(kind)
+    model.train()
+    opt = optimizer(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, first_grads = [], {}
+    for window in batches(dp):
+        args, kwargs = step_inputs(kind, window)
+        replica_grads, mb_losses = [], []
+        for d in range(dp):
+            for p in params:
+                p.grad = None
+            for j in range(MICROBATCHES):
+                rows = slice((d * MICROBATCHES + j) * MICRO, (d * MICROBATCHES + j + 1) * MICRO)
+                out = model(*[a[rows].contiguous() for a in args],
+                            **{k: v[rows].contiguous() for k, v in kwargs.items()})
+                loss = out[1] if kind == "tuple" else out.loss
+                mb_losses.append(loss.detach())
+                (loss * (1.0 / MICROBATCHES)).backward()
+            replica_grads.append([p.grad.clone() for p in params])
+        for i, p in enumerate(params):
+            total = replica_grads[0][i]
+            for d in range(1, dp):
+                total = total + replica_grads[d][i]
+            p.grad = total / dp if dp > 1 else total
+        losses.append(float(torch.stack(mb_losses).mean()))
+        if not first_grads:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
