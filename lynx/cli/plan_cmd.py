@@ -214,8 +214,19 @@ def compare_command(
     optimizer: str = _OPTIM, time_limit: float = _TL, target: Optional[str] = _TARGET, seed: int = _SEED,
     iterations: int = _ITER, seq: Optional[int] = _SEQ, microbatch: Optional[int] = _MB,
     dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
+    solver: str = typer.Option("heu", "--solver", help="the solver you mean to use: exit 1 when it finds no plan "
+                               "within the budget"),
 ) -> None:
-    """Every solver and baseline on MODEL side by side, scored by the same simulator."""
+    """Every solver and baseline on MODEL side by side, scored by the same simulator.
+
+    Solvers that fail are listed under the table with their whole message. The exit status
+    is 1 when the requested ``--solver`` (default heu) finds no plan, or none within the
+    budget for opt, heu and checkmate; 0 otherwise.
+    """
+    if solver not in SOLVERS:
+        typer.echo(f"error: --solver must be one of {', '.join(SOLVERS)}, got {solver!r}", err=True)
+        raise typer.Exit(2)
+
     def work() -> list[dict[str, Any]]:
         config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
                          "heu", time_limit, target, seed, iterations)
@@ -224,8 +235,12 @@ def compare_command(
             return compare_records(analysis.graph, config, progress=lambda msg: status.update(msg))
 
     records = _run(work)
+    verdict = _requested_verdict(records, solver, memory_budget)
     if as_json:
         print(json.dumps(records, indent=1))
+        if verdict:
+            typer.echo(f"error: {verdict}", err=True)
+            raise typer.Exit(1)
         return
     table = Table(title=f"{model}: pp={pp} tp={tp} dp={dp} m={microbatches} {schedule}, budget {memory_budget}")
     for column in ("solver", "status", "step ms", "speedup vs full", "exposed ms", "hidden ms", "peak per stage",
@@ -233,7 +248,7 @@ def compare_command(
         table.add_column(column, justify="right")
     for r in records:
         if "step_time_s" not in r:
-            table.add_row(r["solver"], "[red]error[/]", r["error"][:60], *[""] * 6)
+            table.add_row(r["solver"], "[red]error[/]", "(below)", *[""] * 6)
             continue
         speed = r.get("speedup_over_full")
         table.add_row(r["solver"], r["status"], f"{r['step_time_s'] * 1e3:.2f}", "-" if speed is None else f"{speed:.3f}×",
@@ -241,6 +256,27 @@ def compare_command(
                       " ".join(format_size(b) for b in r["peak_memory_bytes"]),
                       "yes" if r["fits_budget"] else "[red]no[/]", f"{r['search_time_s']:.3f}")
     table_console().print(table)
+    for r in records:   # whole messages, outside the table (a cell would clip them)
+        if "step_time_s" not in r:
+            typer.echo(f"{r['solver']}: {r['error']}")
+    if verdict:
+        typer.echo(f"error: {verdict}", err=True)
+        raise typer.Exit(1)
+
+
+def _requested_verdict(records: list[dict[str, Any]], solver: str, budget: Optional[str]) -> Optional[str]:
+    """Why the requested solver has no usable plan, or None when it has one."""
+    from lynx.compile import BUDGET_CHECKED_SOLVERS
+
+    record = next((r for r in records if r["solver"] == solver), None)
+    if record is None:
+        return None
+    if "step_time_s" not in record:
+        return f"the requested solver {solver} finds no plan (its error is above)"
+    if solver in BUDGET_CHECKED_SOLVERS and not record["fits_budget"]:
+        return (f"the requested solver {solver} finds no plan within memory_budget {budget}: its best needs "
+                + " ".join(format_size(b) for b in record["peak_memory_bytes"]) + " per stage")
+    return None
 
 
 @bench_app.command("search")

@@ -29,7 +29,8 @@ from lynx.errors import LynxConfigError
 from lynx.models.gpt import GPT, GPTConfig
 from lynx.models.llama import Llama, LlamaConfig
 
-__all__ = ["PRESETS", "Preset", "ResolvedModel", "build_preset", "infer_dims", "resolve_model", "parse_dtype"]
+__all__ = ["PRESETS", "Preset", "ResolvedModel", "build_preset", "check_factory_result", "infer_dims", "resolve_model",
+           "parse_dtype"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class ResolvedModel:
 
     name: str
     model: nn.Module
-    example_inputs: tuple[torch.Tensor, ...]
+    example_inputs: tuple[torch.Tensor, ...] | dict[str, torch.Tensor]   # dict: passed by keyword
     dims: dict[str, Any] = field(default_factory=dict)
 
 
@@ -147,6 +148,9 @@ def _load_factory(spec: str) -> Callable[[], Any]:
             path = Path(module_name)
             if not path.exists():
                 raise LynxConfigError(f"factory file {path} does not exist")
+            folder = str(path.resolve().parent)   # its sibling modules import as in `python file.py`
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             mod_spec = importlib.util.spec_from_file_location(path.stem, path)
             module = importlib.util.module_from_spec(mod_spec)  # type: ignore[arg-type]
             sys.modules[path.stem] = module
@@ -160,6 +164,37 @@ def _load_factory(spec: str) -> Callable[[], Any]:
     if not callable(factory):
         raise LynxConfigError(f"{module_name!r} has no callable {attr!r} (MODEL {spec!r})")
     return factory
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}: (" + ", ".join(_shown(v) for v in value[:4]) + ")"
+    if isinstance(value, dict):
+        return "a dict {" + ", ".join(f"{k!r}: {_shown(v)}" for k, v in list(value.items())[:4]) + "}"
+    if isinstance(value, nn.Module):
+        return f"a {type(value).__name__} module"
+    return f"{type(value).__name__} {value!r}"[:120]
+
+
+def check_factory_result(spec: str, produced: Any) -> tuple[nn.Module, tuple | dict]:
+    """``(model, example_inputs)`` from what factory ``spec`` returned, or an error showing it.
+
+    ``example_inputs`` is one microbatch: a tensor, a tuple or list of tensors (positional), or
+    a dict of tensors (by keyword).
+    """
+    ok_pair = isinstance(produced, (tuple, list)) and len(produced) == 2 and isinstance(produced[0], nn.Module)
+    if ok_pair:
+        inputs = produced[1]
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        values = list(inputs.values()) if isinstance(inputs, dict) else inputs
+        if isinstance(values, (tuple, list)) and values and all(isinstance(t, torch.Tensor) for t in values):
+            return produced[0], (dict(inputs) if isinstance(inputs, dict) else tuple(inputs))
+    raise LynxConfigError(
+        f"factory {spec!r} must return (model, example_inputs) — an nn.Module and one microbatch of inputs "
+        f"(a tensor, a tuple of tensors, or a dict of tensors by keyword) — but it returned {_shown(produced)}")
 
 
 def infer_dims(model: nn.Module, inputs: tuple) -> dict[str, Any]:
@@ -205,11 +240,8 @@ def resolve_model(
         raise LynxConfigError(f"unknown model preset {spec!r}; valid presets: {', '.join(PRESETS)} "
                               "(or pass 'module:factory' returning (model, example_inputs))")
     produced = _load_factory(spec)()
-    if not (isinstance(produced, tuple) and len(produced) == 2 and isinstance(produced[0], nn.Module)):
-        raise LynxConfigError(f"factory {spec!r} must return (model, example_inputs), got {type(produced).__name__}")
-    model, inputs = produced
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    model, inputs = check_factory_result(spec, produced)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
-    dims = infer_dims(model, inputs)
+    dims = infer_dims(model, tuple(inputs.values()) if isinstance(inputs, dict) else inputs)
     return ResolvedModel(spec, model, inputs, dims)

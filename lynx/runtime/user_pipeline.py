@@ -213,19 +213,29 @@ class Pipeline:
     def state_dict(self, optimizer: Any = None) -> dict[str, Any]:
         """This stage's tensors by the model's names (and ``optimizer``'s state by the same names),
         for ``torch.distributed.checkpoint.save`` / ``load`` (see module docstring)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         state: dict[str, Any] = {"model": get_model_state_dict(self.stage.gm)}
         if optimizer is not None:
             opt = getattr(optimizer, "inner", optimizer)
-            osd = get_optimizer_state_dict(self.stage.gm, opt)
+            # keyed by parameter name, param groups included (torchtitan's form for pipeline
+            # stages: each stage's entries are its own, nothing collides across stages)
+            osd = get_optimizer_state_dict(self.stage.gm, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
             # compressed optimizers keep a momentum per replica: one entry each (not de-duplicated)
             state["optimizer"] = {f"replica{self.topology.dp_rank}": osd} if _per_replica(opt) else osd
         return state
 
     def load_state_dict(self, state: dict[str, Any], optimizer: Any = None) -> None:
         """Put :meth:`state_dict`'s content (e.g. after ``dcp.load``) into the stage and ``optimizer``."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         set_model_state_dict(self.stage.gm, state["model"])
         if optimizer is not None:
@@ -235,7 +245,8 @@ class Pipeline:
             opt = getattr(optimizer, "inner", optimizer)
             osd = state["optimizer"]
             osd = osd[f"replica{self.topology.dp_rank}"] if _per_replica(opt) else osd
-            set_optimizer_state_dict(self.stage.gm, opt, osd)
+            set_optimizer_state_dict(self.stage.gm, opt, osd,
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:

@@ -46,3 +46,18 @@ def test_bad_input_exits_with_a_message(tmp_path) -> None:
     result = runner.invoke(app, ["plan", "gpt-tiny", "--hardware", "cpu-local", "--pp", "8", "-m", "8",
                                  "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 2 and "only 4 layers" in result.output
+
+
+def test_compare_lists_errors_in_full_and_fails_when_the_requested_solver_has_no_plan() -> None:
+    result = runner.invoke(app, ["compare", *TINY, "-b", "2MiB", "--time-limit", "5"])
+    assert result.exit_code == 1, result.output
+    assert "the requested solver heu finds no plan" in result.output
+    # the whole message, on a line of its own under the table (a table cell clipped it)
+    line = next(x for x in result.output.splitlines() if x.startswith("heu: "))
+    assert line.endswith("or fewer microbatches in flight") and "Raise memory_budget by at least" in line
+    fits = runner.invoke(app, ["compare", *TINY, "-b", "2MiB", "--time-limit", "5", "--solver", "none"])
+    assert fits.exit_code == 0, fits.output      # a baseline is scored as it is, over budget or not
+    as_json = runner.invoke(app, ["compare", *TINY, "-b", "2MiB", "--time-limit", "5", "--json"])
+    assert as_json.exit_code == 1
+    bad = runner.invoke(app, ["compare", *TINY, "--solver", "fastest"])
+    assert bad.exit_code == 2 and "--solver must be one of" in bad.output

@@ -63,3 +63,44 @@ def test_factory_path(tmp_path, monkeypatch):
         resolve_model("my_models:missing")
     with pytest.raises(LynxConfigError, match="cannot import"):
         resolve_model("no_such_module_xyz:make")
+
+
+def test_factory_file_imports_its_siblings(tmp_path, monkeypatch):
+    """A model split over two files (nanoGPT's model.py beside a factory file) imports as under
+    ``python factory.py``: the file's folder is on the import path."""
+    pkg = tmp_path / "nano"
+    pkg.mkdir()
+    (pkg / "nano_model_xyz.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = torch.nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x).square().mean()\n")
+    (pkg / "factory_xyz.py").write_text(
+        "import torch\n"
+        "from nano_model_xyz import Net\n"
+        "def make():\n"
+        "    return Net(), torch.randn(2, 4)\n"
+        "def make_keywords():\n"
+        "    return Net(), {'x': torch.randn(2, 4)}\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))   # restored after the test
+    resolved = resolve_model("nano/factory_xyz.py:make")
+    assert type(resolved.model).__name__ == "Net" and len(resolved.example_inputs) == 1
+    assert list(resolve_model("nano/factory_xyz.py:make_keywords").example_inputs) == ["x"]
+
+
+@pytest.mark.parametrize("returned,shown", [
+    ("torch.zeros(2, 3)", "it returned a Tensor(2, 3) float32"),
+    ("(torch.nn.Linear(2, 2),)", "it returned a tuple of 1: (a Linear module)"),
+    ("(torch.nn.Linear(2, 2), 'inputs')", "it returned a tuple of 2: (a Linear module, str 'inputs')"),
+    ("(torch.zeros(2), torch.nn.Linear(2, 2))", "it returned a tuple of 2: (a Tensor(2,) float32, a Linear module)"),
+])
+def test_factory_returning_something_else_is_shown(tmp_path, monkeypatch, returned, shown):
+    (tmp_path / "bad_factory_xyz.py").write_text(f"import torch\ndef make():\n    return {returned}\n")
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    with pytest.raises(LynxConfigError, match="must return \\(model, example_inputs\\)") as err:
+        resolve_model(f"{tmp_path / 'bad_factory_xyz.py'}:make")
+    assert shown in str(err.value)
