@@ -266,7 +266,7 @@ def compare_command(
 
 def _requested_verdict(records: list[dict[str, Any]], solver: str, budget: Optional[str]) -> Optional[str]:
     """Why the requested solver has no usable plan, or None when it has one."""
-    from lynx.compile import BUDGET_CHECKED_SOLVERS
+    from lynx.planner.loop import BUDGET_CHECKED_SOLVERS
 
     record = next((r for r in records if r["solver"] == solver), None)
     if record is None:
