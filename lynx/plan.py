@@ -132,6 +132,8 @@ class Plan(BaseModel):
     predicted: Predicted
     # the simulated step, merged per stage: (stage, compute|recompute|comm|idle, start_s, end_s)
     timeline: list[tuple[int, str, float, float]] = []
+    # the same step bar by bar with microbatch labels (lynx.viz.timeline_detail): what `lynx show` draws
+    timeline_detail: list[tuple[int, str, float, float, str]] = []
 
     # ------------------------------------------------------------------ files
     def to_json(self, indent: Optional[int] = 1) -> str:

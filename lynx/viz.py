@@ -1,6 +1,14 @@
 """The timeline picture: one lane per pipeline stage showing compute, recomputation,
 communication and idle time of one simulated training step (PNG and SVG, matplotlib).
 
+With a plan's detailed timeline (:func:`timeline_detail`, ``Plan.timeline_detail``) the picture
+labels each bar with its microbatch (``F3``, ``B3``, ``R3`` for recomputation serving ``B3``),
+draws forward and backward in different colours, splits recomputation into the part hidden in
+a communication window and the part exposed on the critical path (on demand, or beyond a
+window's capacity), and draws communication where a stage waits for it: the part of an
+activation or gradient transfer that a stage sits idle for, and tensor- and data-parallel
+collectives; a transfer that runs while the stage computes is not drawn (it costs nothing).
+
 Example::
 
     >>> import tempfile, pathlib
@@ -17,9 +25,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence, Union
 
-__all__ = ["COLORS", "draw_timeline", "stage_totals", "timeline_bars"]
+__all__ = ["COLORS", "DETAIL_COLORS", "draw_timeline", "stage_totals", "timeline_bars", "timeline_detail"]
 
 COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "comm": "#55A868", "idle": "#D9D9D9"}
+DETAIL_COLORS = {"forward": "#4C72B0", "backward": "#8172B3", "recompute hidden": "#F2B880",
+                 "recompute exposed": "#C44E52", "comm": "#55A868", "optimizer": "#937860", "idle": "#D9D9D9"}
+_DETAIL_NAMES = {"forward": "forward", "backward": "backward", "recompute hidden": "recompute hidden in a window",
+                 "recompute exposed": "recompute exposed", "comm": "communication waited for",
+                 "optimizer": "optimizer step", "idle": "idle"}
 
 
 def stage_totals(bars: Sequence[tuple[int, str, float, float]], step_time_s: float) -> dict[int, dict[str, float]]:
@@ -38,33 +51,31 @@ def stage_totals(bars: Sequence[tuple[int, str, float, float]], step_time_s: flo
 
 
 def draw_timeline(bars: Sequence[tuple[int, str, float, float]], step_time_s: float,
-                  path: Union[str, Path], *, title: str = "") -> list[Path]:
-    """Draw ``bars`` (see :attr:`lynx.Plan.timeline`) to ``path``.png and ``path``.svg."""
+                  path: Union[str, Path], *, title: str = "",
+                  detail: Sequence[tuple[int, str, float, float, str]] = ()) -> list[Path]:
+    """Draw ``bars`` (see :attr:`lynx.Plan.timeline`) to ``path``.png and ``path``.svg; with
+    ``detail`` (:attr:`lynx.Plan.timeline_detail`) the labelled picture of the module docstring."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    stages = sorted({b[0] for b in bars}) or [0]
+    stages = sorted({b[0] for b in (detail or bars)}) or [0]
     scale, unit = (1e3, "ms") if step_time_s < 10 else (1.0, "s")
     fig, ax = plt.subplots(figsize=(12, 0.7 * len(stages) + 1.6))
-    for stage in stages:
-        y = len(stages) - 1 - stages.index(stage)
-        ax.broken_barh([(0, step_time_s * scale)], (y - 0.4, 0.8), facecolors=COLORS["idle"])
-        for kind in ("compute", "recompute", "idle"):
-            spans = [(s * scale, (e - s) * scale) for st, k, s, e in bars if st == stage and k == kind]
-            if spans:
-                ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
-        comm = [(s * scale, (e - s) * scale) for st, k, s, e in bars if st == stage and k == "comm"]
-        if comm:  # drawn as a strip: collectives may overlap compute
-            ax.broken_barh(comm, (y - 0.4, 0.25), facecolors=COLORS["comm"], linewidth=0)
+    if detail:
+        _draw_detail(ax, detail, stages, step_time_s, scale)
+        handles = [Patch(color=DETAIL_COLORS[k], label=_DETAIL_NAMES[k]) for k in DETAIL_COLORS]
+    else:
+        _draw_merged(ax, bars, stages, step_time_s, scale)
+        handles = [Patch(color=c, label=k) for k, c in COLORS.items()]
     ax.set_yticks(range(len(stages)))
     ax.set_yticklabels([f"stage {s}" for s in reversed(stages)])
     ax.set_xlim(0, step_time_s * scale * 1.01)
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
+    ax.legend(handles=handles, loc="upper center",
               bbox_to_anchor=(0.5, -0.25 if len(stages) < 4 else -0.12), ncol=4, frameon=False)
     fig.tight_layout()
     base = Path(path)
@@ -98,3 +109,97 @@ def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
             last[seg.device] = len(bars)
             bars.append((seg.device, kind, seg.start, seg.end))
     return bars
+
+
+def _draw_merged(ax: Any, bars: Sequence[tuple[int, str, float, float]], stages: list[int],
+                 step_time_s: float, scale: float) -> None:
+    """Lanes of merged compute / recompute / comm / idle bars (plans without a detailed timeline)."""
+    for stage in stages:
+        y = len(stages) - 1 - stages.index(stage)
+        ax.broken_barh([(0, step_time_s * scale)], (y - 0.4, 0.8), facecolors=COLORS["idle"])
+        for kind in ("compute", "recompute", "idle"):
+            spans = [(s * scale, (e - s) * scale) for st, k, s, e in bars if st == stage and k == kind]
+            if spans:
+                ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
+        comm = [(s * scale, (e - s) * scale) for st, k, s, e in bars if st == stage and k == "comm"]
+        if comm:  # drawn as a strip: collectives may overlap compute
+            ax.broken_barh(comm, (y - 0.4, 0.25), facecolors=COLORS["comm"], linewidth=0)
+
+
+def _draw_detail(ax: Any, detail: Sequence[tuple[int, str, float, float, str]], stages: list[int],
+                 step_time_s: float, scale: float) -> None:
+    """Lanes of labelled bars; a label is written where its bar is wide enough to hold it."""
+    min_width = 0.018 * step_time_s
+    for stage in stages:
+        y = len(stages) - 1 - stages.index(stage)
+        ax.broken_barh([(0, step_time_s * scale)], (y - 0.4, 0.8), facecolors=DETAIL_COLORS["idle"])
+        for st, kind, start, end, label in detail:
+            if st != stage or kind not in DETAIL_COLORS:
+                continue
+            ax.broken_barh([(start * scale, (end - start) * scale)], (y - 0.4, 0.8),
+                           facecolors=DETAIL_COLORS[kind], edgecolor="white", linewidth=0.4)
+            if label and end - start >= min_width:
+                dark = kind in ("forward", "backward", "recompute exposed", "comm", "optimizer")
+                ax.text((start + end) / 2 * scale, y, label, ha="center", va="center", fontsize=7,
+                        color="white" if dark else "black", clip_on=True)
+
+
+def _microbatch(label: str) -> str:
+    """``"F3 block 2"`` -> ``"3"``; ``"s0.recv_grad.mb3"`` -> ``"3"``; else ``""``."""
+    head = label.split(" ", 1)[0]
+    if head[:1] in ("F", "B") and head[1:].isdigit():
+        return head[1:]
+    mark = label.rfind(".mb")
+    if mark >= 0:
+        digits = "".join(ch for ch in label[mark + 3:] if ch.isdigit())
+        return digits
+    return ""
+
+
+def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
+    """The replayed step as labelled bars per stage: ``(stage, kind, start_s, end_s, label)``.
+
+    ``kind`` is ``forward``, ``backward``, ``recompute hidden``, ``recompute exposed``, ``comm``
+    (a transfer or collective the stage waits for) or ``optimizer``; the label names the
+    microbatch (``F3``, ``B3``, ``R3``). Consecutive bars of one kind and label are merged.
+    """
+    windows = {(w.device, w.id): w for w in timeline.windows}
+    sends = [g for g in timeline.segments if g.kind == "send"]
+    ordered = sorted(timeline.segments, key=lambda g: (g.device, g.start, g.end))
+    out: list[tuple[int, str, float, float, str]] = []
+
+    def add(stage: int, kind: str, start: float, end: float, label: str) -> None:
+        if end - start <= 1e-15:
+            return
+        last = out[-1] if out else None
+        if last and last[0] == stage and last[1] == kind and last[4] == label and abs(last[3] - start) < 1e-12:
+            out[-1] = (stage, kind, last[2], end, label)
+        else:
+            out.append((stage, kind, start, end, label))
+
+    for i, seg in enumerate(ordered):
+        s = seg.device
+        if seg.kind in ("forward", "backward"):
+            add(s, seg.kind, seg.start, seg.end, seg.kind[0].upper() + _microbatch(seg.label))
+        elif seg.kind == "recompute":
+            window = windows.get((s, seg.label))
+            if window is None:   # on demand, before the backward that follows it
+                after = next((g for g in ordered[i + 1:] if g.device == s and g.kind == "backward"), None)
+                add(s, "recompute exposed", seg.start, seg.end, "R" + (_microbatch(after.label) if after else ""))
+                continue
+            hidden_end = min(seg.end, seg.start + window.capacity_s)
+            label = f"R{window.microbatch}"
+            add(s, "recompute hidden", seg.start, hidden_end, label)
+            add(s, "recompute exposed", hidden_end, seg.end, label)
+        elif seg.kind in ("tp", "dp"):
+            add(s, "comm", seg.start, seg.end, seg.kind)
+        elif seg.kind == "optimizer":
+            add(s, "optimizer", seg.start, seg.end, "opt")
+        elif seg.kind == "wait":   # waiting on a transfer (drawn) or on the peer's compute (idle)
+            j = _microbatch(seg.label)
+            what = "act" if ".recv_act." in seg.label else "grad"
+            transfers = [g for g in sends if g.device != s and g.label == f"{what} {j}"
+                         and g.start < seg.end and g.end > seg.start]
+            for g in transfers:
+                add(s, "comm", max(g.start, seg.start), min(g.end, seg.end), f"{what[0]}{j}")
+    return out

@@ -157,7 +157,8 @@ def show_command(
     table = Table(title=f"{plan_path} — {plan.solver}, {plan.config.get('schedule')}, pp={plan.config.get('pp')}, "
                         f"m={plan.config.get('microbatches')}")
     for column in ("stage", "layers", "in flight", "kept", "in windows", "on demand", "static", "activations",
-                   "peak", "budget", "fits", "compute ms", "recompute ms", "comm ms", "idle ms"):
+                   "peak", "budget", "fits", "compute ms", "recompute ms", "hidden ms", "exposed ms", "comm ms",
+                   "idle ms"):
         table.add_column(column, justify="right")
     for stage in plan.stages:
         kept = sum(d.action == "keep" for d in stage.decisions)
@@ -169,11 +170,13 @@ def show_command(
                       format_size(stage.static_bytes), format_size(stage.activation_bytes),
                       format_size(stage.peak_memory_bytes), format_size(stage.budget_bytes),
                       "yes" if stage.peak_memory_bytes <= stage.budget_bytes else "[red]no[/]",
-                      *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("compute", "recompute", "comm", "idle")))
+                      f"{t.get('compute', 0.0) * 1e3:.2f}", f"{t.get('recompute', 0.0) * 1e3:.2f}",
+                      f"{stage.hidden_recompute_s * 1e3:.2f}", f"{stage.exposed_recompute_s * 1e3:.2f}",
+                      *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("comm", "idle")))
     table_console().print(table)
     _summary(plan)
     target = picture or plan_path.parent / (plan_path.stem + ".timeline")
-    written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target,
+    written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target, detail=plan.timeline_detail,
                             title=f"{plan.solver}: step {plan.predicted.step_time_s * 1e3:.2f} ms")
     console.print("timeline picture: " + ", ".join(str(p) for p in written))
 

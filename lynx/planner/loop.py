@@ -42,7 +42,7 @@ from lynx.solvers.problem import StageProblem, exposed_recompute_s
 from lynx.solvers.setup import REGISTRY, prepare, setup_seconds
 from lynx.solvers.validate import validate
 from lynx.units import format_size
-from lynx.viz import timeline_bars
+from lynx.viz import timeline_bars, timeline_detail
 
 __all__ = ["plan_graph", "plan_graph_outcome", "PlanOutcome", "BUDGET_CHECKED_SOLVERS", "CONVERGED_REL"]
 
@@ -200,7 +200,7 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems
         predicted=Predicted(step_time_s=sim.step_time_s, exposed_recompute_s=sim.exposed_recompute_s,
                             hidden_recompute_s=sim.hidden_recompute_s, bubble_s=sim.bubble_s,
                             peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget),
-        timeline=timeline_bars(sim.timeline))
+        timeline=timeline_bars(sim.timeline), timeline_detail=timeline_detail(sim.timeline))
 
 
 def _still_hidden(problem: StageProblem, result: Any) -> Any:
