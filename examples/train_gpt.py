@@ -9,8 +9,10 @@ Launch with ``torchrun`` (gloo on CPU, NCCL when CUDA is available — the same 
 The mesh is ``pp × dp`` = the number of processes (``--dp`` defaults to WORLD_SIZE / pp).
 Rank 0 compiles the plan (or loads ``--plan``, checked against this model and mesh) and
 broadcasts it, so every rank runs the same plan; each rank then builds the same model (same
-seed), cuts out its stage with the plan applied and trains it on byte windows of the Python
-standard library's sources (no download; the data of step ``i`` is a function of ``i``). Every
+seed), compiles it with that plan and trains it through ``lynx.runtime.Pipeline`` from the
+loop below — its own optimizer, learning-rate warm-up and data, as in
+``docs/train_your_model.md`` — on byte windows of the Python standard library's sources (no
+download; the data of step ``i`` is a function of ``i``). Every
 bad input — a plan for another model or mesh, a checkpoint of another configuration, a
 process count that is not the mesh, a budget no plan meets — stops every rank before the
 first step, with one message and a non-zero exit, and leaves the files on disk as they were.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import re
@@ -221,20 +222,17 @@ class Setup:
     """What every rank agreed on before the first step."""
 
     plan: Any
-    spec: Any
     settings: dict[str, Any]
     meta: dict[str, Any]
     device: torch.device
     resume_from: str | None
+    lr: float
     hardware_line: str = ""
 
 
 def setup(args: argparse.Namespace) -> Setup:
     """Check the flags, start the process group and agree on the plan and resume point (no training)."""
-    from lynx.data import StdlibBatches
     from lynx.plan import Plan
-    from lynx.runtime.launch import WorkerSpec
-    from lynx.runtime.pipeline import RuntimeConfig
 
     if args.steps < 1:
         raise LynxConfigError(f"--steps must be >= 1, got {args.steps}")
@@ -264,56 +262,77 @@ def setup(args: argparse.Namespace) -> Setup:
 
     plan_json, resume_from, hardware_line = decided_by_rank0(decide)
     plan = Plan.from_json(plan_json)
-    spec = WorkerSpec(
-        build=functools.partial(build_model, args.model, args.seq, args.microbatch, str(device)),
-        pp=pp, dp=dp, plan=plan, steps=args.steps, seed=args.seed, threads=args.threads,
-        runtime=RuntimeConfig(schedule=settings["schedule"], microbatches=settings["microbatches"],
-                              timeout_s=args.timeout_s),
-        batches=StdlibBatches(("idx", "targets"), batch=args.microbatch, seq=args.seq, seed=args.seed),
-        optimizer=functools.partial(make_optimizer, settings["optimizer"], lr),
-        lr_schedule=functools.partial(warmup_lr, lr))
-    return Setup(plan, spec, settings, run_meta(args, plan, settings, lr), device, resume_from, hardware_line)
+    return Setup(plan, settings, run_meta(args, plan, settings, lr), device, resume_from, lr, hardware_line)
+
+
+def global_batch(source: Any, step: int, dp: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole step's batch, every replica's microbatches stacked in order (what Pipeline.step takes)."""
+    parts = [mb for d in range(dp) for mb in source(step, d, microbatches)]
+    return torch.cat([mb["idx"] for mb in parts]), torch.cat([mb["targets"] for mb in parts])
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
+    import lynx
+    from lynx.config import FINGERPRINT_FIELDS
+    from lynx.data import StdlibBatches
     from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from lynx.runtime.topology import make_topology
-    from lynx.runtime.trainer import RankTrainer
+    from lynx.runtime.rank_state import pipeline_state
+    from lynx.runtime.worker import rank_seed
 
     run = setup(args)
-    spec, m, rank = run.spec, run.settings["microbatches"], dist.get_rank()
-    topo = make_topology(spec.pp, spec.dp, device_type=run.device.type)
-    trainer = RankTrainer(spec, topo)
-    start = load_checkpoint(trainer, run.resume_from) if run.resume_from else 0
+    m, rank = run.settings["microbatches"], dist.get_rank()
+    torch.manual_seed(args.seed)                                   # the same weights on every rank
+    model, inputs = build_model(args.model, args.seq, args.microbatch, str(run.device))
+    settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
+    compiled = lynx.compile(model, inputs, plan=run.plan, **settings)   # checked against this model
+    pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s)
+    topo = pipe.topology
+    optimizer = make_optimizer(run.settings["optimizer"], run.lr, list(pipe.parameters()), pipe.dp_group)
+    if run.settings["optimizer"] != "adamw":
+        pipe.use_optimizer(optimizer)     # DeMo / Lion send their buckets during the last backward
+    torch.manual_seed(rank_seed(args.seed, topo.stage, topo.dp_rank))  # this rank's dropout draws
+    state = pipeline_state(pipe, optimizer)
+    start = load_checkpoint(state, run.resume_from) if run.resume_from else 0
     if rank == 0:
         _say(run.hardware_line)
         _say(_banner(args, run, start))
-    tokens = spec.dp * m * args.microbatch * args.seq
+    source = StdlibBatches(("idx", "targets"), batch=args.microbatch, seq=args.seq, seed=args.seed)
+    tokens = topo.dp * m * args.microbatch * args.seq
     log: dict[str, Any] = {"meta": run.meta, "start_step": start, "steps": []}
     history: list[Any] = []
     cpu_s: list[float] = []
     progress = _Progress(rank == 0, args.steps, start)
     for step in range(start, args.steps):
         t0, cpu0 = time.perf_counter(), time.process_time()
-        stats = trainer.step(step)
+        for group in optimizer.param_groups:
+            group["lr"] = warmup_lr(run.lr, step)
+        loss = pipe.step(*global_batch(source, step, topo.dp, m))
+        t_opt = time.perf_counter()
+        optimizer.step()       # DeMo / Lion: finishes the buckets the last backward launched
+        optimizer.zero_grad()
+        opt_s = time.perf_counter() - t_opt
+        stats = pipe.last_stats
+        stats.wait_sync_s += opt_s        # the step as the plan counts it: the optimizer step included
+        stats.step_s += opt_s
+        state.next_step = step + 1
         cpu_s.append(time.process_time() - cpu0)   # this process's CPU time: what other load cannot inflate
-        losses, exposed, hidden = _global_losses(stats, topo, m, run.device)
+        exposed, hidden = _recompute_seconds(stats, topo, run.device)
         wall = time.perf_counter() - t0
         history.append(stats)
-        record = {"step": step, "loss": sum(losses) / len(losses), "losses": losses, "wall_s": wall,
+        record = {"step": step, "loss": float(loss), "losses": list(pipe.losses), "wall_s": wall,
                   "exposed_recompute_s": exposed, "hidden_recompute_s": hidden}
         log["steps"].append(record)
         progress.update(step, record, tokens / wall)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            saved = save_checkpoint(trainer, args.checkpoint_dir, run.meta)
+            saved = save_checkpoint(state, args.checkpoint_dir, run.meta)
             if rank == 0 and saved is not None:
                 progress.note(f"checkpoint {saved}")
         if rank == 0 and args.log_json:
             _write_json(args.log_json, log)
     progress.close()
-    trainer.close()
+    pipe.close()
     log["hardware"] = run.hardware_line
-    _finish(args, run.plan, history, cpu_s, log, _predicted_optimizer_s(run.plan, trainer))
+    _finish(args, run.plan, history, cpu_s, log, _predicted_optimizer_s(run.plan, list(pipe.parameters())))
     return log
 
 
@@ -331,13 +350,13 @@ def _hardware_name(hardware: Any) -> str:
     return hardware.get("name", "a custom spec") if isinstance(hardware, dict) else str(hardware)
 
 
-def _predicted_optimizer_s(plan: Any, trainer: Any) -> float:
+def _predicted_optimizer_s(plan: Any, params: list[Any]) -> float:
     """The cost model's optimizer step over this rank's parameters (lynx.planner.cost.optimizer_step_s)."""
     from lynx.planner.cost import optimizer_step_s
     from lynx.planner.simulator import config_from_record
 
     config = config_from_record(plan.config)
-    return optimizer_step_s(sum(p.numel() for p in trainer.params), config.optimizer, config.hardware_spec())
+    return optimizer_step_s(sum(p.numel() for p in params), config.optimizer, config.hardware_spec())
 
 
 def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list[float], log: dict[str, Any],
@@ -387,17 +406,12 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
             f"{cpu[busiest] * factor / predicted:.2f} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
 
 
-def _global_losses(stats: Any, topo: Any, m: int, device: torch.device) -> tuple[list[float], float, float]:
-    """Every replica's microbatch losses (exact: summed with zeros) and the recompute seconds."""
-    dp = topo.dp
-    buf = torch.zeros(dp * m + 2, dtype=torch.float64)
-    if stats.losses:
-        buf[topo.dp_rank * m: (topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float64)
-    buf[-2], buf[-1] = stats.exposed_recompute_s / dp, stats.recompute_hidden_s / dp
-    buf = buf.to(device)   # NCCL reduces device tensors only
+def _recompute_seconds(stats: Any, topo: Any, device: torch.device) -> tuple[float, float]:
+    """The step's exposed and hidden recomputation seconds, averaged over the replicas."""
+    buf = torch.tensor([stats.exposed_recompute_s / topo.dp, stats.recompute_hidden_s / topo.dp],
+                       dtype=torch.float64).to(device)   # NCCL reduces device tensors only
     dist.all_reduce(buf)
-    buf = buf.cpu()
-    return buf[:-2].tolist(), float(buf[-2]), float(buf[-1])
+    return float(buf[0]), float(buf[1])
 
 
 def _per_rank_medians(per_step: list[list[Any]]) -> list[dict[str, float]]:

@@ -19,11 +19,22 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-__all__ = ["RankState", "pipeline_state"]
+__all__ = ["RankState", "pipeline_state", "stage_tensors"]
+
+
+def stage_tensors(stage: Any, names: set[str]) -> dict[str, torch.Tensor]:
+    """The parameters and buffers the stage graph reads (``get_attr`` targets), by name."""
+    out = {}
+    for name in sorted(names):
+        value = functools.reduce(getattr, name.split("."), stage.gm)
+        if isinstance(value, torch.Tensor):
+            out[name] = value
+    return out
 
 
 class RankState:
@@ -63,7 +74,5 @@ class RankState:
 
 def pipeline_state(pipe: Any, optimizer: Any) -> RankState:
     """The :class:`RankState` of a :class:`lynx.runtime.Pipeline`'s stage and ``optimizer``."""
-    from lynx.runtime.trainer import stage_tensors
-
     names = {str(n.target) for n in pipe.stage.gm.graph.nodes if n.op == "get_attr"}
     return RankState(stage_tensors(pipe.stage, names), optimizer, pipe.topology)

@@ -21,27 +21,17 @@ Example (inside an initialised process group, e.g. under ``torchrun``)::
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from lynx.runtime.worker import WorkerSpec, rank_seed, stage_setup
 from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig
+from lynx.runtime.rank_state import RankState, stage_tensors
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import Topology, tied_groups
 
-__all__ = ["RankTrainer", "stage_tensors"]
-
-
-def stage_tensors(stage: Any, names: set[str]) -> dict[str, torch.Tensor]:
-    """The parameters and buffers the stage graph reads (``get_attr`` targets), by name."""
-    out = {}
-    for name in sorted(names):
-        value = functools.reduce(getattr, name.split("."), stage.gm)
-        if isinstance(value, torch.Tensor):
-            out[name] = value
-    return out
+__all__ = ["RankTrainer"]
 
 
 class RankTrainer:
@@ -112,29 +102,11 @@ class RankTrainer:
 
     # -------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Everything a bitwise resume needs; tensors are this rank's live tensors (not copies)."""
-        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        return {"model": dict(self.tensors),
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "step": self.next_step, "rng": rng}
+        """Everything a bitwise resume needs (:class:`~lynx.runtime.rank_state.RankState`)."""
+        return RankState(self.tensors, self.optimizer, self.topo, self.next_step).state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s content (weights copied in place, RNG set)."""
-        with torch.no_grad():
-            for name, value in state["model"].items():
-                if value.data_ptr() != self.tensors[name].data_ptr():
-                    self.tensors[name].copy_(value)
-        if self.optimizer is not None and state.get("optimizer") is not None:
-            groups = self.optimizer.param_groups
-            self.optimizer.load_state_dict(state["optimizer"])
-            # torch replaces the group dicts; keep the originals, which an optimizer may hold on to
-            # (lynx.optim's bucketed optimizers read lr from them), with the loaded values
-            for old, new in zip(groups, self.optimizer.param_groups):
-                old.update(new)
-            self.optimizer.param_groups = groups
-        self.next_step = int(state["step"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        resumed = RankState(self.tensors, self.optimizer, self.topo)
+        resumed.load_state_dict(state)
+        self.next_step = resumed.next_step
