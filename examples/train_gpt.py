@@ -50,7 +50,10 @@ DEFAULT_BUDGET = "12MiB"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt-tiny", help="preset (gpt-tiny, llama-tiny, ...)")
+    ap.add_argument("--model", default="gpt-tiny",
+                    help="preset (gpt-tiny, llama-tiny, ...) or file.py:factory / module:factory returning "
+                         "(model, example_inputs): a model taking (tokens, targets) of one microbatch, "
+                         "positional or by keyword (e.g. input_ids, labels)")
     ap.add_argument("--seq", type=int, default=64, help="sequence length (bytes)")
     ap.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch")
     ap.add_argument("--pp", type=int, default=None, help="pipeline stages (default 2, or the plan's)")

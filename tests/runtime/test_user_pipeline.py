@@ -85,3 +85,40 @@ def test_a_rank_raising_ends_every_rank_naming_it(tmp_path, fail_rank):
     codes = re.findall(r"exitcode  : (-?\d+)", out[out.index("ChildFailedError"):])
     assert len(codes) == 2 and set(codes) <= {"1", "-15"}, out[-3000:]
     assert "terminate called" not in out and "SIGABRT" not in out
+
+
+def test_plain_python_is_a_world_of_one_and_loss_fn_takes_the_target(tmp_path):
+    """No torchrun: pp × dp = 1 makes its own group; ``loss_fn(logits, target)`` with ``target=``
+    split like the inputs; equal to PyTorch accumulating the same microbatches (bitwise)."""
+    out = tmp_path / "one.pt"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run([sys.executable, str(HERE / "user_world_of_one.py"), str(out)], capture_output=True,
+                         text=True, timeout=240, env=dict(env, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(out)
+    assert got["world"] == 1
+    sys.path.insert(0, str(HERE))
+    from user_world_of_one import LogitsOnly, loss_fn
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = LogitsOnly()
+        opt = um.optimizer(model.parameters())
+        losses = []
+        for window in um.batches(1):
+            mb = []
+            for j in range(um.MICROBATCHES):
+                rows = slice(j * um.MICRO, (j + 1) * um.MICRO)
+                loss = loss_fn(model(window[rows, :-1].contiguous()), window[rows, 1:].contiguous())
+                mb.append(loss.detach())
+                (loss * (1.0 / um.MICROBATCHES)).backward()
+            losses.append(float(torch.stack(mb).mean()))
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    assert got["losses"] == losses
+    for name, value in model.named_parameters():
+        assert torch.equal(got["params"][name], value.detach()), name

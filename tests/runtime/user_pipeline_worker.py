@@ -35,6 +35,9 @@ def main() -> None:
         losses, grads = [], {}
         for window in um.batches(pipe.topology.dp):
             args, kwargs = um.step_inputs(kind, window)
+            if kind == "qwen2":   # an input this rank's stage does not read may be None
+                unread = {"input_ids", "labels"} - set(pipe.stage.spec.inputs)
+                kwargs = {k: (None if k in unread else v) for k, v in kwargs.items()}
             loss = pipe.step(*args, **kwargs)
             if not grads:   # the first step's gradients, before the optimizer uses them
                 grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
