@@ -1,7 +1,7 @@
 """The planner: torch-free, from an op graph and a hardware spec to per-stage problems and plans.
 
 ``hardware`` (specs and presets) and ``cost`` (roofline node times, α-β collectives) price the
-graph — ``hardware_files`` reads a spec from a JSON/YAML file (``yaml_subset``), and
+graph — ``hardware_files`` reads a spec from a JSON/YAML file (``yaml_files``: PyYAML with YAML 1.2 numbers), and
 ``hardware_cache`` keeps this host's measurement for ``hardware="auto"`` (measured by
 :mod:`lynx.calibrate` in a subprocess); ``partition`` cuts it into pipeline stages, ``comm`` prices what crosses them;
 ``schedule`` gives the action order of 1F1B / GPipe / interleaved 1F1B, ``timeline`` replays it

@@ -47,7 +47,7 @@ from pydantic import ValidationError
 
 from lynx.errors import LynxConfigError
 from lynx.planner.hardware import HARDWARE_PRESETS, Calibration, HardwareSpec
-from lynx.planner.yaml_subset import dumps, loads
+from lynx.planner.yaml_files import dumps, loads
 
 __all__ = ["load_hardware_file", "write_hardware_file", "HARDWARE_SUFFIXES", "DOCS_HINT"]
 
