@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The README's main job: set up, then train a tiny GPT for real on this machine's CPUs with
 # 2 pipeline stages, the DeMo compressed optimizer and a Lynx HEU plan under a 12 MiB budget
-# that forces recomputation (stage 0 keeps 16.9 MiB without it); end with the plan's predicted
-# vs the run's measured step time and memory, and every solver and baseline on the same model
-# and budget. A few minutes on 2 cores. Checkpoints go to a fresh temporary directory.
+# that forces recomputation (stage 0 keeps 16.9 MiB without it), planned for this machine as
+# `lynx calibrate` measures it (--hardware auto: measured on the first run, ~15 s, then cached);
+# end with the plan's predicted vs the run's measured step time and memory, and every solver
+# and baseline on the same model and budget. A few minutes on 2 cores. Checkpoints go to a fresh temporary directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

@@ -13,11 +13,9 @@ settings or process group (``auto`` may be resolved inside a rank of a training 
 
 Example::
 
-    >>> import os, tempfile
-    >>> os.environ["LYNX_CACHE_DIR"] = tempfile.mkdtemp()
-    >>> auto_path().parent == cache_dir() and auto_path().name.startswith("hardware-")
-    True
-    >>> del os.environ["LYNX_CACHE_DIR"]
+    >>> path = auto_path()                       # where this host's measurement is (or will be)
+    >>> path.parent == cache_dir(), path.name.startswith("hardware-"), path.suffix
+    (True, True, '.json')
 """
 
 from __future__ import annotations
