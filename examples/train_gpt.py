@@ -105,7 +105,7 @@ def plan_settings(args: argparse.Namespace, pp: int, dp: int, plan_config: dict[
             "schedule": base.get("schedule", "1f1b")}
 
 
-def resolve_hardware(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str]:
+def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str]:
     """Rank 0: the spec to plan with (``auto`` may measure this machine first) and a line naming it.
 
     A CPU spec assumes a core per rank; with more ranks than cores each rank gets its share
@@ -258,7 +258,7 @@ def setup(args: argparse.Namespace) -> Setup:
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
 
     def decide() -> tuple[str, str | None, str]:
-        hardware, line = resolve_hardware(settings["hardware"], pp * dp, from_plan=args.hardware is None
+        hardware, line = hardware_for_plan(settings["hardware"], pp * dp, from_plan=args.hardware is None
                                           and saved_config is not None and "hardware" in saved_config)
         plan = make_plan(args, {**settings, "hardware": hardware}, device)
         return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr)), line
