@@ -259,7 +259,7 @@ def setup(args: argparse.Namespace) -> Setup:
 
     def decide() -> tuple[str, str | None, str]:
         hardware, line = hardware_for_plan(settings["hardware"], pp * dp, from_plan=args.hardware is None
-                                          and saved_config is not None and "hardware" in saved_config)
+                                           and saved_config is not None and "hardware" in saved_config)
         plan = make_plan(args, {**settings, "hardware": hardware}, device)
         return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr)), line
 
