@@ -140,7 +140,8 @@ def _over_base(data: dict[str, Any], base: HardwareSpec, path: Path) -> dict[str
                 if dim not in fields["links"]:
                     raise LynxConfigError(f"hardware file {path}: links.{dim}: unknown mesh dimension; use pp, tp or dp")
                 if not isinstance(link, dict):
-                    raise LynxConfigError(f"hardware file {path}: links.{dim}: expected alpha_s and beta_bytes_per_s")
+                    raise LynxConfigError(f"hardware file {path}: links.{dim}: expected a mapping of alpha_s and "
+                                          f"beta_bytes_per_s, got {link!r}; {DOCS_HINT}")
                 fields["links"][dim] = {**fields["links"][dim], **link}
         elif key in _MERGED and isinstance(value, dict):
             fields[key] = {**fields[key], **value}
