@@ -147,7 +147,8 @@ def write_outputs(rows: list[dict[str, Any]], out: Path) -> None:
         lines.append(f"| {r['model']} | {r['budget']} | {r['cold_median_s'] * 1e3:.1f} ms | "
                      f"{bar} | {r['warm_median_s'] * 1e3:.1f} ms | "
                      f"{r['iterations']} | {'yes' if r['ortools_imported'] else 'no'} | {r['step_s'] * 1e3:.2f} | "
-                     f"{r['cli_wall_median_s']:.2f} | {r['cli_cpu_median_s']:.2f} | {phases} | {r['load_average']:.1f} |")
+                     f"{r['cli_wall_median_s']:.2f} | {r['cli_cpu_median_s']:.2f} | {phases} | "
+                     f"{r['load_average']:.1f} |")
     (out / "search_plan.md").write_text("\n".join(lines) + "\n")
     (out / "search_plan.json").write_text(json.dumps(rows, indent=1))
 

@@ -114,7 +114,8 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     search_time, iterations = 0.0, 0
     for iteration in range(config.max_iterations):
         iterations = iteration + 1
-        problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp)
+        problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp,
+                                  previous=problems if iteration else None)  # (same nodes: reused)
         results = []
         try:
             for index, problem in enumerate(problems):

@@ -99,10 +99,20 @@ def stage_nodes(graph: nx.DiGraph, pipe: Pipeline, device: int) -> list[str]:
 
 
 def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, budget_bytes: int,
-                   static: list[int], tp: int = 1) -> list[StageProblem]:
-    """One StageProblem per device from the graph and a replayed timeline's windows."""
+                   static: list[int], tp: int = 1, previous: Optional[list[StageProblem]] = None) -> list[StageProblem]:
+    """One StageProblem per device from the graph and a replayed timeline's windows.
+
+    ``previous``: the problems of an earlier round on the same graph, pipeline and ``tp`` (the
+    planning loop's): their node tuples are reused as they are — only windows and
+    microbatches in flight change from round to round, and a solver can then recognise a stage
+    it has seen by identity instead of comparing hundreds of nodes."""
     problems = []
     for s in range(pipe.pp):
+        if previous is not None:
+            problems.append(StageProblem(
+                stage=s, nodes=previous[s].nodes, windows=_windows(timeline, s), microbatches=pipe.microbatches,
+                in_flight=timeline.in_flight[s], activation_budget_bytes=max(0, budget_bytes - static[s])))
+            continue
         names = stage_nodes(graph, pipe, s)
         members = set(names)
         # who saves each output: the profile's names hold only in an unfolded graph
@@ -122,15 +132,17 @@ def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, bud
                 core_attention=bool(attrs.get("core_attention", False)),
                 saved_by=None if saved_by is None else tuple(v for v in saved_by if v in members),
             ))
-        windows = tuple(
-            ProblemWindow(id=w.id, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
-                          eligible_layers=w.eligible_layers)
-            for w in timeline.windows
-            if w.device == s and w.capacity_s > 1e-12 and w.eligible_layers != ())
         problems.append(StageProblem(
-            stage=s, nodes=tuple(nodes), windows=windows, microbatches=pipe.microbatches,
+            stage=s, nodes=tuple(nodes), windows=_windows(timeline, s), microbatches=pipe.microbatches,
             in_flight=timeline.in_flight[s], activation_budget_bytes=max(0, budget_bytes - static[s])))
     return problems
+
+
+def _windows(timeline: Timeline, stage: int) -> tuple[ProblemWindow, ...]:
+    """The stage's windows a solver can use (open, and serving some layer)."""
+    return tuple(ProblemWindow(id=w.id, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
+                               eligible_layers=w.eligible_layers)
+                 for w in timeline.windows if w.device == stage and w.capacity_s > 1e-12 and w.eligible_layers != ())
 
 
 def loads_from_assignments(graph: nx.DiGraph, pipe: Pipeline, problems: list[StageProblem],

@@ -206,13 +206,16 @@ def exposed_recompute_s(problem: StageProblem, assignment: Assignment) -> float:
     cost = {n.name: n.recompute_s for n in problem.nodes}
     exposed = 0.0
     load = {w.id: 0.0 for w in problem.windows}
+    placed = assignment.window_of.get
+    microbatches = range(problem.microbatches)
     for name in assignment.recompute:
-        for mb in range(problem.microbatches):
-            window = assignment.window_of.get((name, mb))
+        seconds = cost.get(name, 0.0)
+        for mb in microbatches:
+            window = placed((name, mb))
             if window is None:
-                exposed += cost.get(name, 0.0)
+                exposed += seconds
             else:
-                load[window] = load.get(window, 0.0) + cost.get(name, 0.0)
+                load[window] = load.get(window, 0.0) + seconds
     capacity = {w.id: w.capacity_s for w in problem.windows}
     for window, used in load.items():
         exposed += max(0.0, used - capacity.get(window, 0.0))

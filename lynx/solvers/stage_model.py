@@ -185,16 +185,17 @@ def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution
     recompute = {name for item, dropped in zip(model.items, sol.recompute) if dropped for name in item.nodes}
     window_of: dict[tuple[str, int], str] = {}
     classes = microbatch_classes(problem)
-    position: dict[tuple[str, int], int] = {}
     for mc, where in zip(classes, sol.placement):
+        per_position = [tuple(zip(mc.members, ids)) for ids in mc.window_ids]  # k -> ((mb, window id), ...)
         for item, k in zip(model.items, where):
             if k is not None:
+                placed = per_position[k]
                 for name in item.nodes:
-                    for mb, wid in zip(mc.members, mc.window_ids[k]):
+                    for mb, wid in placed:
                         window_of[name, mb] = wid
-                        position[name, mb] = k
     extra = required_recompute_closure(problem, recompute) - recompute
     if extra:
+        position = {wid: k for mc in classes for k, ids in enumerate(mc.window_ids) for wid in ids}
         consumers: dict[str, list[str]] = {}
         for n in problem.nodes:
             for src in n.inputs:
@@ -205,12 +206,10 @@ def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution
             recompute.add(n.name)
             for mc in classes:
                 for m_i, mb in enumerate(mc.members):
-                    ks = [position.get((c, mb)) for c in consumers.get(n.name, ()) if c in recompute]
-                    ks = [k for k in ks if k is not None]
+                    ks = [position[w] for c in consumers.get(n.name, ()) if c in recompute
+                          and (w := window_of.get((c, mb))) is not None]
                     if ks:
-                        k = min(ks)
-                        window_of[n.name, mb] = mc.window_ids[k][m_i]
-                        position[n.name, mb] = k
+                        window_of[n.name, mb] = mc.window_ids[min(ks)][m_i]
     return Assignment(frozenset(recompute), window_of)
 
 
