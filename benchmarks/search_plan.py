@@ -10,6 +10,8 @@ The points of issue 17 (pp 4, 8 microbatches, 1F1B, h100-sxm, HEU): the ``llama-
   imported, and the process's CPU seconds; median of ``--repeats``;
 * **warm**: one process analyses the model once and plans it ``--repeats`` times (HEU's caches
   cleared before each, as a new model would find them); median ``search_time_s``;
+* with each search time, the solver's CPU seconds (``time.process_time`` around every solve):
+  the machine is shared, and under load wall time measures the other jobs as much as HEU;
 * **lynx plan**: ``lynx plan MODEL --pp 4 -m 8 --hardware h100-sxm -b BUDGET`` as a
   subprocess: wall and CPU seconds (children's rusage), and the phases it prints.
 
@@ -48,11 +50,24 @@ BARS = {"40GiB": 0.16, "60GiB": 0.02}
 _COLD = """
 import json, resource, sys, time
 import lynx
+import lynx.solvers
 from lynx.models import resolve_model
+cpu, registry_solve = [0.0], lynx.solvers.solve
+
+
+def timed(*args, **kw):  # the registry's solve, its CPU seconds counted (the loop looks it up per plan)
+    started = time.process_time()
+    try:
+        return registry_solve(*args, **kw)
+    finally:
+        cpu[0] += time.process_time() - started
+
+
+lynx.solvers.solve = timed
 resolved = resolve_model({spec!r})
 compiled = lynx.compile(resolved.model, resolved.example_inputs, memory_budget={budget!r}, **{settings!r})
 usage = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({{"search_s": compiled.plan.search_time_s, "phases": dict(compiled.phases),
+print(json.dumps({{"search_s": compiled.plan.search_time_s, "search_cpu_s": cpu[0], "phases": dict(compiled.phases),
                   "step_s": compiled.plan.predicted.step_time_s, "iterations": compiled.plan.iterations,
                   "fits": compiled.plan.predicted.fits_budget, "ortools": "ortools" in sys.modules,
                   "process_cpu_s": usage.ru_utime + usage.ru_stime}}))
@@ -68,23 +83,36 @@ def cold(name: str, budget: str) -> dict[str, Any]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def warm(name: str, budget: str, repeats: int) -> list[float]:
-    """``search_time_s`` of ``repeats`` plans in this process (analysed once, HEU caches cleared)."""
+def warm(name: str, budget: str, repeats: int) -> tuple[list[float], list[float]]:
+    """``search_time_s`` of ``repeats`` plans in this process (analysed once, HEU caches cleared),
+    and the solver's CPU seconds of each."""
     from lynx.config import CompileConfig
     from lynx.frontend.analyze import analyze
     from lynx.models import resolve_model
     from lynx.planner.loop import plan_graph_outcome
+    from lynx.solvers import solve
     from lynx.solvers.heu.solve import clear_cache
 
     resolved = resolve_model(MODELS[name])
     graph = analyze(resolved.model, resolved.example_inputs, hardware=SETTINGS["hardware"]).graph
     config = CompileConfig(memory_budget=budget, **SETTINGS)
     plan_graph_outcome(graph, config, assemble=False)  # (imports, first calls)
-    times = []
+    cpu = [0.0]
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        started = time.process_time()
+        try:
+            return solve(*args, **kw)
+        finally:
+            cpu[0] += time.process_time() - started
+
+    times, cpus = [], []
     for _ in range(repeats):
         clear_cache()
-        times.append(plan_graph_outcome(graph, config).search_time_s)
-    return times
+        cpu[0] = 0.0
+        times.append(plan_graph_outcome(graph, config, solve=timed).search_time_s)
+        cpus.append(cpu[0])
+    return times, cpus
 
 
 def lynx_plan(name: str, budget: str, out: Path) -> dict[str, Any]:
@@ -110,7 +138,7 @@ def lynx_plan(name: str, budget: str, out: Path) -> dict[str, Any]:
 
 def bench_point(name: str, budget: str, repeats: int, out: Path) -> dict[str, Any]:
     colds = [cold(name, budget) for _ in range(repeats)]
-    warms = warm(name, budget, repeats)
+    warms, warm_cpus = warm(name, budget, repeats)
     clis = [lynx_plan(name, budget, out / "search_plan_cli.json") for _ in range(max(1, repeats // 2))]
     load = os.getloadavg()[0]
     (out / "search_plan_cli.json").unlink(missing_ok=True)
@@ -118,19 +146,22 @@ def bench_point(name: str, budget: str, repeats: int, out: Path) -> dict[str, An
     row = {
         "model": name, "budget": budget, "cold_search_s": [c["search_s"] for c in colds],
         "cold_median_s": statistics.median(c["search_s"] for c in colds),
+        "cold_cpu_median_s": statistics.median(c["search_cpu_s"] for c in colds),
         "cold_phases": {k: statistics.median(c["phases"].get(k, 0.0) for c in colds) for k in colds[0]["phases"]},
         "cold_process_cpu_s": statistics.median(c["process_cpu_s"] for c in colds),
         "ortools_imported": any(c["ortools"] for c in colds), "iterations": colds[0]["iterations"],
         "step_s": colds[0]["step_s"], "fits": colds[0]["fits"],
         "warm_search_s": warms, "warm_median_s": statistics.median(warms),
+        "warm_cpu_median_s": statistics.median(warm_cpus),
         "cli_wall_s": [c["wall_s"] for c in clis], "cli_cpu_s": [c["cpu_s"] for c in clis],
         "cli_wall_median_s": median_cli["wall_s"], "cli_cpu_median_s": statistics.median(c["cpu_s"] for c in clis),
         "cli_phases": median_cli["phases"], "bar_s": BARS.get(budget), "load_average": load,
         "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    print(f"{name} {budget}: HEU search cold {row['cold_median_s'] * 1e3:.1f} ms (bar {row['bar_s'] * 1e3:.0f}; "
-          f"{row['iterations']} rounds, OR-tools imported: {row['ortools_imported']}), warm "
-          f"{row['warm_median_s'] * 1e3:.1f} ms; lynx plan {row['cli_wall_median_s']:.2f} s wall, "
+    print(f"{name} {budget}: HEU search cold {row['cold_median_s'] * 1e3:.1f} ms, solver CPU "
+          f"{row['cold_cpu_median_s'] * 1e3:.1f} ms (bar {row['bar_s'] * 1e3:.0f}; {row['iterations']} rounds, "
+          f"OR-tools imported: {row['ortools_imported']}), warm {row['warm_median_s'] * 1e3:.1f} ms, CPU "
+          f"{row['warm_cpu_median_s'] * 1e3:.1f} ms; lynx plan {row['cli_wall_median_s']:.2f} s wall, "
           f"{row['cli_cpu_median_s']:.2f} s CPU; load {load:.1f}", flush=True)
     return row
 
@@ -138,14 +169,15 @@ def bench_point(name: str, budget: str, repeats: int, out: Path) -> dict[str, An
 def write_outputs(rows: list[dict[str, Any]], out: Path) -> None:
     lines = ["# HEU whole plans: cold (fresh process), warm, and `lynx plan` (pp 4, m 8, 1F1B, h100-sxm)", "",
              "Command: `.venv/bin/python benchmarks/search_plan.py` (also run by `benchmarks/search_time.py`)", "",
-             "| model | budget | HEU search, cold (median) | bar | warm (median) | rounds | OR-tools imported | "
-             "step ms | `lynx plan` wall s | CPU s | its phases (s) | load |",
+             "| model | budget | HEU search, cold (median; solver CPU) | bar | warm (median; CPU) | rounds | "
+             "OR-tools imported | step ms | `lynx plan` wall s | CPU s | its phases (s) | load |",
              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in rows:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["cli_phases"].items())
         bar = "-" if r["bar_s"] is None else f"{r['bar_s'] * 1e3:.0f} ms"
-        lines.append(f"| {r['model']} | {r['budget']} | {r['cold_median_s'] * 1e3:.1f} ms | "
-                     f"{bar} | {r['warm_median_s'] * 1e3:.1f} ms | "
+        lines.append(f"| {r['model']} | {r['budget']} | {r['cold_median_s'] * 1e3:.1f} ms; "
+                     f"{r['cold_cpu_median_s'] * 1e3:.1f} ms | {bar} | {r['warm_median_s'] * 1e3:.1f} ms; "
+                     f"{r['warm_cpu_median_s'] * 1e3:.1f} ms | "
                      f"{r['iterations']} | {'yes' if r['ortools_imported'] else 'no'} | {r['step_s'] * 1e3:.2f} | "
                      f"{r['cli_wall_median_s']:.2f} | {r['cli_cpu_median_s']:.2f} | {phases} | "
                      f"{r['load_average']:.1f} |")
