@@ -1,0 +1,107 @@
+"""Check 3 of ``gpu_check.py``: rewritten stages' gradients vs the original model's, bitwise.
+
+The GPT (dropout 0.1) runs ``sizes.microbatches`` microbatches twice from the same seed:
+eagerly as the user's module (forward, backward, one microbatch after the other), and as
+``compiled.stage(i)`` of a 2-stage plan that recomputes — ``full`` (every layer recomputed,
+its dropouts included, so their masks must come back from the replayed RNG state) and
+``heu`` where it can plan — run by ``lynx.runtime.run_local`` in the same order, each plan's
+window recomputation issued before the backward it serves. Losses and every parameter's
+gradient must be bitwise equal. A control runs the eager reference twice: if the device is
+not deterministic for this model, bitwise equality cannot be asked, and the check says so.
+
+Example::
+
+    >>> import torch
+    >>> from gpu_check_common import SIZES, Env
+    >>> env = Env(torch.device("cpu"), SIZES["tiny"], "cpu-local")
+    >>> check_gradients(env, solvers=("full",)).parts["full"].verdict
+    'pass'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_check_common import CheckResult, Env, Part, free_memory, judged, shared_gpt, shared_plan
+
+__all__ = ["check_gradients"]
+
+SEED = 1234
+PP = 2
+
+
+def _eager(model: torch.nn.Module, inputs: tuple, m: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(SEED)
+    losses = []
+    for _ in range(m):
+        loss = model(*inputs)
+        loss.backward()
+        losses.append(loss.detach().clone())
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _rewritten(model: torch.nn.Module, compiled: Any, batch: dict, m: int) -> tuple[list, dict]:
+    from lynx.runtime import run_local
+
+    model.zero_grad(set_to_none=True)
+    plan = compiled.plan
+    stages = [compiled.stage(s) for s in range(len(plan.stages))]
+    schedules = [plan.stage_schedule(s) for s in range(len(plan.stages))]
+    torch.manual_seed(SEED)
+    losses = run_local(stages, [batch] * m, schedule="sequential",
+                       prefetch=lambda s, j: [nodes for _w, nodes in schedules[s].prefetch.get(j, [])])
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(ref: tuple, got: tuple) -> dict[str, Any]:
+    (ref_losses, ref_grads), (losses, grads) = ref, got
+    differ = [n for n in ref_grads if n not in grads or not torch.equal(ref_grads[n], grads[n])]
+    worst = max((float((ref_grads[n].float() - grads[n].float()).abs().max()) for n in differ if n in grads),
+                default=0.0)
+    return {"losses_equal": all(torch.equal(a, b) for a, b in zip(ref_losses, losses)) and len(losses) == len(ref_losses),
+            "params": len(ref_grads), "params_differing": len(differ), "first_differing": differ[:4],
+            "max_abs_diff": worst, "missing": sorted(set(ref_grads) - set(grads))[:4]}
+
+
+def _dropped_random(compiled: Any) -> int:
+    graph = compiled.analysis.graph
+    dropped = set().union(*(compiled.plan.stage_schedule(s).dropped for s in range(len(compiled.plan.stages))))
+    return sum(1 for n in dropped if "dropout" in str(graph.nodes[n].get("op", "")))
+
+
+def check_gradients(env: Env, solvers: tuple[str, ...] = ("full", "heu")) -> CheckResult:
+    model, inputs, keep = shared_gpt(env)
+    m, dtype = env.sizes.microbatches, env.sizes.dtypes[0]
+    parts: dict[str, Part] = {}
+    reference = _eager(model, inputs, m)
+    control = _compare(reference, _eager(model, inputs, m))
+    deterministic = control["losses_equal"] and control["params_differing"] == 0
+    parts["eager_repeatable"] = Part(control, judged(deterministic),
+                                     "the eager reference run twice is bitwise equal" if deterministic else
+                                     "the eager model itself is not bitwise repeatable on this device")
+    batch = dict(zip(keep.analysis.captured.input_names, inputs))
+    for solver in solvers:
+        try:
+            compiled = shared_plan(env, solver)
+        except ImportError as err:  # heu needs OR-tools
+            parts[solver] = Part({}, "skipped", f"cannot plan with {solver}: {err}")
+            continue
+        figure = _compare(reference, _rewritten(model, compiled, batch, m))
+        figure["dropped_dropout_nodes"] = _dropped_random(compiled)
+        figure["recompute_fraction"] = compiled.plan.recompute_fraction()
+        ok = figure["losses_equal"] and figure["params_differing"] == 0 and not figure["missing"]
+        parts[solver] = Part(figure, judged(ok),
+                             f"{figure['params_differing']}/{figure['params']} gradients differ "
+                             f"(max |diff| {figure['max_abs_diff']:.3g}), losses "
+                             f"{'equal' if figure['losses_equal'] else 'differ'}; "
+                             f"{figure['dropped_dropout_nodes']} dropout nodes recomputed")
+        free_memory(env.device)
+    model.zero_grad(set_to_none=True)
+    del model, inputs, keep
+    headline = {s: {"params_differing": p.figure.get("params_differing"), "max_abs_diff": p.figure.get("max_abs_diff")}
+                for s, p in parts.items() if s != "eager_repeatable"}
+    reason = "; ".join(f"{n}: {p.reason}" for n, p in parts.items())
+    return CheckResult({"dtype": dtype, "microbatches": m, **headline}, reason, parts)
