@@ -33,6 +33,18 @@ __all__ = ["run_local", "Prefetch"]
 Prefetch = Callable[[int, int], Sequence[Sequence[str]]]
 
 
+def _rng_state() -> tuple:
+    """The CPU generator's state and, where CUDA is initialised, every GPU's."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor]], *, schedule: str = "1f1b",
               prefetch: Prefetch | None = None, loss_scale: float = 1.0,
               stage_seeds: Sequence[int] | None = None) -> list[torch.Tensor]:
@@ -40,8 +52,10 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
 
     ``schedule`` is ``"1f1b"``, ``"gpipe"`` or ``"sequential"`` (one microbatch at a time
     through every stage: the order an unsplit model runs in, so its dropout draws match).
-    With ``stage_seeds`` each stage draws random numbers from its own generator seeded
-    ``stage_seeds[s]``, as each rank of a distributed run does.
+    With ``stage_seeds`` each stage draws random numbers from its own generators seeded
+    ``stage_seeds[s]``, as each rank of a distributed run does (``torch.manual_seed`` on a rank
+    seeds its CUDA generators too, so where CUDA is initialised their states are swapped as
+    well as the CPU's).
     """
     p, m = len(stages), len(microbatches)
     if schedule == "sequential":
@@ -53,12 +67,12 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
         order = None
     rng = None
     if stage_seeds is not None:
-        outer = torch.get_rng_state()
+        outer = _rng_state()
         rng = []
         for seed in stage_seeds:
             torch.manual_seed(seed)
-            rng.append(torch.get_rng_state())
-        torch.set_rng_state(outer)
+            rng.append(_rng_state())
+        _set_rng_state(outer)
     sent: dict[tuple[int, int], list[torch.Tensor]] = {}       # (stage, mb) -> values for stage+1
     grads: dict[tuple[int, int], list] = {}                    # (stage, mb) -> grads for stage-1
     flights: dict[tuple[int, int], InFlight] = {}
@@ -72,8 +86,8 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
     def run(s: int, kind: str, j: int) -> None:
         stage = stages[s]
         if rng is not None:
-            caller_rng = torch.get_rng_state()
-            torch.set_rng_state(rng[s])
+            caller_rng = _rng_state()
+            _set_rng_state(rng[s])
         try:
             if kind == "F":
                 received = as_received(sent.pop((s - 1, j))) if s > 0 else []
@@ -93,8 +107,8 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
                 stage.release(j)
         finally:
             if rng is not None:
-                rng[s] = torch.get_rng_state()
-                torch.set_rng_state(caller_rng)
+                rng[s] = _rng_state()
+                _set_rng_state(caller_rng)
 
     if order is not None:
         params = list(dict.fromkeys(p for stage in stages for p in stage.parameters()))
