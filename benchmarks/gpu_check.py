@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results", help="folder for the .json and .md report")
     ap.add_argument("--calibrate", choices=("auto", "never"), default="auto",
                     help="auto: time predictions also from a `lynx calibrate` file where that command exists")
-    ap.add_argument("--budget-s", type=float, default=420.0, help="start no check after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="start no check after this many seconds (the last one, 6, takes ~1.5 min)")
     args = ap.parse_args(argv)
 
     names = [n.strip() for n in args.checks.split(",") if n.strip()]

@@ -79,12 +79,7 @@ def _reference(pp: int, seq: int, split: tuple, device: torch.device) -> tuple[l
         inputs = tuple(x.to(device) for x in inputs)
         stages = build_stages(lynx.capture(model, inputs).gm, nodes, [s.dropped for s in schedules])
         data = [{k: v.to(device) for k, v in mb.items()} for mb in batches(0, 0, M)]
-        seeds = [rank_seed(SEED, s, 0) for s in range(pp)]
-        if device.type == "cuda":  # run_local's stage seeds cover the CPU generator; one stage: seed it all
-            torch.manual_seed(seeds[0])
-            losses = run_local(stages, data, schedule="1f1b")
-        else:
-            losses = run_local(stages, data, schedule="1f1b", stage_seeds=seeds)
+        losses = run_local(stages, data, schedule="1f1b", stage_seeds=[rank_seed(SEED, s, 0) for s in range(pp)])
         return [float(x) for x in losses], {n: p.grad.detach().cpu() for n, p in model.named_parameters()
                                             if p.grad is not None}
     finally:

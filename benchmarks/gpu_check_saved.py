@@ -17,13 +17,14 @@ Example::
     >>> import torch
     >>> from gpu_check_common import SIZES, build_gpt
     >>> model, inputs = build_gpt(SIZES["tiny"], dtype="float32", attention="math")
-    >>> total, per_layer, count = measure_saved(model, inputs)
-    >>> total > sum(per_layer) > 0 and count > 10
+    >>> saved = measure_saved(model, inputs)
+    >>> saved.total > sum(saved.per_layer) > 0 and saved.tensors > 10
     True
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ import torch
 import lynx
 from gpu_check_common import CheckResult, Env, Part, build_gpt, free_memory, judged, rel_diff
 
-__all__ = ["check_saved_bytes", "measure_saved", "korthikanti_layer_bytes"]
+__all__ = ["check_saved_bytes", "measure_saved", "korthikanti_layer_bytes", "Saved"]
 
 BAR = 0.01
 
@@ -41,12 +42,18 @@ def korthikanti_layer_bytes(seq: int, microbatch: int, hidden: int, heads: int) 
     return seq * microbatch * hidden * 34 + 5 * heads * seq * seq * microbatch
 
 
-def measure_saved(model: torch.nn.Module, inputs: tuple) -> tuple[int, list[int], int]:
-    """Bytes autograd saves in one real forward: ``(total, per layer, saved tensors)``.
+@dataclass
+class Saved:
+    """What one real forward saved for backward."""
 
-    Each storage once (its full ``nbytes``), parameters and buffers excluded; ``per layer``
-    counts a storage in the ``model.layers[i]`` that first saved it.
-    """
+    total: int                # bytes, each storage once, parameters and buffers excluded
+    per_layer: list[int]      # bytes first saved inside ``model.layers[i]``
+    tensors: int              # pack-hook calls
+    kernels: list[str]        # attention / softmax / dropout backward nodes (which SDPA backend ran)
+
+
+def measure_saved(model: torch.nn.Module, inputs: tuple) -> Saved:
+    """Bytes autograd saves in one real forward of ``model`` (see :class:`Saved`)."""
     excluded = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, tuple[int, Any]] = {}   # storage address -> (bytes, layer); tensors stay alive
     current: list[Any] = [None]
@@ -69,11 +76,26 @@ def measure_saved(model: torch.nn.Module, inputs: tuple) -> tuple[int, list[int]
             loss = model(*inputs)  # the graph (and so every saved tensor) lives until `loss` goes
             total = sum(nbytes for nbytes, _ in seen.values())
             per_layer = [sum(n for n, layer in seen.values() if layer == i) for i in range(len(hooks) // 2)]
+            kernels = _backward_kernels(loss, ("Attention", "Softmax", "Dropout"))
     finally:
         for h in hooks:
             h.remove()
     del loss
-    return total, per_layer, count[0]
+    return Saved(total, per_layer, count[0], kernels)
+
+
+def _backward_kernels(loss: torch.Tensor, words: tuple[str, ...]) -> list[str]:
+    """Names of the autograd nodes behind ``loss`` that contain one of ``words``."""
+    names, stack, seen = set(), [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if any(w in node.name() for w in words):
+            names.add(node.name())
+        stack.extend(fn for fn, _ in node.next_functions)
+    return sorted(names)
 
 
 def check_saved_bytes(env: Env) -> CheckResult:
@@ -83,11 +105,12 @@ def check_saved_bytes(env: Env) -> CheckResult:
             name = f"{attention}/{dtype}"
             model, inputs = build_gpt(sizes, dtype=dtype, attention=attention, device=env.device)
             profiled = lynx.profile(lynx.capture(model, inputs), target=env.target).total_saved_bytes
-            measured, per_layer, count = measure_saved(model, inputs)
+            saved = measure_saved(model, inputs)
+            measured, per_layer = saved.total, saved.per_layer
             diff = rel_diff(profiled, measured)
             worst = max(worst, abs(diff))
             parts[name] = Part({"profile_bytes": profiled, "measured_bytes": measured, "rel_diff": diff,
-                                "saved_tensors": count},
+                                "saved_tensors": saved.tensors, "kernels": saved.kernels},
                                judged(abs(diff) <= BAR), f"profile {diff:+.3%} vs measured (bar ±{BAR:.0%})")
             if attention == "math" and dtype in ("float16", "bfloat16") and per_layer:
                 formula = korthikanti_layer_bytes(sizes.seq, sizes.microbatch, sizes.hidden, sizes.heads)

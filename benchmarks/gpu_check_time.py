@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,7 +86,9 @@ def calibrated_hardware(env: Env) -> tuple[str | None, str]:
     path = Path(env.workdir) / "calibrated.json"
     cmd = [sys.executable, "-m", "lynx.calibrate", "--output", str(path), "--repeats", "3",
            "--device", env.device.type]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    root = str(Path(__file__).resolve().parents[1])  # this checkout's lynx, installed or not
+    env_vars = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env_vars)
     if done.returncode != 0 or not path.exists():
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return None, f"`{' '.join(cmd[1:])}` failed (exit {done.returncode}): {' | '.join(tail)}"
@@ -145,8 +148,10 @@ def check_time(env: Env) -> CheckResult:
     ratio = times["none"]["step_s"] / times["eager"]["step_s"]
     host = {k: {"step_s": v["step_s"], "host_s": v["host_s"]} for k, v in times.items()}
     ahead = times["none"]["host_s"] / times["none"]["step_s"]
+    eager_busy = times["eager"]["host_s"] / times["eager"]["step_s"]  # near 1: launch-bound even eagerly
     text = (f"stage step {ratio:.3f}x eager's; host {times['none']['host_s'] * 1e3:.2f} ms (eager "
-            f"{times['eager']['host_s'] * 1e3:.2f} ms) for a {times['none']['step_s'] * 1e3:.2f} ms step")
+            f"{times['eager']['host_s'] * 1e3:.2f} ms, {eager_busy:.0%} of its step) for a "
+            f"{times['none']['step_s'] * 1e3:.2f} ms step")
     if env.cuda:
         parts["stage_vs_eager"] = Part({"ratio": ratio, **host}, judged(ratio <= COMPUTE_BOUND_BAR),
                                        f"{text}; bar {COMPUTE_BOUND_BAR}")
