@@ -46,8 +46,6 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # the checkout's lynx, without installing it
-# Before CUDA initialises: cuBLAS may then be asked for deterministic results (check 3's control).
-os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 
