@@ -182,12 +182,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.layers < 1:
             ap.error(f"--layers must be >= 1, got {args.layers}")
         sizes = type(sizes)(**{**sizes.__dict__, "layers": args.layers})
-    with tempfile.TemporaryDirectory(prefix="lynx_gpu_check_") as workdir:
-        env = Env(device, sizes, "h200" if device.type == "cuda" else "cpu-local", calibrate=args.calibrate,
-                  workdir=workdir)
-        print(f"gpu_check on {device_name(device)}: sizes {sizes.name}, checks {', '.join(names)}", flush=True)
-        report = run_checks(env, names, args.out, budget_s=args.budget_s,
-                            command="python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # one thread, as a rank runs: on a loaded machine OpenMP threads spin
+        torch.set_num_threads(1)  # on busy cores (a tiny step took 0.84 s with 2 threads, 24 ms with 1)
+    try:
+        with tempfile.TemporaryDirectory(prefix="lynx_gpu_check_") as workdir:
+            env = Env(device, sizes, "h200" if device.type == "cuda" else "cpu-local", calibrate=args.calibrate,
+                      workdir=workdir)
+            print(f"gpu_check on {device_name(device)}: sizes {sizes.name}, checks {', '.join(names)}", flush=True)
+            report = run_checks(env, names, args.out, budget_s=args.budget_s, command="python benchmarks/gpu_check.py "
+                                + " ".join(argv if argv is not None else sys.argv[1:]))
+    finally:
+        torch.set_num_threads(threads)
     verdicts = [c["verdict"] for c in report["checks"].values()]
     print(f"{verdicts.count('pass')} pass, {verdicts.count('fail')} fail, {verdicts.count('skipped')} skipped "
           f"in {report['seconds']:.0f} s -> {args.out}", flush=True)
