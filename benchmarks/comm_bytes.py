@@ -120,7 +120,8 @@ def main() -> None:
             match = sent == want and recv == want_recv
             ok &= match
             print(f"  {name:10s} sent {sent:10.0f} analytic {want:10.0f}  received {recv:10.0f} "
-                  f"analytic {want_recv:10.0f}  collectives {colls} (buckets {buckets})  {'OK' if match else 'MISMATCH'}")
+                  f"analytic {want_recv:10.0f}  collectives {colls} (buckets {buckets})  "
+                  f"{'OK' if match else 'MISMATCH'}")
         if not ok:
             sys.exit("analytic and counted bytes differ")
 
@@ -128,8 +129,10 @@ def main() -> None:
     n = sum(torch.Size(s).numel() for s in shapes)
     columns = ["allreduce_fp32", *[f"demo_k{k}" for k in TOPKS], "lion_mavo", "lion_avg"]
     rows = {w: analytic(shapes, w) for w in WORLDS}
-    title = (f"Wire bytes sent per rank per step, {args.model} ({n / 1e9:.3f} B parameters, {len(shapes)} tensors; "
-             "DeMo chunk 64, bf16 values, 12-bit indices; ratio = all-reduce bytes / method bytes)")
+    title = (
+        f"Wire bytes sent per rank per step, {args.model} ({n / 1e9:.3f} B parameters, {len(shapes)} tensors; "
+        "DeMo chunk 64, bf16 values, 12-bit indices; ratio = all-reduce bytes / method bytes)"
+    )
     print(title)
     head = f"{'W':>3} " + " ".join(f"{c:>20s}" for c in columns)
     print(head)
@@ -153,8 +156,13 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     md = args.out / "optim_comm_bytes.md"
-    md.write_text(f"# {title}\n\nCommand: `.venv/bin/python benchmarks/comm_bytes.py`\n\n" + "\n".join(lines)
-                  + "\n\n" + "\n".join(f"- {v}" for v in verdict) + "\n")
+    md.write_text(
+        f"# {title}\n\nCommand: `.venv/bin/python benchmarks/comm_bytes.py`\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + "\n".join(f"- {v}" for v in verdict)
+        + "\n"
+    )
     import matplotlib
 
     matplotlib.use("Agg")

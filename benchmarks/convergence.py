@@ -141,7 +141,8 @@ def train_distributed(method: str, lr: float, args: argparse.Namespace) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, method, lr, args, queue)) for r in range(args.world)]
+    procs = [ctx.Process(target=_worker, args=(r, args.world, port, method, lr, args, queue))
+             for r in range(args.world)]
     for p in procs:
         p.start()
     result = queue.get(timeout=args.timeout)
@@ -192,14 +193,21 @@ def _tail(losses: list[float], n: int = 20) -> float:
 
 
 def _report(res: dict) -> None:
-    print(f"{res['method']:10s} lr {res['lr']:.0e}  held-out {res['evals'][-1][1]:.4f}  "
-          f"train(last 20) {_tail(res['losses']):.4f}  {res['seconds']:.0f} s", flush=True)
+    print(
+        f"{res['method']:10s} lr {res['lr']:.0e}  held-out {res['evals'][-1][1]:.4f}  "
+        f"train(last 20) {_tail(res['losses']):.4f}  {res['seconds']:.0f} s",
+        flush=True,
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--methods", nargs="+", default=["adamw", "lion", "demo", "dlion"],
-                        choices=["adamw", "lion", "demo", "dlion", "dlion_avg"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["adamw", "lion", "demo", "dlion"],
+        choices=["adamw", "lion", "demo", "dlion", "dlion_avg"],
+    )
     parser.add_argument("--lr", nargs="*", default=[], help="overrides, e.g. demo=1e-3 adamw=3e-3")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
@@ -230,21 +238,32 @@ def main() -> None:
     results = run_methods(args, lrs)
 
     base = next((r["evals"][-1][1] for r in results if r["method"] == "adamw"), None)
-    title = (f"byte-level GPT (layers {args.layers}, hidden {args.hidden}, seq {args.seq}), stdlib corpus, "
-             f"{args.steps} steps, global batch {args.batch}, warm-up {args.warmup} + cosine to 10%")
-    lines = [f"# Convergence: {title}", "",
-             f"Command: `.venv/bin/python benchmarks/convergence.py {' '.join(os.sys.argv[1:])}`".rstrip(), "",
-             "| method | ranks | peak lr | held-out loss | train loss (last 20) | vs AdamW | bytes sent/rank/step | wall s |",
-             "|---|---|---|---|---|---|---|---|"]
+    title = (
+        f"byte-level GPT (layers {args.layers}, hidden {args.hidden}, seq {args.seq}), stdlib corpus, "
+        f"{args.steps} steps, global batch {args.batch}, warm-up {args.warmup} + cosine to 10%"
+    )
+    lines = [
+        f"# Convergence: {title}",
+        "",
+        f"Command: `.venv/bin/python benchmarks/convergence.py {' '.join(os.sys.argv[1:])}`".rstrip(),
+        "",
+        "| method | ranks | peak lr | held-out loss | train loss (last 20) | vs AdamW | bytes sent/rank/step "
+        "| wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         held = r["evals"][-1][1]
         ratio = f"{held / base:.3f}×" if base else "—"
-        lines.append(f"| {r['method']} | {r['ranks']} | {r['lr']:.0e} | {held:.4f} | {_tail(r['losses']):.4f} "
-                     f"| {ratio} | {r['sent_per_step']:.0f} | {r['seconds']:.0f} |")
+        lines.append(
+            f"| {r['method']} | {r['ranks']} | {r['lr']:.0e} | {held:.4f} | {_tail(r['losses']):.4f} "
+            f"| {ratio} | {r['sent_per_step']:.0f} | {r['seconds']:.0f} |"
+        )
     if args.methods and "demo" in args.methods:
         lines.append(f"\nDeMo settings: top-k {args.topk}, chunk {args.chunk}, decay {args.decay}.")
-    lines.append(f"Lion / DistributedLion betas {tuple(args.lion_betas)}; AdamW betas (0.9, 0.95); "
-                 f"weight decay {args.weight_decay} for all.")
+    lines.append(
+        f"Lion / DistributedLion betas {tuple(args.lion_betas)}; AdamW betas (0.9, 0.95); "
+        f"weight decay {args.weight_decay} for all."
+    )
     print("\n".join(lines))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"optim_convergence{args.tag}"
@@ -258,9 +277,11 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in results:
-        smooth = [sum(r["losses"][max(0, i - 9) : i + 1]) / len(r["losses"][max(0, i - 9) : i + 1])
-                  for i in range(len(r["losses"]))]
-        line, = ax.plot(range(1, len(smooth) + 1), smooth, label=f"{r['method']} (lr {r['lr']:.0e}, W={r['ranks']})")
+        smooth = [
+            sum(r["losses"][max(0, i - 9) : i + 1]) / len(r["losses"][max(0, i - 9) : i + 1])
+            for i in range(len(r["losses"]))
+        ]
+        (line,) = ax.plot(range(1, len(smooth) + 1), smooth, label=f"{r['method']} (lr {r['lr']:.0e}, W={r['ranks']})")
         ax.plot([s for s, _ in r["evals"]], [v for _, v in r["evals"]], "o", color=line.get_color(), ms=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (line: train, 10-step mean; dots: held-out)")

@@ -61,9 +61,14 @@ def _compare(ref: tuple, got: tuple) -> dict[str, Any]:
     differ = [n for n in ref_grads if n not in grads or not torch.equal(ref_grads[n], grads[n])]
     worst = max((float((ref_grads[n].float() - grads[n].float()).abs().max()) for n in differ if n in grads),
                 default=0.0)
-    return {"losses_equal": all(torch.equal(a, b) for a, b in zip(ref_losses, losses)) and len(losses) == len(ref_losses),
-            "params": len(ref_grads), "params_differing": len(differ), "first_differing": differ[:4],
-            "max_abs_diff": worst, "missing": sorted(set(ref_grads) - set(grads))[:4]}
+    return {
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(ref_losses, losses)) and len(losses) == len(ref_losses),
+        "params": len(ref_grads),
+        "params_differing": len(differ),
+        "first_differing": differ[:4],
+        "max_abs_diff": worst,
+        "missing": sorted(set(ref_grads) - set(grads))[:4],
+    }
 
 
 def _dropped_random(compiled: Any) -> int:
@@ -79,9 +84,13 @@ def check_gradients(env: Env, solvers: tuple[str, ...] = ("full", "heu")) -> Che
     reference = _eager(model, inputs, m)
     control = _compare(reference, _eager(model, inputs, m))
     deterministic = control["losses_equal"] and control["params_differing"] == 0
-    parts["eager_repeatable"] = Part(control, judged(deterministic),
-                                     "the eager reference run twice is bitwise equal" if deterministic else
-                                     "the eager model itself is not bitwise repeatable on this device")
+    parts["eager_repeatable"] = Part(
+        control,
+        judged(deterministic),
+        "the eager reference run twice is bitwise equal"
+        if deterministic
+        else "the eager model itself is not bitwise repeatable on this device",
+    )
     batch = dict(zip(keep.analysis.captured.input_names, inputs))
     for solver in solvers:
         try:
@@ -93,15 +102,21 @@ def check_gradients(env: Env, solvers: tuple[str, ...] = ("full", "heu")) -> Che
         figure["dropped_dropout_nodes"] = _dropped_random(compiled)
         figure["recompute_fraction"] = compiled.plan.recompute_fraction()
         ok = figure["losses_equal"] and figure["params_differing"] == 0 and not figure["missing"]
-        parts[solver] = Part(figure, judged(ok),
-                             f"{figure['params_differing']}/{figure['params']} gradients differ "
-                             f"(max |diff| {figure['max_abs_diff']:.3g}), losses "
-                             f"{'equal' if figure['losses_equal'] else 'differ'}; "
-                             f"{figure['dropped_dropout_nodes']} dropout nodes recomputed")
+        parts[solver] = Part(
+            figure,
+            judged(ok),
+            f"{figure['params_differing']}/{figure['params']} gradients differ "
+            f"(max |diff| {figure['max_abs_diff']:.3g}), losses "
+            f"{'equal' if figure['losses_equal'] else 'differ'}; "
+            f"{figure['dropped_dropout_nodes']} dropout nodes recomputed",
+        )
         free_memory(env.device)
     model.zero_grad(set_to_none=True)
     del model, inputs, keep
-    headline = {s: {"params_differing": p.figure.get("params_differing"), "max_abs_diff": p.figure.get("max_abs_diff")}
-                for s, p in parts.items() if s != "eager_repeatable"}
+    headline = {
+        s: {"params_differing": p.figure.get("params_differing"), "max_abs_diff": p.figure.get("max_abs_diff")}
+        for s, p in parts.items()
+        if s != "eager_repeatable"
+    }
     reason = "; ".join(f"{n}: {p.reason}" for n, p in parts.items())
     return CheckResult({"dtype": dtype, "microbatches": m, **headline}, reason, parts)

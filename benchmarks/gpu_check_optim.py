@@ -127,13 +127,18 @@ def compare_runs(kind: str, ref: tuple, got: tuple) -> dict[str, Any]:
     return {"elements": elements, "sign_flips": flips, "flip_fraction": flips / max(elements, 1),
             "param_rounding_rel": rounding, "state_elements": state_elements, "state_far": state_far,
             "state_far_fraction": state_far / max(state_elements, 1), "state_worst_rel": state_worst,
-            "int_state_unequal": int_unequal, "bitwise_params": all(torch.equal(a, b) for a, b in zip(ref_params, params))}
+            "int_state_unequal": int_unequal,
+            "bitwise_params": all(torch.equal(a, b) for a, b in zip(ref_params, params))}
 
 
 def within_rounding(figure: dict[str, Any]) -> bool:
     """Whether :func:`compare_runs`' figure is what fp32 rounding explains (module docstring)."""
-    return (figure["flip_fraction"] <= FLIP_FRACTION and figure["param_rounding_rel"] <= PARAM_ROUNDING
-            and figure["state_far_fraction"] <= STATE_FRACTION and figure["int_state_unequal"] == 0)
+    return (
+        figure["flip_fraction"] <= FLIP_FRACTION
+        and figure["param_rounding_rel"] <= PARAM_ROUNDING
+        and figure["state_far_fraction"] <= STATE_FRACTION
+        and figure["int_state_unequal"] == 0
+    )
 
 
 def check_optimizers(env: Env) -> CheckResult:
@@ -151,24 +156,31 @@ def check_optimizers(env: Env) -> CheckResult:
             syncs[kind] = got[2]
             ok = within_rounding(figure)
             where = "" if env.cuda else " (device is the CPU: the harness compared with itself)"
-            parts[kind] = Part(figure, judged(ok),
-                               f"{figure['sign_flips']} sign flips in {figure['elements']} elements, params within "
-                               f"{figure['param_rounding_rel']:.1e}, state {figure['state_far']} elements beyond "
-                               f"{STATE_TOLERANCE:g} (worst {figure['state_worst_rel']:.1e}){where}")
+            parts[kind] = Part(
+                figure,
+                judged(ok),
+                f"{figure['sign_flips']} sign flips in {figure['elements']} elements, params within "
+                f"{figure['param_rounding_rel']:.1e}, state {figure['state_far']} elements beyond "
+                f"{STATE_TOLERANCE:g} (worst {figure['state_worst_rel']:.1e}){where}",
+            )
             free_memory(env.device)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     if env.cuda:
         found = {k: sorted(set(v)) for k, v in syncs.items()}
         total = sum(len(v) for v in syncs.values())
-        parts["host_syncs"] = Part({"per_optimizer": {k: len(v) for k, v in syncs.items()}, "where": found},
-                                   judged(total == 0),
-                                   f"{total} synchronising calls in {sizes.optim_steps - 1} steps of each"
-                                   + (f": {found}" if total else ""))
+        parts["host_syncs"] = Part(
+            {"per_optimizer": {k: len(v) for k, v in syncs.items()}, "where": found},
+            judged(total == 0),
+            f"{total} synchronising calls in {sizes.optim_steps - 1} steps of each" + (f": {found}" if total else ""),
+        )
     else:
         parts["host_syncs"] = Part({}, "skipped", "host synchronisation is a CUDA notion")
-    figure = {k: {"flip_fraction": p.figure["flip_fraction"], "state_worst_rel": p.figure["state_worst_rel"]}
-              for k, p in parts.items() if k in ("demo", "lion")}
+    figure = {
+        k: {"flip_fraction": p.figure["flip_fraction"], "state_worst_rel": p.figure["state_worst_rel"]}
+        for k, p in parts.items()
+        if k in ("demo", "lion")
+    }
     figure["params"] = sum(torch.Size(s).numel() for s in sizes.optim_shapes)
     reason = "; ".join(f"{n}: {p.reason}" for n, p in parts.items()) + "; world size 1 (collectives not run)"
     return CheckResult(figure, reason, parts)

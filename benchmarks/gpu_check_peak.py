@@ -112,14 +112,25 @@ def _measure(env: Env, compiled: Any, batch: dict) -> dict[str, Any]:
 def _parts(env: Env, name: str, compiled: Any, measured: dict[str, Any]) -> dict[str, Part]:
     sp = compiled.plan.stage(0)
     schedule = compiled.plan.stage_schedule(0)
-    windowed = {n for j in range(compiled.plan.microbatches) for _w, nodes in schedule.prefetch.get(j, []) for n in nodes}
+    windowed = {
+        n for j in range(compiled.plan.microbatches) for _w, nodes in schedule.prefetch.get(j, []) for n in nodes
+    }
     low = 0.80 if schedule.dropped - windowed else 0.95
     predicted, meter = sp.activation_bytes, measured["meter_peak_stage"]
     ratio = meter / predicted if predicted else float("inf")
-    parts = {f"{name}/meter_vs_plan": Part(
-        {"predicted_bytes": predicted, "meter_bytes": meter, "ratio": ratio, "dropped_nodes": len(schedule.dropped),
-         "windowed_nodes": len(windowed)},
-        judged(low <= ratio <= 1.0), f"meter/plan {ratio:.3f} (bar {low:.2f}..1.00)")}
+    parts = {
+        f"{name}/meter_vs_plan": Part(
+            {
+                "predicted_bytes": predicted,
+                "meter_bytes": meter,
+                "ratio": ratio,
+                "dropped_nodes": len(schedule.dropped),
+                "windowed_nodes": len(windowed),
+            },
+            judged(low <= ratio <= 1.0),
+            f"meter/plan {ratio:.3f} (bar {low:.2f}..1.00)",
+        )
+    }
     if not env.cuda:
         skip = "torch.cuda.max_memory_allocated needs CUDA"
         parts[f"{name}/allocator_vs_plan"] = Part({}, "skipped", skip)
@@ -128,18 +139,29 @@ def _parts(env: Env, name: str, compiled: Any, measured: dict[str, Any]) -> dict
     alloc = measured["allocator_peak"]
     diff = rel_diff(alloc, predicted)
     parts[f"{name}/allocator_vs_plan"] = Part(
-        {"predicted_bytes": predicted, "allocator_peak_bytes": alloc, "rel_diff": diff,
-         "baseline_bytes": measured["baseline"], "meter_peak_all_bytes": measured["meter_peak_all"]},
-        judged(abs(diff) <= BAR), f"allocator peak above baseline {diff:+.2%} vs the plan (bar ±{BAR:.0%})")
+        {
+            "predicted_bytes": predicted,
+            "allocator_peak_bytes": alloc,
+            "rel_diff": diff,
+            "baseline_bytes": measured["baseline"],
+            "meter_peak_all_bytes": measured["meter_peak_all"],
+        },
+        judged(abs(diff) <= BAR),
+        f"allocator peak above baseline {diff:+.2%} vs the plan (bar ±{BAR:.0%})",
+    )
     probes = measured["probes"]
     gaps = [p["allocated"] - p["meter_live"] for p in probes]
     scale = max(1, measured["meter_peak_all"])
     worst = max(gaps, key=abs)
     parts[f"{name}/meter_vs_allocator"] = Part(
-        {"worst_gap_bytes": worst, "worst_gap_rel": worst / scale,
-         "per_action": [(p["action"], p["allocated"], p["meter_live"]) for p in probes]},
+        {
+            "worst_gap_bytes": worst,
+            "worst_gap_rel": worst / scale,
+            "per_action": [(p["action"], p["allocated"], p["meter_live"]) for p in probes],
+        },
         judged(abs(worst) / scale <= BAR),
-        f"allocated − meter live, worst {worst / scale:+.2%} of the meter's peak over {len(probes)} actions")
+        f"allocated − meter live, worst {worst / scale:+.2%} of the meter's peak over {len(probes)} actions",
+    )
     return parts
 
 
@@ -147,8 +169,9 @@ def check_peak_memory(env: Env, solvers: tuple[str, ...] = ("full", "heu")) -> C
     model, inputs, keep = shared_gpt(env)
     batch = dict(zip(keep.analysis.captured.input_names, inputs))
     parts: dict[str, Part] = {}
-    figure: dict[str, Any] = {"model": f"math attention, {env.sizes.dtypes[0]}, pp {PP}, 1f1b, "
-                                       f"{env.sizes.microbatches} microbatches, stage 0"}
+    figure: dict[str, Any] = {
+        "model": f"math attention, {env.sizes.dtypes[0]}, pp {PP}, 1f1b, {env.sizes.microbatches} microbatches, stage 0"
+    }
     for solver in solvers:
         try:
             compiled = shared_plan(env, solver)

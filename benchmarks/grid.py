@@ -256,41 +256,62 @@ def summarise(points: list[dict], levels: list[float], with_opt: bool) -> list[s
                  f"({len(violations)} violation(s))")
     slower = [v for v in violations if "slower than" in v]
     if slower:
-        worst = max(float(v.split("Lynx ")[1].split(" ms")[0]) / float(v.split(" ms")[-2].split()[-1]) - 1 for v in slower)
-        lines.append(f"  {len(slower)} where HEU's plan is slower than a fitting baseline (worst by {worst:.2%}), "
-                     f"{len(violations) - len(slower)} where HEU found no fitting plan")
+        worst = max(float(v.split("Lynx ")[1].split(" ms")[0]) / float(v.split(" ms")[-2].split()[-1]) - 1
+                    for v in slower)
+        lines.append(
+            f"  {len(slower)} where HEU's plan is slower than a fitting baseline (worst by {worst:.2%}), "
+            f"{len(violations) - len(slower)} where HEU found no fitting plan"
+        )
     lines += [f"  {v}" for v in violations[:20]]
     for lv in levels:
         xs = by_level[lv]
         if xs:
-            lines.append(f"level {lv:.1f}: median speedup over full {statistics.median(xs):.3f}× "
-                         f"(min {min(xs):.3f}×, max {max(xs):.3f}×, {len(xs)} points)")
+            lines.append(
+                f"level {lv:.1f}: median speedup over full {statistics.median(xs):.3f}× "
+                f"(min {min(xs):.3f}×, max {max(xs):.3f}×, {len(xs)} points)"
+            )
     if hidden:
-        lines.append(f"hidden share where the eligible windows' capacity covers the recompute (Hall's condition): "
-                     f"median {statistics.median(hidden):.1%}, min {min(hidden):.1%} over {len(hidden)} points")
+        lines.append(
+            f"hidden share where the eligible windows' capacity covers the recompute (Hall's condition): "
+            f"median {statistics.median(hidden):.1%}, min {min(hidden):.1%} over {len(hidden)} points"
+        )
     else:
         lines.append("hidden share where windows suffice: no grid point where the windows cover the recompute")
     if hidden_memory:
-        lines.append(f"  … and memory admits prefetching all of it (capacity AND memory: the bar's condition as "
-                     f"measured): median {statistics.median(hidden_memory):.1%}, min {min(hidden_memory):.1%} "
-                     f"over {len(hidden_memory)} points")
+        lines.append(
+            f"  … and memory admits prefetching all of it (capacity AND memory: the bar's condition as "
+            f"measured): median {statistics.median(hidden_memory):.1%}, min {min(hidden_memory):.1%} "
+            f"over {len(hidden_memory)} points"
+        )
     bound = [(h, pt["name"]) for h, pt in memory_bound]
     if bound:
-        lines.append(f"  … capacity suffices but memory does not ({len(bound)} points; a prefetched value lives "
-                     f"until its backward, so hiding more means dropping more elsewhere): min "
-                     f"{min(bound)[0]:.1%} at {min(bound)[1]}")
+        lines.append(
+            f"  … capacity suffices but memory does not ({len(bound)} points; a prefetched value lives "
+            f"until its backward, so hiding more means dropping more elsewhere): min "
+            f"{min(bound)[0]:.1%} at {min(bound)[1]}"
+        )
     if gaps:
-        lines.append(f"HEU vs OPT step time: max gap {max(gaps):+.3%}, median {statistics.median(gaps):+.3%} "
-                     f"over {len(gaps)} points")
+        lines.append(
+            f"HEU vs OPT step time: max gap {max(gaps):+.3%}, median {statistics.median(gaps):+.3%} "
+            f"over {len(gaps)} points"
+        )
     return lines
 
 
 def write_markdown(points: list[dict], summary: list[str], path: Path, argv: list[str]) -> None:
     solvers = ["heu", "opt", "checkmate", "none", "full", "full-block", "selective"]
-    out = ["# Lynx grid: step time per solver (ms), simulated; `-` = does not fit the budget", "",
-           f"Command: `.venv/bin/python benchmarks/grid.py {' '.join(argv)}`", "", "```", *summary, "```", "",
-           "| point | budget | " + " | ".join(solvers) + " | speedup vs full | hidden |",
-           "|---|---|" + "---|" * len(solvers) + "---|---|"]
+    out = [
+        "# Lynx grid: step time per solver (ms), simulated; `-` = does not fit the budget",
+        "",
+        f"Command: `.venv/bin/python benchmarks/grid.py {' '.join(argv)}`",
+        "",
+        "```",
+        *summary,
+        "```",
+        "",
+        "| point | budget | " + " | ".join(solvers) + " | speedup vs full | hidden |",
+        "|---|---|" + "---|" * len(solvers) + "---|---|",
+    ]
     for pt in points:
         res, best = pt["results"], lynx_best(pt["results"])
         cells = []
@@ -298,8 +319,11 @@ def write_markdown(points: list[dict], summary: list[str], path: Path, argv: lis
             r = res.get(s)
             cells.append("" if r is None else ("-" if not r.get("fits") else f"{r['step_time_s'] * 1e3:.1f}"))
         speed = f"{res['full']['step_time_s'] / best['step_time_s']:.3f}×" if best else "-"
-        hid = (f"{best['hidden_s'] / (best['hidden_s'] + best['exposed_s']):.0%}"
-               if best and best["hidden_s"] + best["exposed_s"] > 0 else "-")
+        hid = (
+            f"{best['hidden_s'] / (best['hidden_s'] + best['exposed_s']):.0%}"
+            if best and best["hidden_s"] + best["exposed_s"] > 0
+            else "-"
+        )
         out.append(f"| {pt['name']} | {format_size(pt['budget'])} | " + " | ".join(cells) + f" | {speed} | {hid} |")
     path.write_text("\n".join(out) + "\n")
 
@@ -325,9 +349,14 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         for hw in hardware:
             _GRAPHS[(model, hw)] = retimed(graphs[model], hw)
-    tasks = [(model, hw, pp, tp, m, levels, args)
-             for model in models for hw in hardware for pp in split(args.pp, int)
-             for tp in split(args.tp, int) for m in split(args.microbatches, int)]
+    tasks = [
+        (model, hw, pp, tp, m, levels, args)
+        for model in models
+        for hw in hardware
+        for pp in split(args.pp, int)
+        for tp in split(args.tp, int)
+        for m in split(args.microbatches, int)
+    ]
     points, skipped = [], 0
     if args.jobs > 1:
         import multiprocessing
@@ -347,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(summary))
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "" if argv == [] else "_full" if argv == ["--full"] else "_custom"
-    (args.out / f"grid{suffix}.json").write_text(json.dumps({"argv": argv, "summary": summary, "points": points},
-                                                            indent=1))
+    (args.out / f"grid{suffix}.json").write_text(
+        json.dumps({"argv": argv, "summary": summary, "points": points}, indent=1)
+    )
     write_markdown(points, summary, args.out / f"grid{suffix}.md", argv)
     print(f"wrote {args.out / f'grid{suffix}.md'}")
     return 0

@@ -31,21 +31,45 @@ SETTINGS = ["--model", "gpt-tiny", "--seq", "64", "--microbatch", "8", "--pp", "
 def one_run(hardware: str, steps: int, folder: Path, index: int) -> dict:
     log = folder / f"run{index}.json"
     load_before = os.getloadavg()[0]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "examples" / "train_gpt.py"),
-               *SETTINGS, "--hardware", hardware, "--steps", str(steps), "--log-json", str(log)]
-    done = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "examples" / "train_gpt.py"),
+        *SETTINGS,
+        "--hardware",
+        hardware,
+        "--steps",
+        str(steps),
+        "--log-json",
+        str(log),
+    ]
+    done = subprocess.run(
+        command, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900
+    )
     if done.returncode != 0:
         raise SystemExit(f"run {index} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     summary = json.loads(log.read_text())["summary"]
     cpu = re.search(r"CPU time per step.*?measured/predicted ([\d.]+)", done.stdout)
     hardware_line = next((line for line in done.stdout.splitlines() if line.startswith("hardware ")), "")
-    ratios = {int(s): summary["peak_saved_bytes"][s] / summary["predicted_activation_bytes"][s]
-              for s in summary["peak_saved_bytes"]}
-    return {"run": index, "load_before": load_before, "load_after": os.getloadavg()[0],
-            "step_s": summary["step_s"], "predicted_step_s": summary["predicted_step_s"],
-            "step_ratio": summary["step_s"] / summary["predicted_step_s"],
-            "fastest_ratio": summary["fastest_step_s"] / summary["predicted_step_s"],
-            "cpu_ratio": float(cpu.group(1)) if cpu else None, "memory_ratio": ratios, "hardware": hardware_line}
+    ratios = {
+        int(s): summary["peak_saved_bytes"][s] / summary["predicted_activation_bytes"][s]
+        for s in summary["peak_saved_bytes"]
+    }
+    return {
+        "run": index,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+        "step_s": summary["step_s"],
+        "predicted_step_s": summary["predicted_step_s"],
+        "step_ratio": summary["step_s"] / summary["predicted_step_s"],
+        "fastest_ratio": summary["fastest_step_s"] / summary["predicted_step_s"],
+        "cpu_ratio": float(cpu.group(1)) if cpu else None,
+        "memory_ratio": ratios,
+        "hardware": hardware_line,
+    }
 
 
 def main() -> None:
@@ -64,10 +88,12 @@ def main() -> None:
             rows.append(one_run(args.hardware, args.steps, Path(folder), i + 1))
             r = rows[-1]
             memory = ", ".join(f"stage {s} {v:.3f}" for s, v in sorted(r["memory_ratio"].items()))
-            print(f"run {r['run']}: load {r['load_before']:.2f} → {r['load_after']:.2f}; step {r['step_s'] * 1e3:.1f} ms "
-                  f"vs predicted {r['predicted_step_s'] * 1e3:.1f} ms: measured/predicted {r['step_ratio']:.2f} "
-                  f"(fastest {r['fastest_ratio']:.2f}; busiest rank's CPU time {r['cpu_ratio']}); memory {memory}",
-                  flush=True)
+            print(
+                f"run {r['run']}: load {r['load_before']:.2f} → {r['load_after']:.2f}; step {r['step_s'] * 1e3:.1f} ms "
+                f"vs predicted {r['predicted_step_s'] * 1e3:.1f} ms: measured/predicted {r['step_ratio']:.2f} "
+                f"(fastest {r['fastest_ratio']:.2f}; busiest rank's CPU time {r['cpu_ratio']}); memory {memory}",
+                flush=True,
+            )
     print(rows[0]["hardware"])
     if args.json:
         Path(args.json).write_text(json.dumps({"hardware": args.hardware, "runs": rows}, indent=1))

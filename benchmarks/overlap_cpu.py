@@ -101,7 +101,9 @@ def worker(args: argparse.Namespace) -> None:
     # one pipeline would hand stage 0's window to stage 1's compute, on the critical path).
     rank, world = int(os.environ["RANK"]), spec["pp"] * spec["dp"]
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)] if world <= len(cores) else cores[rank // spec["dp"] % len(cores)]})
+    os.sched_setaffinity(
+        0, {cores[rank % len(cores)] if world <= len(cores) else cores[rank // spec["dp"] % len(cores)]}
+    )
     _renice(spec["nice"])
     dist.init_process_group("gloo")
     topo = make_topology(spec["pp"], spec["dp"])
@@ -111,29 +113,46 @@ def worker(args: argparse.Namespace) -> None:
     parts = split_cached(captured.gm, spec["nodes"])
     s = topo.stage
     sched = spec["schedules"][s]
-    schedule = StageSchedule(dropped=frozenset(sched["dropped"]),
-                             prefetch={int(j): [(w, n) for w, n in v] for j, v in sched["prefetch"].items()})
-    stages = {"none": StageModule(parts[s]),
-              "checkpoint": CheckpointStage(parts[s], schedule.dropped) if schedule.dropped else StageModule(parts[s]),
-              "on-demand": StageModule(parts[s], schedule.dropped),
-              "lynx": StageModule(parts[s], schedule.dropped)}
+    schedule = StageSchedule(
+        dropped=frozenset(sched["dropped"]),
+        prefetch={int(j): [(w, n) for w, n in v] for j, v in sched["prefetch"].items()},
+    )
+    stages = {
+        "none": StageModule(parts[s]),
+        "checkpoint": CheckpointStage(parts[s], schedule.dropped) if schedule.dropped else StageModule(parts[s]),
+        "on-demand": StageModule(parts[s], schedule.dropped),
+        "lynx": StageModule(parts[s], schedule.dropped),
+    }
     m = spec["microbatches"]
-    base = {"schedule": spec["schedule"], "microbatches": m, "timeout_s": 300, "bucket_bytes": 256 << 10,
-                "trace": spec.get("trace", False)}
+    base = {
+        "schedule": spec["schedule"],
+        "microbatches": m,
+        "timeout_s": 300,
+        "bucket_bytes": 256 << 10,
+        "trace": spec.get("trace", False),
+    }
     optimizer = None
     if spec["optimizer"] == "lion" and topo.dp > 1:
         from lynx.optim import DistributedLion
 
-        optimizer = DistributedLion(list(parts[s].gm.parameters()), lr=1e-5, process_group=topo.dp_group,
-                                    bucket_bytes=256 << 10)
-    runners = {v: PipelineRunner(stages[v], topo, RuntimeConfig(**base, prefetch=v == "lynx"),
-                                 schedule=schedule if v != "none" else None, optimizer=optimizer)
-               for v in VARIANTS}
+        optimizer = DistributedLion(
+            list(parts[s].gm.parameters()), lr=1e-5, process_group=topo.dp_group, bucket_bytes=256 << 10
+        )
+    runners = {
+        v: PipelineRunner(
+            stages[v],
+            topo,
+            RuntimeConfig(**base, prefetch=v == "lynx"),
+            schedule=schedule if v != "none" else None,
+            optimizer=optimizer,
+        )
+        for v in VARIANTS
+    }
     torch.manual_seed(1009 * topo.dp_rank + s)  # each rank its own dropout stream
     rows = []
     block = spec.get("block", 0)
     for rep in range(spec["reps"] + 1):  # rep 0 warms up
-        order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]  # rotate: no fixed order
+        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]  # rotate: no fixed order
         batches = token_batches(captured.input_names, rep, topo.dp_rank, m)
         for variant in order:
             # with blocks, a variant's first step (after another variant's) is not timed: what a
@@ -154,6 +173,7 @@ def worker(args: argparse.Namespace) -> None:
 def summarize(rows: list[dict], pp: int, dp: int) -> dict:
     out: dict = {"pp": pp, "dp": dp, "variants": {}}
     reps = sorted({r["rep"] for r in rows})
+
     def rep_step(v: str, k: int) -> float:
         # a step ends when its slowest rank does; a block's steps: their median
         mine = [r for r in rows if r["variant"] == v and r["rep"] == k]
@@ -174,18 +194,33 @@ def summarize(rows: list[dict], pp: int, dp: int) -> dict:
                 "peak_saved_bytes": max(r["peak_saved_bytes"] for r in st),
                 "peak_held_bytes": max(r["peak_held_bytes"] for r in st),
             }
-        out["variants"][variant] = {"step_s": statistics.median(steps[variant].values()),
-                                    "step_s_per_rep": [steps[variant][k] for k in reps], "stages": per_stage}
+        out["variants"][variant] = {
+            "step_s": statistics.median(steps[variant].values()),
+            "step_s_per_rep": [steps[variant][k] for k in reps],
+            "stages": per_stage,
+        }
 
     def ratio(a: str, b: str) -> dict:
         per_rep = [steps[a][k] / steps[b][k] for k in reps]
         qs = statistics.quantiles(per_rep, n=4) if len(per_rep) > 1 else per_rep * 3
-        return {"median": statistics.median(per_rep), "q1": qs[0], "q3": qs[2],
-                "of_medians": out["variants"][a]["step_s"] / out["variants"][b]["step_s"]}
+        return {
+            "median": statistics.median(per_rep),
+            "q1": qs[0],
+            "q3": qs[2],
+            "of_medians": out["variants"][a]["step_s"] / out["variants"][b]["step_s"],
+        }
 
-    out["ratios"] = {f"{a}/{b}": ratio(a, b) for a, b in
-                     (("lynx", "checkpoint"), ("lynx", "on-demand"), ("lynx", "none"),
-                      ("checkpoint", "none"), ("on-demand", "none"), ("on-demand", "checkpoint"))}
+    out["ratios"] = {
+        f"{a}/{b}": ratio(a, b)
+        for a, b in (
+            ("lynx", "checkpoint"),
+            ("lynx", "on-demand"),
+            ("lynx", "none"),
+            ("checkpoint", "none"),
+            ("on-demand", "none"),
+            ("on-demand", "checkpoint"),
+        )
+    }
     return out
 
 
@@ -210,8 +245,11 @@ def print_summary(res: dict) -> None:
     print(f"\n== pp {res['pp']} × dp {res['dp']}, {res['link']} ==")
     print(f"{'variant':>10} {'step s':>8} | per stage: exposed s / hidden s / wait s / peak saved MiB")
     for variant, v in res["variants"].items():
-        cells = "  ".join(f"s{s}: {x['exposed_recompute_s']:.3f}/{x['hidden_recompute_s']:.3f}/{x['wait_s']:.3f}/"
-                          f"{x['peak_saved_bytes'] / 2**20:.2f}" for s, x in v["stages"].items())
+        cells = "  ".join(
+            f"s{s}: {x['exposed_recompute_s']:.3f}/{x['hidden_recompute_s']:.3f}/{x['wait_s']:.3f}/"
+            f"{x['peak_saved_bytes'] / 2**20:.2f}"
+            for s, x in v["stages"].items()
+        )
         print(f"{variant:>10} {v['step_s']:>8.3f} | {cells}")
     print("ratios (median of per-repetition ratios [quartiles]; ratio of medians):")
     for name, r in res["ratios"].items():
@@ -220,23 +258,38 @@ def print_summary(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rates", default="150,60",
-                    help="link rate in Mbit/s per entry of --dps (on 2 cores a dp-2 rank shares its core with "
-                         "its stage's other replica, so computes about half as fast: a lower rate keeps "
-                         "transfer / compute comparable)")
+    ap.add_argument(
+        "--rates",
+        default="150,60",
+        help="link rate in Mbit/s per entry of --dps (on 2 cores a dp-2 rank shares its core with "
+        "its stage's other replica, so computes about half as fast: a lower rate keeps "
+        "transfer / compute comparable)",
+    )
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--dps", default="1,2")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--block", type=int, default=0,
-                    help="timed steps of each variant in a row per repetition, after an untimed one "
-                         "(0: one timed step each, variants interleaved)")
-    ap.add_argument("--optimizer", default="lion", choices=("allreduce", "lion"),
-                    help="data-parallel sync: allreduce (mean of gradients, AdamW's) or DistributedLion (1 bit)")
-    ap.add_argument("--plan", default="hand", help="a solver for Lynx's plan (opt, heu), 'hand' (Megatron-full "
-                    "drops, the stage's last layer in every gradient window), or a plan saved with --save-plan "
-                    "(NAME.json under benchmarks/results/)")
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=0,
+        help="timed steps of each variant in a row per repetition, after an untimed one "
+        "(0: one timed step each, variants interleaved)",
+    )
+    ap.add_argument(
+        "--optimizer",
+        default="lion",
+        choices=("allreduce", "lion"),
+        help="data-parallel sync: allreduce (mean of gradients, AdamW's) or DistributedLion (1 bit)",
+    )
+    ap.add_argument(
+        "--plan",
+        default="hand",
+        help="a solver for Lynx's plan (opt, heu), 'hand' (Megatron-full "
+        "drops, the stage's last layer in every gradient window), or a plan saved with --save-plan "
+        "(NAME.json under benchmarks/results/)",
+    )
     ap.add_argument("--save-plan", help="write the plan used to benchmarks/results/SAVE_PLAN (reuse with --plan)")
     ap.add_argument("--nice", type=int, default=-10, help="niceness increment of the ranks (negative needs root)")
     ap.add_argument("--trace", action="store_true", help="print each rank's timeline of the last repetition")
@@ -268,10 +321,23 @@ def prepare(args: argparse.Namespace, rate: float) -> tuple[list, list, str, dic
     times see fewer of the machine's other jobs)."""
     solver = str((ROOT / "benchmarks" / "results" / args.plan).resolve()) if args.plan.endswith(".json") else args.plan
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"pp": args.pp, "microbatches": args.microbatches, "schedule": args.schedule,
-                   "rate_mbit": rate, "solver": solver, "nice": args.nice}, f)
-    subprocess.run([sys.executable, __file__, "--plan-worker", "--spec", f.name], check=True,
-                   start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        json.dump(
+            {
+                "pp": args.pp,
+                "microbatches": args.microbatches,
+                "schedule": args.schedule,
+                "rate_mbit": rate,
+                "solver": solver,
+                "nice": args.nice,
+            },
+            f,
+        )
+    subprocess.run(
+        [sys.executable, __file__, "--plan-worker", "--spec", f.name],
+        check=True,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     (nodes, schedules, source), costs = json.loads(Path(f.name).read_text())["plan"]
     os.unlink(f.name)
     if args.save_plan:
@@ -288,9 +354,13 @@ def run_costs(rows: list[dict], pp: int, m: int) -> list[Stage]:
     for s in range(pp):
         none = [r for r in rows if r["variant"] == "none" and r["stage"] == s]
         od = [r for r in rows if r["variant"] == "on-demand" and r["stage"] == s]
-        out.append(Stage(statistics.median(r["forward_s"] for r in none) / m * 1e3,
-                         statistics.median(r["backward_s"] for r in none) / m * 1e3,
-                         statistics.median(r["recompute_on_demand_s"] for r in od) / m * 1e3))
+        out.append(
+            Stage(
+                statistics.median(r["forward_s"] for r in none) / m * 1e3,
+                statistics.median(r["backward_s"] for r in none) / m * 1e3,
+                statistics.median(r["recompute_on_demand_s"] for r in od) / m * 1e3,
+            )
+        )
     return out
 
 
@@ -305,22 +375,47 @@ def run(args: argparse.Namespace) -> None:
     print(f"model: GPT {CFG}, microbatch {MICROBATCH}, {args.microbatches} microbatches, {args.schedule}")
     print(f"plan: {source}")
     for s, c in enumerate(quiet):
-        print(f"stage {s}, one microbatch, 1 thread, CPU time: forward {c.f:.1f} ms, backward {c.b:.1f} ms, "
-              f"recompute of its drops {c.r:.1f} ms")
+        print(
+            f"stage {s}, one microbatch, 1 thread, CPU time: forward {c.f:.1f} ms, backward {c.b:.1f} ms, "
+            f"recompute of its drops {c.r:.1f} ms"
+        )
     if args.pp == 2:
         x = best_transfer_ms(quiet)
-        print(f"event model: Lynx gains most at {x:.1f} ms per transfer (round trip = S0 + 2R), i.e. "
-              f"{costs['boundary_bytes'] * 8 / (x * 1e3):.0f} Mbit/s on a core per rank")
-    results = {"when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg_start": os.getloadavg(),
-               "cores": len(os.sched_getaffinity(0)), "schedule": args.schedule, "microbatches": args.microbatches,
-               "reps": args.reps, "block": args.block, "optimizer": args.optimizer, "nice": args.nice, "model": CFG,
-               "microbatch": MICROBATCH,
-               "plan": source, "stage_costs": costs, "runs": []}
+        print(
+            f"event model: Lynx gains most at {x:.1f} ms per transfer (round trip = S0 + 2R), i.e. "
+            f"{costs['boundary_bytes'] * 8 / (x * 1e3):.0f} Mbit/s on a core per rank"
+        )
+    results = {
+        "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "loadavg_start": os.getloadavg(),
+        "cores": len(os.sched_getaffinity(0)),
+        "schedule": args.schedule,
+        "microbatches": args.microbatches,
+        "reps": args.reps,
+        "block": args.block,
+        "optimizer": args.optimizer,
+        "nice": args.nice,
+        "model": CFG,
+        "microbatch": MICROBATCH,
+        "plan": source,
+        "stage_costs": costs,
+        "runs": [],
+    }
     for dp, rate in zip(dps, rates):
         world = args.pp * dp
-        spec = {"pp": args.pp, "dp": dp, "nodes": nodes, "schedules": schedules, "microbatches": args.microbatches,
-                "schedule": args.schedule, "reps": args.reps, "trace": args.trace, "optimizer": args.optimizer,
-                "nice": args.nice, "block": args.block}
+        spec = {
+            "pp": args.pp,
+            "dp": dp,
+            "nodes": nodes,
+            "schedules": schedules,
+            "microbatches": args.microbatches,
+            "schedule": args.schedule,
+            "reps": args.reps,
+            "trace": args.trace,
+            "optimizer": args.optimizer,
+            "nice": args.nice,
+            "block": args.block,
+        }
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(spec, f)
         load = os.getloadavg()
@@ -328,19 +423,31 @@ def run(args: argparse.Namespace) -> None:
             limited = bed.rate_limited  # read inside: a closed bed reports False
             link = measure_link(bed) if limited else None
             transfer_ms = costs["boundary_bytes"] * 8 / (link.measured_mbit * 1e3) if link else 0.0
-            print(f"\nbed: {world} ranks, rate-limited={limited}, " + (f"{link}" if link else f"({bed.fallback_reason})")
-                  + f"; boundary {costs['boundary_bytes'] / 1024:.0f} KiB = {transfer_ms:.1f} ms each way "
-                  f"({transfer_ms / (quiet[0].f + quiet[0].b):.0%} of stage 0's forward+backward on a core of its own)")
-            out = bed.run([sys.executable, __file__, "--worker", "--spec", f.name],
-                          env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=1800)
+            print(
+                f"\nbed: {world} ranks, rate-limited={limited}, "
+                + (f"{link}" if link else f"({bed.fallback_reason})")
+                + f"; boundary {costs['boundary_bytes'] / 1024:.0f} KiB = {transfer_ms:.1f} ms each way "
+                f"({transfer_ms / (quiet[0].f + quiet[0].b):.0%} of stage 0's forward+backward on a core of its own)"
+            )
+            out = bed.run(
+                [sys.executable, __file__, "--worker", "--spec", f.name],
+                env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                timeout_s=1800,
+            )
         os.unlink(f.name)
         line = next(ln for ln in out[0].stdout.splitlines() if ln.startswith("LYNX_RESULT "))
-        rows = json.loads(line[len("LYNX_RESULT "):])
+        rows = json.loads(line[len("LYNX_RESULT ") :])
         if args.trace:
             print_trace(rows)
         res = summarize(rows, args.pp, dp)
-        res.update(rate_mbit=rate, rate_limited=limited, link=str(link) if link else "loopback, not limited",
-                   transfer_ms=transfer_ms, loadavg_start=load, loadavg_end=os.getloadavg())
+        res.update(
+            rate_mbit=rate,
+            rate_limited=limited,
+            link=str(link) if link else "loopback, not limited",
+            transfer_ms=transfer_ms,
+            loadavg_start=load,
+            loadavg_end=os.getloadavg(),
+        )
         if args.schedule == "1f1b" and transfer_ms:
             shared = 2.0 if world > len(os.sched_getaffinity(0)) else 1.0
             own = run_costs(rows, args.pp, args.microbatches)
@@ -350,8 +457,10 @@ def run(args: argparse.Namespace) -> None:
         print_summary(res)
         for key, what in (("model_quiet_ms", "single-thread costs"), ("model_run_ms", "this run's own costs")):
             if key in res:
-                print(f"no-noise event model, {what} (ms): " + ", ".join(
-                    f"{k} {v:.3f}" if "/" in k else f"{k} {v:.0f}" for k, v in res[key].items()))
+                print(
+                    f"no-noise event model, {what} (ms): "
+                    + ", ".join(f"{k} {v:.3f}" if "/" in k else f"{k} {v:.0f}" for k, v in res[key].items())
+                )
         print(f"load average (1, 5, 15 min): {load} at start, {res['loadavg_end']} at end")
         results["runs"].append(res)
     results["loadavg_end"] = os.getloadavg()

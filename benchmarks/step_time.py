@@ -188,10 +188,13 @@ def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
         print(f"[{rate:g} Mbit/s] link: {link}; {bed}", flush=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker",
                "--optimizers", ",".join(names)]
-        for key in ("steps", "warmup", "block", "budget", "min_steps", "settle", "vocab", "seq", "hidden", "heads", "layers", "batch"):
+        for key in ("steps", "warmup", "block", "budget", "min_steps", "settle", "vocab", "seq", "hidden", "heads",
+                    "layers", "batch"):
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-        env = {"OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        }
         for attempt in (1, 2):  # a rank dying in gloo's start-up (seen once) costs one retry, not the run
             started = time.perf_counter()
             load_before = os.getloadavg()[0]
@@ -206,31 +209,42 @@ def run_rate(args: argparse.Namespace, rate: float, names: list[str]) -> dict:
         limited = bed.rate_limited
     for line in results[0].stdout.splitlines():
         if line.startswith(MARKER):
-            data = json.loads(line[len(MARKER):])
+            data = json.loads(line[len(MARKER) :])
             break
     else:
         raise SystemExit(f"rank 0 printed no result; stderr:\n{results[0].stderr[-3000:]}")
-    data.update(rate_mbit=rate, rate_limited=limited, measured_mbit=link.measured_mbit,
-                wall_s=wall, load=[load_before, os.getloadavg()[0]])
+    data.update(
+        rate_mbit=rate,
+        rate_limited=limited,
+        measured_mbit=link.measured_mbit,
+        wall_s=wall,
+        load=[load_before, os.getloadavg()[0]],
+    )
     mean = {n: statistics.mean(v) for n, v in data["steps"].items()}
-    print(f"[{rate:g} Mbit/s] mean step: " + ", ".join(f"{n} {mean[n]:.3f} s" for n in names)
-          + f"  ({wall:.0f} s for the run)", flush=True)
+    print(
+        f"[{rate:g} Mbit/s] mean step: "
+        + ", ".join(f"{n} {mean[n]:.3f} s" for n in names)
+        + f"  ({wall:.0f} s for the run)",
+        flush=True,
+    )
     return data
 
 
 def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
     first = rows[0]
-    head = (f"# Step time per optimizer over rate-limited links\n\n"
-            f"`{' '.join(['benchmarks/step_time.py', *sys.argv[1:]])}` — {args.world_size} ranks "
-            f"(one thread each, {os.cpu_count()} CPU cores), GPT {args.layers} layers × hidden "
-            f"{args.hidden} ({first['n_params'] / 1e6:.2f} M parameters), "
-            f"{first['tokens_per_rank']} tokens per rank per step, up to {args.steps} timed steps per "
-            f"optimizer (column `steps`: slow links stop after {args.budget:g} s of timed steps, "
-            f"at least {args.min_steps}) after {args.warmup} warm-up, optimizers interleaved in blocks of one untimed + {args.block} timed steps, the block order rotated every round. "
-            f"Step time: barrier → forward → backward → `optimizer.step()`, slowest rank.\n\n")
+    head = (
+        f"# Step time per optimizer over rate-limited links\n\n"
+        f"`{' '.join(['benchmarks/step_time.py', *sys.argv[1:]])}` — {args.world_size} ranks "
+        f"(one thread each, {os.cpu_count()} CPU cores), GPT {args.layers} layers × hidden "
+        f"{args.hidden} ({first['n_params'] / 1e6:.2f} M parameters), "
+        f"{first['tokens_per_rank']} tokens per rank per step, up to {args.steps} timed steps per "
+        f"optimizer (column `steps`: slow links stop after {args.budget:g} s of timed steps, "
+        f"at least {args.min_steps}) after {args.warmup} warm-up, optimizers interleaved in blocks of "
+        f"one untimed + {args.block} timed steps, the block order rotated every round. "
+        f"Step time: barrier → forward → backward → `optimizer.step()`, slowest rank.\n\n"
+    )
     cols = [f"{LABEL[n]} (s)" for n in names] + [f"{LABEL[n]} / AdamW" for n in names if n != "adamw"]
-    lines = ["| link (nominal) | measured | steps | " + " | ".join(cols) + " |",
-             "|" + " --- |" * (3 + len(cols))]
+    lines = ["| link (nominal) | measured | steps | " + " | ".join(cols) + " |", "|" + " --- |" * (3 + len(cols))]
     for row in rows:
         mean = {n: statistics.mean(row["steps"][n]) for n in names}
         nominal = f"{row['rate_mbit']:g} Mbit/s" if row["rate_limited"] else "unlimited (loopback)"
@@ -239,13 +253,20 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
         if "adamw" in mean:
             cells += [f"{mean[n] / mean['adamw']:.3f}×" for n in names if n != "adamw"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Medians (a step's time is the slowest rank's; CPU load from other jobs on the shared "
-              "machine inflates DeMo's and DistributedLion's compute-bound steps, not AdamW's "
-              "link-bound ones, and comes in bursts), with the 1-min load average before and after "
-              "each rate:", "",
-              "| link (nominal) | load | " + " | ".join(f"{LABEL[n]} median (s)" for n in names)
-              + " | " + " | ".join(f"{LABEL[n]} / AdamW (medians)" for n in names if n != "adamw") + " |",
-              "|" + " --- |" * (2 + len(names) + len([n for n in names if n != "adamw"]))]
+    lines += [
+        "",
+        "Medians (a step's time is the slowest rank's; CPU load from other jobs on the shared "
+        "machine inflates DeMo's and DistributedLion's compute-bound steps, not AdamW's "
+        "link-bound ones, and comes in bursts), with the 1-min load average before and after "
+        "each rate:",
+        "",
+        "| link (nominal) | load | "
+        + " | ".join(f"{LABEL[n]} median (s)" for n in names)
+        + " | "
+        + " | ".join(f"{LABEL[n]} / AdamW (medians)" for n in names if n != "adamw")
+        + " |",
+        "|" + " --- |" * (2 + len(names) + len([n for n in names if n != "adamw"])),
+    ]
     for row in rows:
         med = {n: statistics.median(row["steps"][n]) for n in names}
         nominal = f"{row['rate_mbit']:g} Mbit/s" if row["rate_limited"] else "unlimited"
@@ -254,22 +275,27 @@ def render(rows: list[dict], names: list[str], args: argparse.Namespace) -> str:
         if "adamw" in med:
             cells += [f"{med[n] / med['adamw']:.3f}×" for n in names if n != "adamw"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Of which inside `optimizer.step()` (rank 0, mean; DeMo's and DistributedLion's "
-              "communication happens here, AdamW's all-reduce during backward under DDP):", "",
-              "| link (nominal) | " + " | ".join(f"{LABEL[n]} (s)" for n in names) + " |",
-              "|" + " --- |" * (1 + len(names))]
+    lines += [
+        "",
+        "Of which inside `optimizer.step()` (rank 0, mean; DeMo's and DistributedLion's "
+        "communication happens here, AdamW's all-reduce during backward under DDP):",
+        "",
+        "| link (nominal) | " + " | ".join(f"{LABEL[n]} (s)" for n in names) + " |",
+        "|" + " --- |" * (1 + len(names)),
+    ]
     for row in rows:
         nominal = f"{row['rate_mbit']:g} Mbit/s" if row["rate_limited"] else "unlimited"
-        lines.append(f"| {nominal} | " + " | ".join(
-            f"{statistics.mean(row['optimizer_step_rank0'][n]):.3f}" for n in names) + " |")
+        lines.append(
+            f"| {nominal} | "
+            + " | ".join(f"{statistics.mean(row['optimizer_step_rank0'][n]):.3f}" for n in names)
+            + " |"
+        )
     sent = first.get("wire_bytes_sent", {})
     wire = ", ".join(f"{LABEL[n]} {sent[n] / 1e6:.3f} MB" for n in names if sent.get(n))
-    return head + "\n".join(lines) + (f"\n\nBytes sent per rank per step: {wire}.\n" if wire
-                                      else "\n")
+    return head + "\n".join(lines) + (f"\n\nBytes sent per rank per step: {wire}.\n" if wire else "\n")
 
 
-def bar_check(rows: list[dict], names: list[str], rate: float = 100.0,
-              bar: float = 0.25) -> str:
+def bar_check(rows: list[dict], names: list[str], rate: float = 100.0, bar: float = 0.25) -> str:
     """The issue's bar: at 100 Mbit/s with 4 ranks, DeMo and Lion step <= 0.25x AdamW's."""
     row = next((r for r in rows if r["rate_mbit"] == rate and r["rate_limited"]), None)
     if row is None or "adamw" not in names or len(names) < 2:
@@ -280,11 +306,15 @@ def bar_check(rows: list[dict], names: list[str], rate: float = 100.0,
     medians = {n: statistics.median(row["steps"][n]) / adamw_med for n in names if n != "adamw"}
     verdict = "met" if all(v <= bar for v in [*ratios.values(), *medians.values()]) else "NOT met"
     load = f"1-min load {row['load'][0]:.1f} -> {row['load'][1]:.1f}" if "load" in row else "load ?"
-    return (f"\nBar at {rate:g} Mbit/s (measured {row['measured_mbit']:.1f}), {row['world_size']} ranks, "
-            f"{row['n_params'] / 1e6:.2f} M-parameter GPT, {load} (step time <= {bar}x AdamW's): "
-            "ratios of mean step times " + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in ratios.items())
-            + "; ratios of medians " + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in medians.items())
-            + f" -> {verdict}.\n")
+    return (
+        f"\nBar at {rate:g} Mbit/s (measured {row['measured_mbit']:.1f}), {row['world_size']} ranks, "
+        f"{row['n_params'] / 1e6:.2f} M-parameter GPT, {load} (step time <= {bar}x AdamW's): "
+        "ratios of mean step times "
+        + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in ratios.items())
+        + "; ratios of medians "
+        + ", ".join(f"{LABEL[n]} {v:.3f}x" for n, v in medians.items())
+        + f" -> {verdict}.\n"
+    )
 
 
 def plot(rows: list[dict], names: list[str], path: Path) -> None:
@@ -304,14 +334,18 @@ def plot(rows: list[dict], names: list[str], path: Path) -> None:
             for x, r, m in zip(xs, rows, means):
                 ratio = m / statistics.mean(r["steps"]["adamw"])
                 ax.annotate(f"{ratio:.2f}×", (x, m), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(rows))],
-                  [f"{r['rate_mbit']:g} Mbit/s\n(measured {r['measured_mbit']:.0f})" for r in rows])
+    ax.set_xticks(
+        [x + width * (len(names) - 1) / 2 for x in range(len(rows))],
+        [f"{r['rate_mbit']:g} Mbit/s\n(measured {r['measured_mbit']:.0f})" for r in rows],
+    )
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_ylabel("mean step time (s, log)")
-    ax.set_title(f"Step time per optimizer, {rows[0]['n_params'] / 1e6:.1f} M-param GPT, "
-                 f"{rows[0]['world_size']} ranks over tbf links")
+    ax.set_title(
+        f"Step time per optimizer, {rows[0]['n_params'] / 1e6:.1f} M-param GPT, "
+        f"{rows[0]['world_size']} ranks over tbf links"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -333,8 +367,10 @@ def main() -> None:
         rows.append(run_rate(args, rate, names) | {"world_size": args.world_size})
     table = render(rows, names, args)
     table += bar_check(rows, names)
-    table += (f"\nMachine load (1-min load average) {load_before:.1f} at the start, "
-              f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.\n")
+    table += (
+        f"\nMachine load (1-min load average) {load_before:.1f} at the start, "
+        f"{os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores.\n"
+    )
     print("\n" + table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -62,10 +62,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--optimizer", choices=("adamw", "demo", "lion"), default=None, help="default demo")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default per optimizer)")
     ap.add_argument("--solver", default="heu", help="opt | heu | none | full | selective | checkmate")
-    ap.add_argument("--memory-budget", default=None, help="per device, e.g. 7MiB (default 12MiB: forces recompute on stage 0)")
-    ap.add_argument("--hardware", default=None,
-                    help="cost model: a preset, a hardware file (.yaml/.json) or auto (this machine, measured once "
-                         "by `lynx calibrate` and cached); default auto on CPU, h100-sxm on CUDA")
+    ap.add_argument(
+        "--memory-budget", default=None, help="per device, e.g. 7MiB (default 12MiB: forces recompute on stage 0)"
+    )
+    ap.add_argument(
+        "--hardware",
+        default=None,
+        help="cost model: a preset, a hardware file (.yaml/.json) or auto (this machine, measured once "
+        "by `lynx calibrate` and cached); default auto on CPU, h100-sxm on CUDA",
+    )
     ap.add_argument("--plan", default=None, help="a saved plan (lynx plan ... -o plan.json) instead of compiling")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--checkpoint-dir", default=None)
@@ -87,22 +92,29 @@ def mesh_from_env(args: argparse.Namespace, plan_config: dict[str, Any] | None) 
     if pp * dp != world:
         source = " (the plan's)" if plan_config and not (args.pp and args.dp) else ""
         raise LynxConfigError(
-            f"{world} {'process was' if world == 1 else 'processes were'} started but the mesh{source} is pp {pp} × dp {dp} = {pp * dp}: start "
-            f"`torchrun --nproc_per_node {pp * dp}` or choose --pp/--dp with pp × dp = {world}")
+            f"{world} {'process was' if world == 1 else 'processes were'} started but the mesh{source} "
+            f"is pp {pp} × dp {dp} = {pp * dp}: start "
+            f"`torchrun --nproc_per_node {pp * dp}` or choose --pp/--dp with pp × dp = {world}"
+        )
     return pp, dp
 
 
-def plan_settings(args: argparse.Namespace, pp: int, dp: int, plan_config: dict[str, Any] | None,
-                  device: torch.device) -> dict[str, Any]:
+def plan_settings(
+    args: argparse.Namespace, pp: int, dp: int, plan_config: dict[str, Any] | None, device: torch.device
+) -> dict[str, Any]:
     """lynx.compile settings: the flags given, else the saved plan's, else the defaults."""
     base = dict(plan_config or {})
     pick = lambda flag, key, default: flag if flag is not None else base.get(key, default)  # noqa: E731
     hardware = pick(args.hardware, "hardware", "h100-sxm" if device.type == "cuda" else "auto")
-    return {"pp": pp, "dp": dp, "microbatches": int(pick(args.microbatches, "microbatches", 4)),
-            "memory_budget": pick(args.memory_budget, "memory_budget", DEFAULT_BUDGET),
-            "optimizer": pick(args.optimizer, "optimizer", "demo"),
-            "hardware": hardware,
-            "schedule": base.get("schedule", "1f1b")}
+    return {
+        "pp": pp,
+        "dp": dp,
+        "microbatches": int(pick(args.microbatches, "microbatches", 4)),
+        "memory_budget": pick(args.memory_budget, "memory_budget", DEFAULT_BUDGET),
+        "optimizer": pick(args.optimizer, "optimizer", "demo"),
+        "hardware": hardware,
+        "schedule": base.get("schedule", "1f1b"),
+    }
 
 
 def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str]:
@@ -130,8 +142,10 @@ def _hardware_line(spec: Any, used: Any) -> str:
     if cal is not None:
         steadiest = sorted(cal.spread.items(), key=lambda kv: kv[1])
         spread = ", ".join(f"{k} {v:.0%}" for k, v in steadiest)
-        line += (f"; calibrated {cal.date} on {cal.host} in {cal.seconds:.1f} s at load {cal.load_before:.2f}, "
-                 f"{cal.repeats} repeats, spread (max-min)/median: {spread}")
+        line += (
+            f"; calibrated {cal.date} on {cal.host} in {cal.seconds:.1f} s at load {cal.load_before:.2f}, "
+            f"{cal.repeats} repeats, spread (max-min)/median: {spread}"
+        )
     return line
 
 
@@ -149,7 +163,7 @@ def make_optimizer(kind: str, lr: float, params: list, group: Any) -> torch.opti
         return DeMo(params, lr=lr, process_group=group)
     if kind == "lion":
         return DistributedLion(params, lr=lr, betas=(0.9, 0.9), process_group=group)
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))   # gradients averaged by the runtime
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95))  # gradients averaged by the runtime
 
 
 def warmup_lr(peak: float, step: int) -> float:
@@ -194,11 +208,20 @@ def make_plan(args: argparse.Namespace, settings: dict[str, Any], device: torch.
 
 def run_meta(args: argparse.Namespace, plan: Any, settings: dict[str, Any], lr: float) -> dict[str, Any]:
     """What a checkpoint records about the run (and what a resume must share with it)."""
-    return {"model": args.model, "model_dims": {"seq": args.seq, "microbatch": args.microbatch},
-            "pp": settings["pp"], "dp": settings["dp"], "microbatches": settings["microbatches"],
-            "optimizer": settings["optimizer"], "seed": args.seed, "lr": lr,
-            "stage_layers": [sp.layers for sp in plan.stages], "plan_fingerprint": plan.fingerprint,
-            "solver": plan.solver, "memory_budget": plan.config.get("memory_budget")}
+    return {
+        "model": args.model,
+        "model_dims": {"seq": args.seq, "microbatch": args.microbatch},
+        "pp": settings["pp"],
+        "dp": settings["dp"],
+        "microbatches": settings["microbatches"],
+        "optimizer": settings["optimizer"],
+        "seed": args.seed,
+        "lr": lr,
+        "stage_layers": [sp.layers for sp in plan.stages],
+        "plan_fingerprint": plan.fingerprint,
+        "solver": plan.solver,
+        "memory_budget": plan.config.get("memory_budget"),
+    }
 
 
 def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> str | None:
@@ -214,7 +237,8 @@ def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> str | N
     if not args.resume:
         raise LynxConfigError(
             f"{args.checkpoint_dir} already holds checkpoints (latest {latest.name}); pass --resume to continue "
-            f"from it, or choose an empty --checkpoint-dir (existing checkpoints are never overwritten)")
+            f"from it, or choose an empty --checkpoint-dir (existing checkpoints are never overwritten)"
+        )
     check_compatible(read_meta(latest), meta, where=str(latest))
     return str(latest)
 
@@ -244,7 +268,7 @@ def setup(args: argparse.Namespace) -> Setup:
     # a missing or corrupt plan file stops here, on every rank, before any process group
     saved_config = Plan.load(args.plan).config if args.plan is not None else None
     pp, dp = mesh_from_env(args, saved_config)
-    if "MASTER_ADDR" not in os.environ:   # plain `python train_gpt.py --pp 1`: a world of one
+    if "MASTER_ADDR" not in os.environ:  # plain `python train_gpt.py --pp 1`: a world of one
         from lynx.runtime.launch import free_port
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
@@ -258,8 +282,11 @@ def setup(args: argparse.Namespace) -> Setup:
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
 
     def decide() -> tuple[str, str | None, str]:
-        hardware, line = hardware_for_plan(settings["hardware"], pp * dp, from_plan=args.hardware is None
-                                           and saved_config is not None and "hardware" in saved_config)
+        hardware, line = hardware_for_plan(
+            settings["hardware"],
+            pp * dp,
+            from_plan=args.hardware is None and saved_config is not None and "hardware" in saved_config,
+        )
         plan = make_plan(args, {**settings, "hardware": hardware}, device)
         return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr)), line
 
@@ -284,15 +311,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     run = setup(args)
     m, rank = run.settings["microbatches"], dist.get_rank()
-    torch.manual_seed(args.seed)                                   # the same weights on every rank
+    torch.manual_seed(args.seed)  # the same weights on every rank
     model, inputs = build_model(args.model, args.seq, args.microbatch, str(run.device))
     settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
-    compiled = lynx.compile(model, inputs, plan=run.plan, **settings)   # checked against this model
+    compiled = lynx.compile(model, inputs, plan=run.plan, **settings)  # checked against this model
     pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s)
     topo = pipe.topology
     optimizer = make_optimizer(run.settings["optimizer"], run.lr, list(pipe.parameters()), pipe.dp_group)
     if run.settings["optimizer"] != "adamw":
-        pipe.use_optimizer(optimizer)     # DeMo / Lion send their buckets during the last backward
+        pipe.use_optimizer(optimizer)  # DeMo / Lion send their buckets during the last backward
     torch.manual_seed(rank_seed(args.seed, topo.stage, topo.dp_rank))  # this rank's dropout draws
     state = pipeline_state(pipe, optimizer)
     start = load_checkpoint(state, run.resume_from) if run.resume_from else 0
@@ -311,19 +338,25 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             group["lr"] = warmup_lr(run.lr, step)
         loss = pipe.step(*global_batch(source, step, topo.dp, m))
         t_opt = time.perf_counter()
-        optimizer.step()       # DeMo / Lion: finishes the buckets the last backward launched
+        optimizer.step()  # DeMo / Lion: finishes the buckets the last backward launched
         optimizer.zero_grad()
         opt_s = time.perf_counter() - t_opt
         stats = pipe.last_stats
-        stats.wait_sync_s += opt_s        # the step as the plan counts it: the optimizer step included
+        stats.wait_sync_s += opt_s  # the step as the plan counts it: the optimizer step included
         stats.step_s += opt_s
         state.next_step = step + 1
-        cpu_s.append(time.process_time() - cpu0)   # this process's CPU time: what other load cannot inflate
+        cpu_s.append(time.process_time() - cpu0)  # this process's CPU time: what other load cannot inflate
         exposed, hidden = _recompute_seconds(stats, topo, run.device)
         wall = time.perf_counter() - t0
         history.append(stats)
-        record = {"step": step, "loss": float(loss), "losses": list(pipe.losses), "wall_s": wall,
-                  "exposed_recompute_s": exposed, "hidden_recompute_s": hidden}
+        record = {
+            "step": step,
+            "loss": float(loss),
+            "losses": list(pipe.losses),
+            "wall_s": wall,
+            "exposed_recompute_s": exposed,
+            "hidden_recompute_s": hidden,
+        }
         log["steps"].append(record)
         progress.update(step, record, tokens / wall)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
@@ -342,11 +375,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 def _banner(args: argparse.Namespace, run: Setup, start: int) -> str:
     plan, s = run.plan, run.settings
     recomputed = sum(d.action == "recompute" for sp in plan.stages for d in sp.decisions)
-    return (f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, "
-            f"pp {s['pp']} × dp {s['dp']}, {s['microbatches']} microbatches, {s['optimizer']} lr {run.meta['lr']:g}, "
-            f"budget {format_size(plan.stages[0].budget_bytes)} per device: {recomputed} nodes recomputed, "
-            f"predicted step {plan.predicted.step_time_s * 1e3:.1f} ms on {_hardware_name(plan.config.get('hardware'))}"
-            + (f"; resuming from {run.resume_from} at step {start}" if run.resume_from else ""))
+    return (
+        f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, "
+        f"pp {s['pp']} × dp {s['dp']}, {s['microbatches']} microbatches, {s['optimizer']} lr {run.meta['lr']:g}, "
+        f"budget {format_size(plan.stages[0].budget_bytes)} per device: {recomputed} nodes recomputed, "
+        f"predicted step {plan.predicted.step_time_s * 1e3:.1f} ms on {_hardware_name(plan.config.get('hardware'))}"
+        + (f"; resuming from {run.resume_from} at step {start}" if run.resume_from else "")
+    )
 
 
 def _hardware_name(hardware: Any) -> str:
@@ -362,8 +397,14 @@ def _predicted_optimizer_s(plan: Any, params: list[Any]) -> float:
     return optimizer_step_s(sum(p.numel() for p in params), config.optimizer, config.hardware_spec())
 
 
-def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list[float], log: dict[str, Any],
-            optimizer_s: float = 0.0) -> None:
+def _finish(
+    args: argparse.Namespace,
+    plan: Any,
+    history: list[Any],
+    cpu_s: list[float],
+    log: dict[str, Any],
+    optimizer_s: float = 0.0,
+) -> None:
     """Rank 0 prints the plan's predictions beside what every rank measured."""
     from lynx.runtime.report import format_summary, run_summary
     from lynx.runtime.stats import format_stats
@@ -379,7 +420,7 @@ def _finish(args: argparse.Namespace, plan: Any, history: list[Any], cpu_s: list
     summary = run_summary(per_step, plan)
     print(format_stats(per_step[-1], plan))
     print(format_summary(summary, plan))
-    cpu = [statistics.median(c[1:] or c) for _, c, _ in everyone]        # per rank, after the warm-up step
+    cpu = [statistics.median(c[1:] or c) for _, c, _ in everyone]  # per rank, after the warm-up step
     print(_cpu_line(plan, per_step[0], cpu, [o for _, _, o in everyone]), flush=True)
     hardware = log.get("hardware") or "the hardware the plan records"
     print(f"predicted with {hardware}", flush=True)
@@ -398,21 +439,27 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     unlike the wall-clock step (which also waits for the other ranks)."""
     busiest = max(range(len(cpu)), key=lambda r: cpu[r])
     stage = ranks[busiest].stage
-    predicted = optimizer_s[busiest] + sum(end - begin for device, kind, begin, end in plan.timeline
-                                           if device == stage and kind in ("compute", "recompute"))
+    predicted = optimizer_s[busiest] + sum(
+        end - begin
+        for device, kind, begin, end in plan.timeline
+        if device == stage and kind in ("compute", "recompute")
+    )
     name = _hardware_name(plan.config.get("hardware"))
-    shared = re.fullmatch(r".*-(\d+)on(\d+)", name)   # lynx.planner.hardware.share_cores: a core's share per rank
+    shared = re.fullmatch(r".*-(\d+)on(\d+)", name)  # lynx.planner.hardware.share_cores: a core's share per rank
     factor = int(shared.group(1)) / int(shared.group(2)) if shared else 1.0
     note = f" × {factor:g} (the model gives each rank 1/{factor:g} of a core)" if shared else ""
-    return (f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "
-            f"predicted busy time (compute, recompute, optimizer step) {predicted * 1e3:.1f} ms: measured/predicted "
-            f"{cpu[busiest] * factor / predicted:.2f} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    return (
+        f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "
+        f"predicted busy time (compute, recompute, optimizer step) {predicted * 1e3:.1f} ms: measured/predicted "
+        f"{cpu[busiest] * factor / predicted:.2f} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
 
 
 def _recompute_seconds(stats: Any, topo: Any, device: torch.device) -> tuple[float, float]:
     """The step's exposed and hidden recomputation seconds, averaged over the replicas."""
-    buf = torch.tensor([stats.exposed_recompute_s / topo.dp, stats.recompute_hidden_s / topo.dp],
-                       dtype=torch.float64).to(device)   # NCCL reduces device tensors only
+    buf = torch.tensor(
+        [stats.exposed_recompute_s / topo.dp, stats.recompute_hidden_s / topo.dp], dtype=torch.float64
+    ).to(device)  # NCCL reduces device tensors only
     dist.all_reduce(buf)
     return float(buf[0]), float(buf[1])
 
@@ -420,11 +467,26 @@ def _recompute_seconds(stats: Any, topo: Any, device: torch.device) -> tuple[flo
 def _per_rank_medians(per_step: list[list[Any]]) -> list[dict[str, float]]:
     """Per rank, the median of each timing over the steps after the first (where the time goes)."""
     timed = per_step[1:] if len(per_step) > 1 else per_step
-    keys = ("step_s", "forward_s", "backward_s", "wait_act_s", "wait_grad_s", "wait_sync_s",
-            "recompute_hidden_s", "recompute_window_exposed_s", "recompute_on_demand_s")
-    return [{"rank": ranks.rank, "stage": ranks.stage, "dp_rank": ranks.dp_rank,
-             **{k: statistics.median(getattr(step[i], k) for step in timed) for k in keys}}
-            for i, ranks in enumerate(timed[0])]
+    keys = (
+        "step_s",
+        "forward_s",
+        "backward_s",
+        "wait_act_s",
+        "wait_grad_s",
+        "wait_sync_s",
+        "recompute_hidden_s",
+        "recompute_window_exposed_s",
+        "recompute_on_demand_s",
+    )
+    return [
+        {
+            "rank": ranks.rank,
+            "stage": ranks.stage,
+            "dp_rank": ranks.dp_rank,
+            **{k: statistics.median(getattr(step[i], k) for step in timed) for k in keys},
+        }
+        for i, ranks in enumerate(timed[0])
+    ]
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
@@ -445,16 +507,23 @@ class _Progress:
         if active and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                TextColumn("{task.description}"))
+            self.bar = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+            )
             self.bar.start()
             self.task = self.bar.add_task("", total=total, completed=start)
 
     def update(self, step: int, record: dict[str, Any], tokens_per_s: float) -> None:
         if not self.active:
             return
-        text = (f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s  recompute exposed "
-                f"{record['exposed_recompute_s'] * 1e3:.1f} ms hidden {record['hidden_recompute_s'] * 1e3:.1f} ms")
+        text = (
+            f"loss {record['loss']:.4f}  {tokens_per_s:,.0f} tok/s  recompute exposed "
+            f"{record['exposed_recompute_s'] * 1e3:.1f} ms hidden {record['hidden_recompute_s'] * 1e3:.1f} ms"
+        )
         if self.bar is not None:
             self.bar.update(self.task, completed=step + 1, description=text)
         else:
@@ -488,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(code)   # peers may be gone: no collective teardown
+            os._exit(code)  # peers may be gone: no collective teardown
     return code
 
 

@@ -81,7 +81,9 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch")
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--memory-budget", default="7MiB", help="per device; stage 0 recomputes under it (10.2 MiB without)")
+    ap.add_argument(
+        "--memory-budget", default="7MiB", help="per device; stage 0 recomputes under it (10.2 MiB without)"
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--save", default=None, help="write a checkpoint here after the last step")
@@ -90,17 +92,24 @@ def main() -> None:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
-    torch.manual_seed(0)                                   # the same weights on every rank
+    torch.manual_seed(0)  # the same weights on every rank
     model = TinyLM(seq=args.seq)
     example = torch.zeros(args.microbatch, args.seq, dtype=torch.long)  # one microbatch
-    compiled = lynx.compile(model, (example, example.clone()), pp=args.pp, dp=world // args.pp,
-                            microbatches=args.microbatches, memory_budget=args.memory_budget,
-                            hardware="cpu-local", solver="heu")
-    pipe = lynx.runtime.Pipeline(compiled)                 # joins the job: group, mesh, this stage
+    compiled = lynx.compile(
+        model,
+        (example, example.clone()),
+        pp=args.pp,
+        dp=world // args.pp,
+        microbatches=args.microbatches,
+        memory_budget=args.memory_budget,
+        hardware="cpu-local",
+        solver="heu",
+    )
+    pipe = lynx.runtime.Pipeline(compiled)  # joins the job: group, mesh, this stage
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 5))
     start = 0
-    if args.load:      # torch.distributed.checkpoint: each rank reads its stage's entries in place
+    if args.load:  # torch.distributed.checkpoint: each rank reads its stage's entries in place
         state = {"pipe": pipe.state_dict(opt), "schedule": schedule.state_dict(), "step": 0}
         dcp.load(state, checkpoint_id=args.load)
         pipe.load_state_dict(state["pipe"], opt)
@@ -110,11 +119,11 @@ def main() -> None:
         recomputed = sum(d.action == "recompute" for s in compiled.plan.stages for d in s.decisions)
         print(f"{compiled.loss.description}; plan {compiled.plan.solver}: {recomputed} nodes recomputed", flush=True)
 
-    rows = pipe.topology.dp * args.microbatches * args.microbatch     # the whole step's batch
+    rows = pipe.topology.dp * args.microbatches * args.microbatch  # the whole step's batch
     data = batches(rows, args.seq, seed=0, start=start)
     for step in range(start, args.steps):
         idx, targets = next(data)
-        loss = pipe.step(idx, targets)                     # the mean loss, on every rank
+        loss = pipe.step(idx, targets)  # the mean loss, on every rank
         opt.step()
         opt.zero_grad()
         schedule.step()

@@ -46,7 +46,9 @@ class Compiled:
     def stage(self, index: int) -> Any:
         """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.config.pp:
-            raise LynxConfigError(f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}")
+            raise LynxConfigError(
+                f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}"
+            )
         gm = self.analysis.captured.gm
         meta = [name for name, t in (*gm.named_parameters(), *gm.named_buffers()) if t.is_meta]
         if meta:
@@ -54,7 +56,8 @@ class Compiled:
                 f"cannot build stage {index}: the model was compiled on the meta device ({len(meta)} "
                 f"parameter(s)/buffer(s) have no data, e.g. {meta[0]!r}), so the stage could not run. "
                 f"A meta model can be planned but not executed: build the model on cpu or cuda (or load "
-                f"its weights) and compile it again, reusing the saved plan with plan=.")
+                f"its weights) and compile it again, reusing the saved plan with plan=."
+            )
         from lynx.rewrite import build_stage_module
 
         return build_stage_module(self, index)
@@ -75,8 +78,14 @@ def resolve_config(config: Optional[CompileConfig], settings: dict[str, Any]) ->
     return config.replace(**settings) if settings else config
 
 
-def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = None, *,
-            loss_fn: Optional[Callable[..., Any]] = None, **settings: Any) -> Compiled:
+def compile(
+    model: Any,
+    example_inputs: Any,
+    config: Optional[CompileConfig] = None,
+    *,
+    loss_fn: Optional[Callable[..., Any]] = None,
+    **settings: Any,
+) -> Compiled:
     """Analyse ``model`` on one microbatch of ``example_inputs`` and plan it (see module doc).
 
     Settings are those of :class:`lynx.CompileConfig`, as one object, keywords, or both
@@ -95,13 +104,19 @@ def compile(model: Any, example_inputs: Any, config: Optional[CompileConfig] = N
     analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
     if loss_fn is None:
         structure = output_structure(analysis.captured.gm)
-        loss = find_loss(structure) if structure is not None else LossSpec(
-            "scalar", "the model's output shapes were not recorded (symbolic_trace capture): it must be the loss")
+        loss = (
+            find_loss(structure)
+            if structure is not None
+            else LossSpec(
+                "scalar", "the model's output shapes were not recorded (symbolic_trace capture): it must be the loss"
+            )
+        )
     phases = Phases(analysis.phases)
     if config.plan is not None:
         plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
         check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
         return Compiled(plan=plan, config=config, analysis=analysis, phases=phases, loss=loss)
     outcome = plan_graph_outcome(analysis.graph, config)
-    return Compiled(plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases),
-                    loss=loss)
+    return Compiled(
+        plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases), loss=loss
+    )

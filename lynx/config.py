@@ -48,7 +48,8 @@ class CompileConfig(BaseModel):
     the hardware's device (``"cpu"`` for ``cpu-local``, ``"cuda"`` for the GPU presets);
     ``hardware`` is a preset name, a hardware file's path, ``"auto"`` (this machine, measured
     once: :mod:`lynx.planner.hardware_cache`), a :class:`lynx.HardwareSpec` or its fields as a dict (as
-    a saved plan records it) — a file or ``auto`` is recorded as the spec it resolves to; ``plan`` (a saved plan's path or a :class:`lynx.Plan`) is used
+    a saved plan records it) — a file or ``auto`` is recorded as the spec it resolves to; ``plan`` (a saved
+plan's path or a :class:`lynx.Plan`) is used
     instead of solving.
     """
 
@@ -74,8 +75,8 @@ class CompileConfig(BaseModel):
         unknown = sorted(set(data) - set(type(self).model_fields))
         if unknown:
             raise LynxConfigError(
-                f"unknown setting(s) {', '.join(unknown)}; valid settings: "
-                f"{', '.join(type(self).model_fields)}")
+                f"unknown setting(s) {', '.join(unknown)}; valid settings: {', '.join(type(self).model_fields)}"
+            )
         try:
             super().__init__(**data)
         except ValidationError as err:
@@ -130,11 +131,14 @@ class CompileConfig(BaseModel):
             except ValidationError as err:
                 first = err.errors()[0]
                 where = ".".join(str(part) for part in first.get("loc", ()))
-                raise ValueError(f"hardware spec is invalid at {where or 'top level'}: {first.get('msg')} "
-                                 f"({err.error_count()} problem(s)); see lynx.HardwareSpec's fields") from None
+                raise ValueError(
+                    f"hardware spec is invalid at {where or 'top level'}: {first.get('msg')} "
+                    f"({err.error_count()} problem(s)); see lynx.HardwareSpec's fields"
+                ) from None
         raise ValueError(
             f"hardware must be a preset name, a hardware file's path, 'auto', a lynx.HardwareSpec or its fields "
-            f"as a dict, got {value!r}")
+            f"as a dict, got {value!r}"
+        )
 
     @field_validator("plan", mode="before")
     @classmethod
@@ -157,7 +161,8 @@ class CompileConfig(BaseModel):
         if self.schedule == "1f1b" and self.microbatches < self.pp:
             raise ValueError(
                 f"schedule '1f1b' needs microbatches >= pp ({self.microbatches} < {self.pp}): "
-                f"raise microbatches to at least {self.pp} or use schedule='gpipe'")
+                f"raise microbatches to at least {self.pp} or use schedule='gpipe'"
+            )
         if self.schedule == "interleaved1f1b":
             if self.pp < 2:
                 raise ValueError("schedule 'interleaved1f1b' needs pp >= 2; use '1f1b' for one stage")
@@ -166,7 +171,8 @@ class CompileConfig(BaseModel):
             if self.microbatches < self.pp or self.microbatches % self.pp:
                 raise ValueError(
                     f"schedule 'interleaved1f1b' needs microbatches to be a multiple of pp and >= pp "
-                    f"(got microbatches={self.microbatches}, pp={self.pp})")
+                    f"(got microbatches={self.microbatches}, pp={self.pp})"
+                )
         return self
 
     # ----------------------------------------------------------------- helpers

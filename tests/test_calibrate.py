@@ -22,7 +22,9 @@ def test_repeated_median_and_spread() -> None:
 
 def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LYNX_CACHE_DIR", str(tmp_path / "cache"))
-    result = CliRunner().invoke(app, ["calibrate", "--repeats", "2", "--device", "cpu", "-o", str(tmp_path / "me.yaml")])
+    result = CliRunner().invoke(
+        app, ["calibrate", "--repeats", "2", "--device", "cpu", "-o", str(tmp_path / "me.yaml")]
+    )
     assert result.exit_code == 0, result.output
     assert "spread" in result.output and "calibrated in" in result.output
     spec = load_hardware_file(tmp_path / "me.yaml")
@@ -32,7 +34,7 @@ def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> Non
     assert all(r > 0 for r in spec.peak_flops.values()) and spec.memory_bandwidth > 0 and spec.op_overhead_s > 0
     assert set(spec.optimizer_s_per_param) == {"adamw", "demo", "lion"}
     assert spec.links["pp"] == spec.links["dp"] and spec.links["pp"].alpha_s > 0
-    assert load_hardware_file(auto_path()).model_dump() == spec.model_dump()   # the cache `auto` reads
+    assert load_hardware_file(auto_path()).model_dump() == spec.model_dump()  # the cache `auto` reads
     bad = CliRunner().invoke(app, ["calibrate", "--repeats", "0"])
     assert bad.exit_code == 2 and "--repeats must be >= 1" in bad.output
 
@@ -40,7 +42,7 @@ def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> Non
 def test_auto_measures_once_then_reuses(tmp_path, monkeypatch, capfd) -> None:
     monkeypatch.setenv("LYNX_CACHE_DIR", str(tmp_path))
     assert not auto_path().exists()
-    config = CompileConfig(hardware="auto", pp=2, microbatches=2)   # no cache: measured in a subprocess
+    config = CompileConfig(hardware="auto", pp=2, microbatches=2)  # no cache: measured in a subprocess
     assert "no measurement of this host yet" in capfd.readouterr().err
     path = auto_path()
     stamp = path.stat().st_mtime_ns
@@ -48,6 +50,6 @@ def test_auto_measures_once_then_reuses(tmp_path, monkeypatch, capfd) -> None:
     assert spec.source == str(path.resolve()) and spec.calibration.repeats == 5 and config.target == "cpu"
     record = config.hardware_record()
     assert record["name"] == spec.name and "calibration" not in record
-    again = CompileConfig(hardware="auto", pp=2, microbatches=2)   # reused, not measured again
+    again = CompileConfig(hardware="auto", pp=2, microbatches=2)  # reused, not measured again
     assert path.stat().st_mtime_ns == stamp and again.fingerprint_fields() == config.fingerprint_fields()
     assert "measuring" not in capfd.readouterr().err

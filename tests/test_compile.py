@@ -27,7 +27,9 @@ def test_plan_decisions_are_valid_and_scored_by_the_simulator() -> None:
     g = synthetic_graph(layers=4)
     none = plan_graph_outcome(g, _cfg(solver="none"), comm=FREE)
     full = plan_graph_outcome(g, _cfg(solver="full"), comm=FREE, pipeline=none.pipeline)
-    budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes) - max(full.sim.peak_memory_bytes)))
+    budget = int(
+        max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes) - max(full.sim.peak_memory_bytes))
+    )
     heu = plan_graph_outcome(g, _cfg(memory_budget=budget), comm=FREE, pipeline=none.pipeline)
     assert heu.plan.predicted.fits_budget
     for problem, stage in zip(heu.problems, heu.plan.stages):

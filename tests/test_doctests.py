@@ -21,4 +21,6 @@ def test_docstring_examples_run(name: str) -> None:
     for test in finder.find(module, name):  # globals: a copy of the module's, as doctest does
         runner.run(test)
     result = runner.summarize(verbose=False)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} docstring examples in {name} failed (output above)"
+    assert result.failed == 0, (
+        f"{result.failed} of {result.attempted} docstring examples in {name} failed (output above)"
+    )

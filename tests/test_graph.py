@@ -76,7 +76,9 @@ def test_core_attention_is_tagged():
         "matmul", "mul", "masked_fill", "softmax", "dropout", "matmul"]
     m = resolve_model("gpt-tiny", attention="sdpa")
     G = analyze(m.model, m.example_inputs, dims=m.dims).graph
-    assert {G.nodes[n]["op"] for n in G if G.nodes[n]["core_attention"]} == {"aten.scaled_dot_product_attention.default"}
+    assert {G.nodes[n]["op"] for n in G if G.nodes[n]["core_attention"]} == {
+        "aten.scaled_dot_product_attention.default"
+    }
 
 
 def test_graph_contract_attributes():
@@ -85,8 +87,21 @@ def test_graph_contract_attributes():
     G = a.graph
     for n in a.topo_order:
         attrs = G.nodes[n]
-        for key in ("op", "flops", "output_bytes", "saved_bytes", "output_saved", "forward_s", "backward_s",
-                    "block", "layer", "layer_class", "module_path", "core_attention"):
+        for key in (
+            "op",
+            "flops",
+            "output_bytes",
+            "saved_bytes",
+            "output_saved",
+            "forward_s",
+            "backward_s",
+            "block",
+            "layer",
+            "layer_class",
+            "module_path",
+            "core_attention",
+        ):
             assert key in attrs
     assert sum(b["param_bytes"] for b in G.graph["blocks"]) == sum(
-        p.numel() * p.element_size() for p in m.model.parameters())
+        p.numel() * p.element_size() for p in m.model.parameters()
+    )

@@ -22,18 +22,23 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hardware" / "ether
 
 
 def test_yaml_reads_numbers_as_yaml_1_2_does() -> None:
-    text = "a: 1e12  # a number (YAML 1.1 would read a string)\nb: {c: 2, d: [x, 'y z']}\ne:\n  f: \"q: #\"\n  g: true\n"
+    text = (
+        "a: 1e12  # a number (YAML 1.1 would read a string)\nb: {c: 2, d: [x, 'y z']}\ne:\n  f: \"q: #\"\n  g: true\n"
+    )
     assert loads(text, "t.yaml") == {"a": 1e12, "b": {"c": 2, "d": ["x", "y z"]}, "e": {"f": "q: #", "g": True}}
     data = {"n": "a, b: c", "x": 2.5e-6, "l": ["p, q", 1], "m": {"k": None}, "s": "1e3"}
     assert loads(dumps(data), "t.yaml") == data
 
 
-@pytest.mark.parametrize("text,message", [
-    ("a: 1\na: 2", "t.yaml, line 2: 'a' is given twice"),
-    ("a: {b: 1", "t.yaml, line 1: not valid YAML"),
-    ("a:\n\tb: 1", "t.yaml, line 2: not valid YAML"),
-    ("a: 1\n  b: 2", "t.yaml, line 2: not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("a: 1\na: 2", "t.yaml, line 2: 'a' is given twice"),
+        ("a: {b: 1", "t.yaml, line 1: not valid YAML"),
+        ("a:\n\tb: 1", "t.yaml, line 2: not valid YAML"),
+        ("a: 1\n  b: 2", "t.yaml, line 2: not valid YAML"),
+    ],
+)
 def test_yaml_errors_name_the_file_and_line(text, message) -> None:
     with pytest.raises(LynxConfigError, match=re.escape(message)):
         loads(text, "t.yaml")
@@ -43,7 +48,7 @@ def test_the_documented_ethernet_cluster_loads() -> None:
     spec = resolve_hardware(str(EXAMPLE))
     a100 = HARDWARE_PRESETS["a100-80g"]
     assert spec.name == "a100-8x8-25gbe" and spec.source == str(EXAMPLE)
-    assert spec.peak_flops == a100.peak_flops and spec.memory_bytes == a100.memory_bytes   # the device: the preset's
+    assert spec.peak_flops == a100.peak_flops and spec.memory_bytes == a100.memory_bytes  # the device: the preset's
     assert spec.links["pp"].beta_bytes_per_s == spec.links["dp"].beta_bytes_per_s == 0.37e9
     assert spec.links["tp"] == a100.links["tp"]
     doc = (Path(__file__).resolve().parents[1] / "docs" / "hardware.md").read_text()
@@ -51,8 +56,19 @@ def test_the_documented_ethernet_cluster_loads() -> None:
 
 
 def test_whole_spec_round_trips_in_json_and_yaml(tmp_path) -> None:
-    cal = Calibration(host="h", date="2026-12-03T00:00:00+00:00", seconds=12.5, repeats=5, threads=1, cpus=2,
-                      load_before=0.5, load_after=0.7, torch="2.x", spread={"memory_bandwidth": 0.04}, notes=["a, b: c"])
+    cal = Calibration(
+        host="h",
+        date="2026-12-03T00:00:00+00:00",
+        seconds=12.5,
+        repeats=5,
+        threads=1,
+        cpus=2,
+        load_before=0.5,
+        load_after=0.7,
+        torch="2.x",
+        spread={"memory_bandwidth": 0.04},
+        notes=["a, b: c"],
+    )
     spec = HARDWARE_PRESETS["cpu-local"].model_copy(update={"name": "mine", "calibration": cal})
     for name in ("mine.json", "mine.yaml"):
         back = load_hardware_file(write_hardware_file(spec, tmp_path / name))
@@ -64,7 +80,8 @@ def test_cluster_on_another_file_merges_links_and_dicts(tmp_path) -> None:
     write_hardware_file(HARDWARE_PRESETS["cpu-local"].model_copy(update={"name": "host"}), tmp_path / "host.json")
     (tmp_path / "two.yaml").write_text(
         "name: two-hosts\ndevice: host.json\nlinks:\n  dp: {beta_bytes_per_s: 1.25e8}\n"
-        "optimizer_s_per_param: {demo: 2e-8}\n")
+        "optimizer_s_per_param: {demo: 2e-8}\n"
+    )
     spec = resolve_hardware(tmp_path / "two.yaml")
     host = HARDWARE_PRESETS["cpu-local"]
     assert spec.links["dp"].beta_bytes_per_s == 1.25e8 and spec.links["dp"].alpha_s == host.links["dp"].alpha_s
@@ -72,15 +89,21 @@ def test_cluster_on_another_file_merges_links_and_dicts(tmp_path) -> None:
     assert spec.device == "cpu" and spec.memory_bandwidth == host.memory_bandwidth
 
 
-@pytest.mark.parametrize("body,field", [
-    ("device: a100-80g\nlinks:\n  dp: {alpha_s: -1}\n", "links.dp.alpha_s: Input should be greater than or equal to 0"),
-    ("device: a100-80g\nlinks:\n  ep: {alpha_s: 1}\n", "links.ep: unknown mesh dimension"),
-    ("device: a100-80g\nlink_speed: 3\n", "link_speed: unknown field"),
-    ("device: cpu\nname: x\n", "peak_flops: missing (required)"),
-    ("device: tpu\n", "device: 'tpu' is neither"),
-    ("name: x\n", "device: missing"),
-    ('{"device": "cuda",', "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        (
+            "device: a100-80g\nlinks:\n  dp: {alpha_s: -1}\n",
+            "links.dp.alpha_s: Input should be greater than or equal to 0",
+        ),
+        ("device: a100-80g\nlinks:\n  ep: {alpha_s: 1}\n", "links.ep: unknown mesh dimension"),
+        ("device: a100-80g\nlink_speed: 3\n", "link_speed: unknown field"),
+        ("device: cpu\nname: x\n", "peak_flops: missing (required)"),
+        ("device: tpu\n", "device: 'tpu' is neither"),
+        ("name: x\n", "device: missing"),
+        ('{"device": "cuda",', "not valid JSON"),
+    ],
+)
 def test_bad_files_name_the_file_and_field(tmp_path, body, field) -> None:
     path = tmp_path / ("bad.json" if body.startswith("{") else "bad.yaml")
     path.write_text(body)
@@ -113,8 +136,29 @@ def test_compile_config_records_a_file_as_its_spec(tmp_path) -> None:
 
 def test_cli_plans_gpt_13b_on_the_ethernet_cluster(tmp_path) -> None:
     out = tmp_path / "plan.json"
-    result = CliRunner().invoke(app, ["plan", "gpt-13b", "--pp", "4", "--tp", "8", "--dp", "2", "-m", "8",
-                                      "--optimizer", "demo", "--hardware", str(EXAMPLE), "-b", "12GiB", "-o", str(out)])
+    result = CliRunner().invoke(
+        app,
+        [
+            "plan",
+            "gpt-13b",
+            "--pp",
+            "4",
+            "--tp",
+            "8",
+            "--dp",
+            "2",
+            "-m",
+            "8",
+            "--optimizer",
+            "demo",
+            "--hardware",
+            str(EXAMPLE),
+            "-b",
+            "12GiB",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads(out.read_text())
     assert plan["config"]["hardware"]["name"] == "a100-8x8-25gbe"

@@ -112,4 +112,6 @@ def test_no_private_names_imported_across_modules() -> None:
 def test_every_package_says_what_it_holds() -> None:
     for init in ROOT.rglob("__init__.py"):
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc and len(doc) > 80, f"{init.relative_to(ROOT.parent)} needs a docstring: what it holds, what it imports"
+        assert doc and len(doc) > 80, (
+            f"{init.relative_to(ROOT.parent)} needs a docstring: what it holds, what it imports"
+        )

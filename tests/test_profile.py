@@ -85,7 +85,10 @@ def test_cuda_target_flash_attention_saves_no_square_matrix():
     for r in sdpa:
         # output (B, T, C) fp32 + logsumexp (B, H, T) fp32 + philox seed/offset
         assert r.saved_bytes == B * T * C * 4 + B * H * T * 4 + 16
-    assert set(CUDA_EMULATED_OPS) >= {torch.ops.aten.dropout.default, torch.ops.aten.scaled_dot_product_attention.default}
+    assert set(CUDA_EMULATED_OPS) >= {
+        torch.ops.aten.dropout.default,
+        torch.ops.aten.scaled_dot_product_attention.default,
+    }
 
 
 def test_parameters_and_buffers_are_never_counted():

@@ -25,7 +25,14 @@ import torch
 
 from lynx.calibrate.repeats import best_of
 
-__all__ = ["MATMUL_OPS", "ReferenceModel", "op_overhead_s", "node_rates", "matmul_dtype_ratios", "optimizer_s_per_param"]
+__all__ = [
+    "MATMUL_OPS",
+    "ReferenceModel",
+    "op_overhead_s",
+    "node_rates",
+    "matmul_dtype_ratios",
+    "optimizer_s_per_param",
+]
 
 MATMUL_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "conv")
 OPTIMIZERS = ("adamw", "demo", "lion")
@@ -39,8 +46,9 @@ class ReferenceModel:
 
         torch.manual_seed(0)
         self.resolved = lynx.models.resolve_model("gpt-tiny", seq=seq, microbatch=microbatch, device="cpu")
-        self.analysis = lynx.analyze(self.resolved.model, self.resolved.example_inputs, target="cpu",
-                                     hardware="cpu-local")
+        self.analysis = lynx.analyze(
+            self.resolved.model, self.resolved.example_inputs, target="cpu", hardware="cpu-local"
+        )
 
 
 def op_overhead_s(ops: int = 2000, runs: int = 3) -> float:
@@ -70,8 +78,11 @@ def node_rates(reference: ReferenceModel, overhead_s: float) -> dict[str, float]
     bandwidth = moved / max(moved_s, 1e-12)
     elements = sum(random_elements(a) for a, _ in random_nodes)
     rng_s = sum(t - (a["input_bytes"] + a["output_bytes"]) / bandwidth for a, t in random_nodes)
-    return {"matmul_flops": flops / max(matmul_s, 1e-12), "memory_bandwidth": bandwidth,
-            "rng_s_per_element": max(0.0, rng_s) / elements if elements else 0.0}
+    return {
+        "matmul_flops": flops / max(matmul_s, 1e-12),
+        "memory_bandwidth": bandwidth,
+        "rng_s_per_element": max(0.0, rng_s) / elements if elements else 0.0,
+    }
 
 
 def matmul_dtype_ratios(m: int = 512, k: int = 128, n: int = 512, runs: int = 5) -> dict[str, float]:

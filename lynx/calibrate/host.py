@@ -134,18 +134,25 @@ def _measure_gpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         link = LinkSpec(alpha_s=statistics.median(links_measured[0]),
                         beta_bytes_per_s=statistics.median(links_measured[1]))
         links = {"pp": link, "tp": link, "dp": link}
-        measured += [Repeated("links.alpha_s", links_measured[0]), Repeated("links.beta_bytes_per_s", links_measured[1])]
-        notes.append("links: NCCL between GPU 0 and GPU 1 of this host for pp, tp and dp; links to other hosts "
-                     "are not visible from here: describe them in a cluster file (docs/hardware.md)")
+        measured += [Repeated("links.alpha_s", links_measured[0]),
+                     Repeated("links.beta_bytes_per_s", links_measured[1])]
+        notes.append(
+            "links: NCCL between GPU 0 and GPU 1 of this host for pp, tp and dp; links to other hosts "
+            "are not visible from here: describe them in a cluster file (docs/hardware.md)"
+        )
     else:
         preset = _closest_preset(name)
         links = dict(HARDWARE_PRESETS[preset].links)
         notes.append(f"links: one GPU visible, nothing to measure between; taken from the {preset!r} preset")
     fields = {
-        "name": f"{socket.gethostname()}-{name.replace(' ', '-').lower()}", "device": "cuda",
+        "name": f"{socket.gethostname()}-{name.replace(' ', '-').lower()}",
+        "device": "cuda",
         "peak_flops": {d: m[f"peak_flops.{d}"].median for d in ("float32", "bfloat16", "float16")},
-        "achievable_fraction": 1.0, "memory_bandwidth": m["memory_bandwidth"].median,
-        "memory_bytes": device_memory_bytes(device), "links": links, "op_overhead_s": m["op_overhead_s"].median,
+        "achievable_fraction": 1.0,
+        "memory_bandwidth": m["memory_bandwidth"].median,
+        "memory_bytes": device_memory_bytes(device),
+        "links": links,
+        "op_overhead_s": m["op_overhead_s"].median,
     }
     notes.append(f"GPU 0: {name}; float32 matmul with allow_tf32={torch.backends.cuda.matmul.allow_tf32}")
     return fields, measured, notes, torch.get_num_threads()
@@ -179,8 +186,15 @@ class _Progress:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.bar = Progress(TextColumn("calibrate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("{task.description}"), console=Console(stderr=True), transient=True)
+            self.bar = Progress(
+                TextColumn("calibrate"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self.bar.start()
             self.task = self.bar.add_task("", total=n)
 
@@ -190,8 +204,11 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=self.count, description=what)
         else:
-            print(f"calibrate [{self.count + 1}/{self.n}] {time.perf_counter() - self.started:5.1f} s  {what}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"calibrate [{self.count + 1}/{self.n}] {time.perf_counter() - self.started:5.1f} s  {what}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.count += 1
 
     def close(self) -> None:

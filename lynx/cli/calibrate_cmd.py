@@ -44,7 +44,9 @@ def calibration_rows(spec: Any) -> list[tuple[str, float, str, Optional[float]]]
 
 @app.command("calibrate")
 def calibrate_command(
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="also write the hardware file here (.yaml or .json)"),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o", help="also write the hardware file here (.yaml or .json)"
+    ),
     repeats: int = typer.Option(5, "--repeats", help="times each quantity is measured (the spec keeps the median)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda (default: cuda where present)"),
 ) -> None:
@@ -76,8 +78,10 @@ def calibrate_command(
 def _print(spec: Any, written: list[Path]) -> None:
     cal = spec.calibration
     console = table_console()
-    table = Table(title=f"{spec.name} ({spec.device}): the median of {cal.repeats} measurements",
-                  caption="spread: (max − min) / median over the repeats")
+    table = Table(
+        title=f"{spec.name} ({spec.device}): the median of {cal.repeats} measurements",
+        caption="spread: (max − min) / median over the repeats",
+    )
     for column in ("field", "value", "unit", "spread"):
         table.add_column(column, justify="left" if column in ("field", "unit") else "right")
     for field, value, unit, spread in calibration_rows(spec):
@@ -85,5 +89,7 @@ def _print(spec: Any, written: list[Path]) -> None:
     console.print(table)
     for note in cal.notes:
         console.print(f"  note: {note}")
-    console.print(f"calibrated in {cal.seconds:.1f} s at load {cal.load_before:.2f} → {cal.load_after:.2f} "
-                  f"on {cal.cpus} cpus; written to {', '.join(str(p) for p in written)}")
+    console.print(
+        f"calibrated in {cal.seconds:.1f} s at load {cal.load_before:.2f} → {cal.load_after:.2f} "
+        f"on {cal.cpus} cpus; written to {', '.join(str(p) for p in written)}"
+    )

@@ -56,28 +56,54 @@ def _print_report(report: InspectReport, console: Console) -> None:
                       format_seconds(c.forward_s), format_seconds(c.backward_s))
     t = report.totals
     table.add_section()
-    table.add_row("total", str(sum(c.count for c in report.classes)), str(sum(c.count * c.nodes for c in report.classes)),
-                  format_flops(t.flops), format_size(t.saved_bytes), format_seconds(t.forward_s), format_seconds(t.backward_s))
+    table.add_row(
+        "total",
+        str(sum(c.count for c in report.classes)),
+        str(sum(c.count * c.nodes for c in report.classes)),
+        format_flops(t.flops),
+        format_size(t.saved_bytes),
+        format_seconds(t.forward_s),
+        format_seconds(t.backward_s),
+    )
     console.print(table)
 
 
 @app.command()
 def inspect(
-    model: str = typer.Argument(..., help="Preset (gpt-1.3b … gpt-20b, llama-7b, gpt-tiny, llama-tiny) or module:factory."),
+    model: str = typer.Argument(
+        ..., help="Preset (gpt-1.3b … gpt-20b, llama-7b, gpt-tiny, llama-tiny) or module:factory."
+    ),
     seq: Optional[int] = typer.Option(None, help="Sequence length (presets)."),
     microbatch: Optional[int] = typer.Option(None, help="Microbatch size (presets)."),
     dtype: Optional[str] = typer.Option(None, help="fp16 | bf16 | fp32."),
     attention: Optional[str] = typer.Option(None, help="math | sdpa (GPT presets)."),
-    hardware: str = typer.Option("h100-sxm", help="a preset (cpu-local, h100-sxm, a100-25gbe, ...), a hardware file (.yaml/.json) or auto (this machine, measured)."),
+    hardware: str = typer.Option(
+        "h100-sxm",
+        help="a preset (cpu-local, h100-sxm, a100-25gbe, ...), a hardware file (.yaml/.json) "
+        "or auto (this machine, measured).",
+    ),
     target: Optional[str] = typer.Option(None, help="cuda | cpu (default: the hardware's device)."),
     measure: bool = typer.Option(False, "--measure", help="Time the real nodes on this device (needs real weights)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ) -> None:
     """Profile MODEL: per layer class FLOPs, saved activation bytes, forward and backward time."""
-    resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention,
-                             device="cpu" if measure and ":" not in model else "meta")
-    report = inspect_model(resolved.model, resolved.example_inputs, target=target, hardware=hardware,
-                           times="measure" if measure else "analytic", dims=resolved.dims, name=resolved.name)
+    resolved = resolve_model(
+        model,
+        seq=seq,
+        microbatch=microbatch,
+        dtype=dtype,
+        attention=attention,
+        device="cpu" if measure and ":" not in model else "meta",
+    )
+    report = inspect_model(
+        resolved.model,
+        resolved.example_inputs,
+        target=target,
+        hardware=hardware,
+        times="measure" if measure else "analytic",
+        dims=resolved.dims,
+        name=resolved.name,
+    )
     if as_json:
         print(json.dumps(report.json_record(), indent=2))
     else:

@@ -86,11 +86,13 @@ _M = typer.Option(8, "--microbatches", "-m", help="microbatches per step")
 _SCHED = typer.Option("1f1b", "--schedule", help="1f1b | gpipe | interleaved1f1b")
 _VIRT = typer.Option(2, "--virtual-stages", help="model chunks per device (interleaved1f1b)")
 _BUDGET = typer.Option(None, "--memory-budget", "-b", help="per device, e.g. 60GiB (default: device memory)")
-_HW = typer.Option("h100-sxm", "--hardware", help="a preset (cpu-local, h100-sxm, a100-25gbe, ...), a hardware file (.yaml/.json) or auto (this machine, measured)")
+_HW = typer.Option("h100-sxm", "--hardware", help="a preset (cpu-local, h100-sxm, a100-25gbe, ...), "
+                   "a hardware file (.yaml/.json) or auto (this machine, measured)")
 _OPTIM = typer.Option("adamw", "--optimizer", help="adamw | demo | lion (sets the DP windows)")
 _TL = typer.Option(60.0, "--time-limit", help="seconds per stage solve (opt)")
 _TARGET = typer.Option(None, "--target", help="cuda | cpu (default from the hardware)")
-_SEED = typer.Option(0, "--seed", help="recorded in the plan's config (the solvers are deterministic and do not read it)")
+_SEED = typer.Option(0, "--seed",
+                     help="recorded in the plan's config (the solvers are deterministic and do not read it)")
 _ITER = typer.Option(3, "--iterations", help="re-derive windows and re-solve at most this often")
 _SEQ = typer.Option(None, "--seq", help="sequence length (presets)")
 _MB = typer.Option(None, "--microbatch", help="microbatch size (presets)")
@@ -254,7 +256,8 @@ def compare_command(
             table.add_row(r["solver"], "[red]error[/]", "(below)", *[""] * 6)
             continue
         speed = r.get("speedup_over_full")
-        table.add_row(r["solver"], r["status"], f"{r['step_time_s'] * 1e3:.2f}", "-" if speed is None else f"{speed:.3f}×",
+        table.add_row(r["solver"], r["status"], f"{r['step_time_s'] * 1e3:.2f}",
+                      "-" if speed is None else f"{speed:.3f}×",
                       f"{r['exposed_recompute_s'] * 1e3:.2f}", f"{r['hidden_recompute_s'] * 1e3:.2f}",
                       " ".join(format_size(b) for b in r["peak_memory_bytes"]),
                       "yes" if r["fits_budget"] else "[red]no[/]", f"{r['search_time_s']:.3f}")

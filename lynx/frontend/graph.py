@@ -117,7 +117,10 @@ def _type_names(captured: Captured) -> dict[str, str]:
     names: dict[str, str] = {}
     for node in captured.gm.graph.nodes:
         for path, type_name in (node.meta.get("nn_module_stack") or {}).values():
-            names.setdefault(str(path), str(type_name if isinstance(type_name, str) else getattr(type_name, "__qualname__", type_name)))
+            names.setdefault(
+                str(path),
+                str(type_name if isinstance(type_name, str) else getattr(type_name, "__qualname__", type_name)),
+            )
     return names
 
 
@@ -148,8 +151,15 @@ def build_graph(captured: Captured, prof: Profile, dims: dict | None = None) -> 
     blocks: list[dict] = []
 
     def new_block(name: str, kind: str, layer_class: str, layer: int | None, path: str) -> dict:
-        block = {"index": len(blocks), "name": name, "kind": kind, "layer_class": layer_class,
-                 "layer": layer, "module_path": path, "nodes": []}
+        block = {
+            "index": len(blocks),
+            "name": name,
+            "kind": kind,
+            "layer_class": layer_class,
+            "layer": layer,
+            "module_path": path,
+            "nodes": [],
+        }
         blocks.append(block)
         return block
 
@@ -169,11 +179,23 @@ def build_graph(captured: Captured, prof: Profile, dims: dict | None = None) -> 
         current["nodes"].append(n)
         r = records[n]
         G.add_node(
-            n, op=r.op, flops=r.flops, input_bytes=r.input_bytes, output_bytes=r.output_bytes,
-            saved_bytes=r.saved_bytes, output_saved=r.output_saved, output_saved_by=list(r.output_saved_by),
-            is_view=r.is_view, forward_s=0.0, backward_s=0.0, block=current["index"],
-            layer=current["layer"], layer_class=current["layer_class"], module_path=r.module_path,
-            core_attention=_core_attention(r, seq, records), output_shapes=r.output_shapes,
+            n,
+            op=r.op,
+            flops=r.flops,
+            input_bytes=r.input_bytes,
+            output_bytes=r.output_bytes,
+            saved_bytes=r.saved_bytes,
+            output_saved=r.output_saved,
+            output_saved_by=list(r.output_saved_by),
+            is_view=r.is_view,
+            forward_s=0.0,
+            backward_s=0.0,
+            block=current["index"],
+            layer=current["layer"],
+            layer_class=current["layer_class"],
+            module_path=r.module_path,
+            core_attention=_core_attention(r, seq, records),
+            output_shapes=r.output_shapes,
         )
         for src in r.inputs:
             G.add_edge(src, n)
@@ -188,8 +210,12 @@ def build_graph(captured: Captured, prof: Profile, dims: dict | None = None) -> 
         if b["kind"] == "layer":
             classes[b["layer_class"]].append(b["layer"])
     G.graph.update(
-        blocks=blocks, layer_classes=dict(classes), target=prof.target, dims=dict(dims or {}),
-        param_bytes=[b["param_bytes"] for b in blocks], emulated_ops=prof.emulated_ops,
+        blocks=blocks,
+        layer_classes=dict(classes),
+        target=prof.target,
+        dims=dict(dims or {}),
+        param_bytes=[b["param_bytes"] for b in blocks],
+        emulated_ops=prof.emulated_ops,
         folded=None if fold is None else {"path": fold.path, "total": fold.total},
     )
     return G
@@ -218,7 +244,7 @@ def _unfold(G: nx.DiGraph, blocks: list[dict], total: int) -> tuple[nx.DiGraph, 
     first, second = layer_blocks
     twin = dict(zip(first["nodes"], second["nodes"]))  # layer-0 node → its layer-1 counterpart
     pre = blocks[: first["index"]]
-    post = blocks[second["index"] + 1:]
+    post = blocks[second["index"] + 1 :]
     H = nx.DiGraph()
     out_blocks: list[dict] = []
 
@@ -251,7 +277,9 @@ def _unfold(G: nx.DiGraph, blocks: list[dict], total: int) -> tuple[nx.DiGraph, 
     for n in first["nodes"]:
         add(n, n, b0, first["layer"], list(G.predecessors(n)))
     for i in range(1, total):
-        b = copy_block(second, layer=i, name=f"{second['name']}[{i}]", nodes=[clone_name(n, i) for n in second["nodes"]])
+        b = copy_block(
+            second, layer=i, name=f"{second['name']}[{i}]", nodes=[clone_name(n, i) for n in second["nodes"]]
+        )
         for n in second["nodes"]:
             add(n, clone_name(n, i), b, i, [name_in_layer(u, i) for u in G.predecessors(n)])
     for block in post:
@@ -259,4 +287,3 @@ def _unfold(G: nx.DiGraph, blocks: list[dict], total: int) -> tuple[nx.DiGraph, 
         for n in block["nodes"]:
             add(n, n, b, None, [name_in_layer(u, total - 1) for u in G.predecessors(n)])
     return H, out_blocks
-

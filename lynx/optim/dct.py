@@ -152,7 +152,9 @@ def chunk_view(x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return x.view(rows // cr, cr, cols // cc, cc).permute(0, 2, 1, 3)  # (R, C, cr, cc)
 
 
-def encode_chunks(blocks: torch.Tensor, mid: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def encode_chunks(
+    blocks: torch.Tensor, mid: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """DCT-II of a stack of chunks ``(N, c)`` or ``(N, cr, cc)``: returns ``(N, chunk_elements)``.
 
     ``mid`` (``blocks``' shape) and ``out`` (``(N, chunk_elements)``) are optional reusable

@@ -104,7 +104,9 @@ class DeMo(BucketedOptimizer):
         self._views: dict[int, tuple[list, list[torch.Tensor | None]]] = {}  # bucket → (storage keys, views)
         for members in self.buckets:
             g = self._group_of[members[0]]
-            settings = {(self._group_of[i]["compression_topk"], self._group_of[i]["compression_chunk"]) for i in members}
+            settings = {
+                (self._group_of[i]["compression_topk"], self._group_of[i]["compression_chunk"]) for i in members
+            }
             if len(settings) > 1:
                 raise LynxConfigError("DeMo: param groups sharing a bucket must share compression_topk/chunk")
             self._plans.append(
@@ -172,8 +174,10 @@ class DeMo(BucketedOptimizer):
         ptrs = [(self._params[i].data_ptr(), self._params[i].stride()) for i in members]
         cached = self._views.get(bucket)
         if cached is None or cached[0] != ptrs:
-            views = [chunk_view(self._params[i], tp.layout) if tp.compressed and self._params[i].is_contiguous() else None
-                     for i, tp in zip(members, plan.tensors)]
+            views = [
+                chunk_view(self._params[i], tp.layout) if tp.compressed and self._params[i].is_contiguous() else None
+                for i, tp in zip(members, plan.tensors)
+            ]
             cached = self._views[bucket] = (ptrs, views)
         return cached[1]
 

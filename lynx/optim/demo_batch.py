@@ -87,26 +87,48 @@ class BucketKernel:
         compressed = [j for j, tp in enumerate(plan.tensors) if tp.compressed]
         self.value_elems = sum(plan.tensors[j].value_bytes for j in compressed) // value_size
         index_start = min((plan.tensors[j].index_offset for j in compressed), default=0)
-        self.index_range = (index_start, max((t.index_offset + t.index_bytes for t in plan.tensors if t.compressed), default=0))
+        self.index_range = (
+            index_start,
+            max((t.index_offset + t.index_bytes for t in plan.tensors if t.compressed), default=0),
+        )
         keys: dict[tuple, list[int]] = {}
         for j in compressed:
             keys.setdefault((plan.tensors[j].layout.chunk_shape, dtypes[j]), []).append(j)
-        self.groups = [self._group(plan, shape, dtype, members, value_size, device) for (shape, dtype), members in keys.items()]
+        self.groups = [
+            self._group(plan, shape, dtype, members, value_size, device) for (shape, dtype), members in keys.items()
+        ]
         self._where = {j: (g, start) for g in self.groups for j, start in zip(g.members, g.starts)}
         # Per group, per member: (bucket position, first chunk, end chunk, chunk_view shape, layout).
         self._spans = [
-            [(j, start, start + plan.tensors[j].layout.n_chunks, _grid(plan.tensors[j].layout, g.chunk_shape),
-              plan.tensors[j].layout) for j, start in zip(g.members, g.starts)]
+            [
+                (
+                    j,
+                    start,
+                    start + plan.tensors[j].layout.n_chunks,
+                    _grid(plan.tensors[j].layout, g.chunk_shape),
+                    plan.tensors[j].layout,
+                )
+                for j, start in zip(g.members, g.starts)
+            ]
             for g in self.groups
         ]
         # Fixed views into the reused buffers: each member's gradient chunks and update signs.
-        self._block_views = [[g.blocks[a:b].view(grid) for _, a, b, grid, _ in spans]
-                             for g, spans in zip(self.groups, self._spans)]
-        self.signs = {j: g.back[a:b].view(grid) for g, spans in zip(self.groups, self._spans)
-                      for j, a, b, grid, _ in spans}
+        self._block_views = [
+            [g.blocks[a:b].view(grid) for _, a, b, grid, _ in spans] for g, spans in zip(self.groups, self._spans)
+        ]
+        self.signs = {
+            j: g.back[a:b].view(grid) for g, spans in zip(self.groups, self._spans) for j, a, b, grid, _ in spans
+        }
 
-    def _group(self, plan: BucketPlan, shape: tuple[int, ...], dtype: torch.dtype, members: list[int],
-               value_size: int, device: torch.device) -> ChunkGroup:
+    def _group(
+        self,
+        plan: BucketPlan,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        members: list[int],
+        value_size: int,
+        device: torch.device,
+    ) -> ChunkGroup:
         tps = [plan.tensors[j] for j in members]
         k, bits = tps[0].k, tps[0].index_bits
         starts, n = [], 0
@@ -129,11 +151,24 @@ class BucketKernel:
         stack = torch.zeros((n, *shape), dtype=dtype, device=device)
         flat = torch.zeros((n, stack[0].numel()), dtype=dtype, device=device)
         return ChunkGroup(
-            chunk_shape=shape, dtype=dtype, k=k, bits=bits, members=members, starts=starts, n_chunks=n,
-            value_pos=value_pos.to(device), first_byte=first_byte.to(device), pack_byte=pack_byte.to(device),
+            chunk_shape=shape,
+            dtype=dtype,
+            k=k,
+            bits=bits,
+            members=members,
+            starts=starts,
+            n_chunks=n,
+            value_pos=value_pos.to(device),
+            first_byte=first_byte.to(device),
+            pack_byte=pack_byte.to(device),
             shift=(first_bit % 8).to(device=device, dtype=torch.int32),
-            momentum=flat, blocks=torch.empty_like(stack), mid=torch.empty_like(stack), back=torch.empty_like(stack),
-            coeffs=torch.empty_like(flat), magnitude=torch.empty_like(flat), canvas=torch.zeros_like(flat),
+            momentum=flat,
+            blocks=torch.empty_like(stack),
+            mid=torch.empty_like(stack),
+            back=torch.empty_like(stack),
+            coeffs=torch.empty_like(flat),
+            magnitude=torch.empty_like(flat),
+            canvas=torch.zeros_like(flat),
             senders=torch.zeros_like(flat),
         )
 
@@ -161,7 +196,9 @@ class BucketKernel:
         words = torch.zeros(hi - lo, dtype=torch.int32, device=self.device)  # (index bytes,) OR-ed bits
         for g, spans, block_views in zip(self.groups, self._spans, self._block_views):
             blocks, mom = g.blocks, g.momentum
-            torch._foreach_copy_(block_views, [chunk_view(grads[j].contiguous(), layout) for j, _, _, _, layout in spans])
+            torch._foreach_copy_(
+                block_views, [chunk_view(grads[j].contiguous(), layout) for j, _, _, _, layout in spans]
+            )
             coeffs = encode_chunks(blocks, mid=g.mid, out=g.coeffs)  # (N, E) DCT of the gradient
             scales = {settings[j] for j in g.members}
             if len(scales) == 1:

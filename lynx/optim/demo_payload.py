@@ -64,7 +64,9 @@ class BucketPlan:
     dense_dtype: torch.dtype
 
 
-def plan_tensor(shape: tuple[int, ...], param_dtype: torch.dtype, topk: int, chunk: int, value_dtype: torch.dtype) -> TensorPlan:
+def plan_tensor(
+    shape: tuple[int, ...], param_dtype: torch.dtype, topk: int, chunk: int, value_dtype: torch.dtype
+) -> TensorPlan:
     """Chunk layout and compressed/dense decision for one tensor (offsets filled later)."""
     layout = ChunkLayout.for_shape(shape, chunk)
     elems = layout.chunk_elements

@@ -176,7 +176,8 @@ class DistributedLion(BucketedOptimizer):
             raise LynxConfigError(f"DistributedLion: unknown mode {mode!r}; use one of {', '.join(MODES)}")
         self.mode = mode
         self.avg_gather_below = AVG_GATHER_BELOW  # "avg": all-gather codes below this W, else all-reduce
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), process_group, bucket_bytes)
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+        super().__init__(params, defaults, process_group, bucket_bytes)
 
     def _state(self, i: int) -> dict[str, torch.Tensor]:
         state = self.state[self._params[i]]

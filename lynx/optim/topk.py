@@ -82,7 +82,11 @@ def topk_rows(x: torch.Tensor, k: int, scratch: torch.Tensor | None = None) -> t
     # the groups' maxima are a reduction over the outer dimension (fast), and group g is still
     # the contiguous index range [g·s, g·s + s).
     s0, groups = sizes[0], entries // sizes[0]
-    mag = torch.empty((n_rows, s0, groups), dtype=x.dtype, device=device) if scratch is None else scratch.view(n_rows, s0, groups)
+    mag = (
+        torch.empty((n_rows, s0, groups), dtype=x.dtype, device=device)
+        if scratch is None
+        else scratch.view(n_rows, s0, groups)
+    )
     torch.abs(x.view(n_rows, groups, s0).transpose(1, 2), out=mag)  # (N, s0, G), contiguous
     bottom = mag.view(view)  # (N, s0, G) integer bits, ordered as the floats
     levels = [bottom.amax(1)]  # (N, G) group maxima

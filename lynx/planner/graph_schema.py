@@ -11,10 +11,10 @@ Example::
 
     >>> import networkx as nx
     >>> from lynx.planner.graph_schema import check_graph
-    >>> check_graph(nx.DiGraph())
+    >>> check_graph(nx.DiGraph())  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    lynx.errors.LynxConfigError: the graph to plan lacks graph attribute(s) ['blocks', 'layer_classes', 'param_bytes'] (see lynx.planner.graph_schema.GraphAttrs); build it with lynx.frontend.graph.build_graph or lynx.analyze
+    lynx.errors.LynxConfigError: the graph to plan lacks graph attribute(s) ['blocks', ...] ...
 """
 
 from __future__ import annotations
@@ -31,18 +31,18 @@ __all__ = ["NodeAttrs", "Block", "GraphAttrs", "NODE_KEYS", "GRAPH_KEYS", "check
 class NodeAttrs(TypedDict):
     """One op node (its fx node name is the networkx node)."""
 
-    op: str                      # aten op, e.g. "aten.linear.default"
-    flops: int                   # forward FLOPs per microbatch
-    output_bytes: int            # bytes of its outputs per microbatch
-    saved_bytes: int             # bytes autograd saves for backward attributed to it (de-duplicated)
-    output_saved: bool           # its output storage is among the saved tensors
-    forward_s: float             # cost model times (0.0 until annotated)
+    op: str  # aten op, e.g. "aten.linear.default"
+    flops: int  # forward FLOPs per microbatch
+    output_bytes: int  # bytes of its outputs per microbatch
+    saved_bytes: int  # bytes autograd saves for backward attributed to it (de-duplicated)
+    output_saved: bool  # its output storage is among the saved tensors
+    forward_s: float  # cost model times (0.0 until annotated)
     backward_s: float
-    block: int                   # index into GraphAttrs["blocks"]
-    layer: Optional[int]         # repeated layer index, None in edge blocks
-    layer_class: str             # shared by structurally identical layers; "pre"/"post" for edges
-    module_path: str             # innermost module, e.g. "layers.3.attn.qkv"
-    core_attention: bool         # QKᵀ, softmax, attention dropout, ·V or a fused sdpa
+    block: int  # index into GraphAttrs["blocks"]
+    layer: Optional[int]  # repeated layer index, None in edge blocks
+    layer_class: str  # shared by structurally identical layers; "pre"/"post" for edges
+    module_path: str  # innermost module, e.g. "layers.3.attn.qkv"
+    core_attention: bool  # QKᵀ, softmax, attention dropout, ·V or a fused sdpa
 
 
 class Block(TypedDict):
@@ -54,16 +54,16 @@ class Block(TypedDict):
     layer_class: str
     layer: Optional[int]
     module_path: str
-    nodes: list[str]             # in forward topological order
+    nodes: list[str]  # in forward topological order
     param_bytes: int
 
 
 class GraphAttrs(TypedDict):
     blocks: list[Block]
-    layer_classes: dict[str, list[int]]   # class id -> layer indices
+    layer_classes: dict[str, list[int]]  # class id -> layer indices
     target: Literal["cuda", "cpu"]
-    dims: dict[str, object]               # hidden, heads, layers, seq, microbatch, dtype (may be None)
-    param_bytes: list[int]                # per block, aligned with blocks
+    dims: dict[str, object]  # hidden, heads, layers, seq, microbatch, dtype (may be None)
+    param_bytes: list[int]  # per block, aligned with blocks
 
 
 # what the planner needs; the frontend writes more (input_bytes, is_view, output_shapes, ...)
@@ -76,16 +76,20 @@ def check_graph(graph: nx.DiGraph) -> None:
     fix = "build it with lynx.frontend.graph.build_graph or lynx.analyze"
     missing = [k for k in GRAPH_KEYS if k not in graph.graph]
     if missing:
-        raise LynxConfigError(f"the graph to plan lacks graph attribute(s) {missing} "
-                              f"(see lynx.planner.graph_schema.GraphAttrs); {fix}")
+        raise LynxConfigError(
+            f"the graph to plan lacks graph attribute(s) {missing} (see lynx.planner.graph_schema.GraphAttrs); {fix}"
+        )
     for name, attrs in graph.nodes(data=True):
         lacking = [k for k in NODE_KEYS if k not in attrs]
         if lacking:
-            raise LynxConfigError(f"graph node {name!r} lacks attribute(s) {lacking} "
-                                  f"(see lynx.planner.graph_schema.NodeAttrs); {fix}")
+            raise LynxConfigError(
+                f"graph node {name!r} lacks attribute(s) {lacking} (see lynx.planner.graph_schema.NodeAttrs); {fix}"
+            )
     known = set(graph.nodes)
     for block in graph.graph["blocks"]:
         unknown = [n for n in block.get("nodes", ()) if n not in known]
         if unknown:
-            raise LynxConfigError(f"block {block.get('name', block.get('index'))!r} lists nodes that are not "
-                                  f"in the graph: {unknown[:3]}; {fix}")
+            raise LynxConfigError(
+                f"block {block.get('name', block.get('index'))!r} lists nodes that are not "
+                f"in the graph: {unknown[:3]}; {fix}"
+            )

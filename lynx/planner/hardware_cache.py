@@ -82,11 +82,14 @@ def auto_hardware(refresh: bool = False) -> HardwareSpec:
     try:
         done = subprocess.run(command, timeout=600)
     except subprocess.TimeoutExpired:
-        raise LynxConfigError(f"measuring this machine for hardware 'auto' took over 10 minutes: {' '.join(command)}") from None
+        raise LynxConfigError(
+            f"measuring this machine for hardware 'auto' took over 10 minutes: {' '.join(command)}"
+        ) from None
     if done.returncode != 0 or not path.is_file():
         raise LynxConfigError(
             f"measuring this machine for hardware 'auto' failed (exit {done.returncode}; its output is above): "
-            f"run `lynx calibrate` to see why, or pass a preset or a hardware file instead")
+            f"run `lynx calibrate` to see why, or pass a preset or a hardware file instead"
+        )
     return load_hardware_file(path)
 
 

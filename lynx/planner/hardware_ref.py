@@ -7,12 +7,13 @@ This is the one entry behind ``--hardware`` (every CLI command, ``examples/train
 
 Example::
 
-    >>> resolve_hardware("a100-25gbe").links["dp"].beta_bytes_per_s == resolve_hardware("a100-25gbe").links["pp"].beta_bytes_per_s
+    >>> links = resolve_hardware("a100-25gbe").links
+    >>> links["dp"].beta_bytes_per_s == links["pp"].beta_bytes_per_s
     True
     >>> resolve_hardware("tpu-v5")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    lynx.errors.LynxConfigError: unknown hardware 'tpu-v5': give a preset (...), 'auto' (this machine, ...) or the path of a hardware file (...)
+    lynx.errors.LynxConfigError: unknown hardware 'tpu-v5': give a preset (...), 'auto' (this machine, ...) or ...
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def resolve_hardware(ref: "str | os.PathLike | HardwareSpec") -> HardwareSpec:
     if isinstance(ref, HardwareSpec):
         return ref
     if not isinstance(ref, (str, os.PathLike)):
-        raise LynxConfigError(f"hardware must be a preset name, a hardware file's path, 'auto' or a lynx.HardwareSpec, "
-                              f"got {type(ref).__name__}")
+        raise LynxConfigError(
+            f"hardware must be a preset name, a hardware file's path, 'auto' or a lynx.HardwareSpec, "
+            f"got {type(ref).__name__}"
+        )
     text = os.fspath(ref)
     if text in HARDWARE_PRESETS:
         return HARDWARE_PRESETS[text]
@@ -45,4 +48,5 @@ def resolve_hardware(ref: "str | os.PathLike | HardwareSpec") -> HardwareSpec:
         return load_hardware_file(path)
     raise LynxConfigError(
         f"unknown hardware {text!r}: give a preset ({', '.join(HARDWARE_PRESETS)}), 'auto' (this machine, "
-        f"measured once by `lynx calibrate`) or the path of a hardware file (.json or .yaml; {DOCS_HINT})")
+        f"measured once by `lynx calibrate`) or the path of a hardware file (.json or .yaml; {DOCS_HINT})"
+    )

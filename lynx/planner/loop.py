@@ -3,7 +3,8 @@
 :func:`plan_graph` is the planning loop on an analysed graph: build the pipeline timeline,
 turn its windows into one problem per stage, solve, replay the decisions in the simulator,
 re-derive the windows from the replayed timeline (recomputation placed in windows moves
-them) and re-solve (a stage whose plan still hides everything keeps it) — at most ``max_iterations`` times, until the decisions stop changing or
+them) and re-solve (a stage whose plan still hides everything keeps it) — at most ``max_iterations``
+times, until the decisions stop changing or
 a round improves the simulated step time by less than ``CONVERGED_REL`` (0.1%) while the replay
 exposes what the solvers predicted — keeping the plan the simulator scores best.
 
@@ -112,6 +113,7 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     best: Optional[tuple[tuple, SimResult, list[StageProblem], list[Any]]] = None
     previous = previous_results = None
     search_time, iterations = 0.0, 0
+    problems: list[StageProblem] = []
     for iteration in range(config.max_iterations):
         iterations = iteration + 1
         problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp,
@@ -182,7 +184,7 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems
     for s, (problem, result) in enumerate(zip(problems, results)):
         chunks = pipe.device_chunks(s)
         stages.append(StagePlan(
-            index=s, layers=sorted(l for c in chunks for l in c.layers),
+            index=s, layers=sorted(layer for c in chunks for layer in c.layers),
             blocks=[blocks[b]["name"] for c in chunks for b in c.blocks],
             budget_bytes=sim.budget_bytes, peak_memory_bytes=sim.peak_memory_bytes[s],
             static_bytes=sim.static_bytes[s], activation_bytes=sim.activation_bytes[s],

@@ -54,7 +54,9 @@ def make_valid(problem: StageProblem, recompute: set[str] | frozenset[str]) -> f
                 if producer is None:
                     continue
                 cross = ranks[group_key(producer)] != ranks[group_key(node)]
-                if (cross and (src in rec or not producer.output_saved)) or (src in banned and not producer.output_saved):
+                if (cross and (src in rec or not producer.output_saved)) or (
+                    src in banned and not producer.output_saved
+                ):
                     bad.add(name)
         if not bad:
             return frozenset(rec)
@@ -65,10 +67,7 @@ def layer_recompute_set(problem: StageProblem, layers: set[int] | None = None) -
     """Megatron full recomputation of ``layers`` (all when None): keep what later groups read."""
     by_name = {n.name: n for n in problem.nodes}
     read_later = {
-        src
-        for n in problem.nodes
-        for src in n.inputs
-        if src in by_name and group_key(by_name[src]) != group_key(n)
+        src for n in problem.nodes for src in n.inputs if src in by_name and group_key(by_name[src]) != group_key(n)
     }
     chosen = {
         n.name

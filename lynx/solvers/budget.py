@@ -39,7 +39,9 @@ def budget_error(problem: StageProblem, *, time_limit_s: float = 5.0) -> LynxBud
     model = model_from_problem(problem)
     sol = solve_model(model, time_limit_s=time_limit_s, minimise="memory")
     if sol.status not in ("OPTIMAL", "FEASIBLE"):
-        return LynxBudgetError(f"stage {problem.stage}: no plan fits the activation budget of {_fmt(problem.activation_budget_bytes)}")
+        return LynxBudgetError(
+            f"stage {problem.stage}: no plan fits the activation budget of {_fmt(problem.activation_budget_bytes)}"
+        )
     lean = expand_solution(problem, model, sol)
     # what the solvers must fit (their bound, never below the runtime's predicted peak)
     peak = peak_upper_bound_bytes(problem, lean)
@@ -49,7 +51,8 @@ def budget_error(problem: StageProblem, *, time_limit_s: float = 5.0) -> LynxBud
     biggest = sorted((n for n in problem.nodes if n.name not in lean.recompute), key=lambda n: -n.saved_bytes)[:3]
     parts = {
         f"{problem.in_flight} microbatches in flight x {_fmt(kept)} kept each "
-        f"(largest kept: {', '.join(f'{n.name} {_fmt(n.saved_bytes)}' for n in biggest) or 'none'})": problem.in_flight * kept,
+        f"(largest kept: {', '.join(f'{n.name} {_fmt(n.saved_bytes)}' for n in biggest) or 'none'})": problem.in_flight
+        * kept,
         f"{_fmt(transient)} regenerated on demand for one layer": transient,
         f"{_fmt(prefetched)} prefetched for one microbatch": prefetched,
     }

@@ -47,4 +47,6 @@ def solve_checkmate(
         raise LynxPlanError(f"stage {problem.stage}: Checkmate found no plan within time_limit_s={time_limit_s}")
     assignment = expand_solution(bare, model, sol)
     gap = (sol.objective_s - sol.bound_s) / sol.objective_s if sol.objective_s > 0 else 0.0
-    return SolveResult(assignment, sol.status, exposed_recompute_s(problem, assignment), max(gap, 0.0), time.perf_counter() - start)
+    return SolveResult(
+        assignment, sol.status, exposed_recompute_s(problem, assignment), max(gap, 0.0), time.perf_counter() - start
+    )

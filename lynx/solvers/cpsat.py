@@ -89,7 +89,9 @@ def _byte_unit(model: StageModel) -> int:
     Otherwise bytes round up per item (never optimistic), which may reject a plan within a
     few KiB of the budget.
     """
-    coarse = max(1, model.budget_bytes // 2**26, max((it.mult * it.saved_bytes for it in model.items), default=1) // 2**40)
+    coarse = max(
+        1, model.budget_bytes // 2**26, max((it.mult * it.saved_bytes for it in model.items), default=1) // 2**40
+    )
     common = math.gcd(*(it.saved_bytes for it in model.items))
     return common if common >= coarse else coarse
 
@@ -153,8 +155,14 @@ def solve_model(
             if solver.value(v):
                 where[i] = k
         placement.append(tuple(where))
-    return ModelSolution(status, rec, tuple(placement), solver.objective_value * scale,
-                         solver.best_objective_bound * scale, time.perf_counter() - start)
+    return ModelSolution(
+        status,
+        rec,
+        tuple(placement),
+        solver.objective_value * scale,
+        solver.best_objective_bound * scale,
+        time.perf_counter() - start,
+    )
 
 
 def _decision_vars(m: cp_model.CpModel, model: StageModel, free: list[bool]):
@@ -278,7 +286,11 @@ class _Progress(cp_model.CpSolverSolutionCallback):
         self._fn, self._scale, self._start = fn, scale, start
 
     def on_solution_callback(self) -> None:
-        self._fn(time.perf_counter() - self._start, self.objective_value * self._scale, self.best_objective_bound * self._scale)
+        self._fn(
+            time.perf_counter() - self._start,
+            self.objective_value * self._scale,
+            self.best_objective_bound * self._scale,
+        )
 
 
 def _peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t):

@@ -52,7 +52,9 @@ def _groups(model: StageModel) -> dict[int, list[int]]:
     return out
 
 
-def identical_layer_pairs(model: StageModel, free: list[bool]) -> list[tuple[list[int], list[int], list[int], list[int]]]:
+def identical_layer_pairs(
+    model: StageModel, free: list[bool]
+) -> list[tuple[list[int], list[int], list[int], list[int]]]:
     """Consecutive identical groups: (inner items of a, of b, boundary items of a, of b), aligned."""
     items = model.items
     if any(it.mult != 1 for it in items):
@@ -67,8 +69,7 @@ def identical_layer_pairs(model: StageModel, free: list[bool]) -> list[tuple[lis
 
     def boundary(i: int) -> bool:
         it = items[i]
-        return (i in read_across or it.saved_until is not None
-                or any(items[u].group != it.group for u, _ in it.inputs))
+        return i in read_across or it.saved_until is not None or any(items[u].group != it.group for u, _ in it.inputs)
 
     def signature(g: int) -> tuple:
         # What an exchange of inner decisions must find alike: the items and their wiring inside
@@ -78,10 +79,13 @@ def identical_layer_pairs(model: StageModel, free: list[bool]) -> list[tuple[lis
             it = items[i]
             wiring = tuple(sorted(position[u][1] for u, _ in it.inputs if items[u].group == g))
             edge = boundary(i)
-            sig.append((it.saved_bytes, round(it.recompute_s, 15), it.output_saved, wiring, edge,
-                        None if edge else free[i]))
-        windows = tuple(tuple(None if elig is None else tuple(i in elig for i in groups[g]) for elig in cls.eligible)
-                        for cls in model.classes)
+            sig.append(
+                (it.saved_bytes, round(it.recompute_s, 15), it.output_saved, wiring, edge, None if edge else free[i])
+            )
+        windows = tuple(
+            tuple(None if elig is None else tuple(i in elig for i in groups[g]) for elig in cls.eligible)
+            for cls in model.classes
+        )
         return tuple(sig), windows
 
     families: dict[tuple, list[int]] = {}
@@ -151,6 +155,8 @@ def break_layer_symmetry(m: cp_model.CpModel, model: StageModel, free: list[bool
         m.add(same + sum(differ) >= 1)
         bits = min(len(va), LEX_BITS)
         weights = [1 << (bits - 1 - k) for k in range(bits)]
-        m.add(sum(w * v for w, v in zip(weights, va[:bits])) >= sum(w * v for w, v in zip(weights, vb[:bits]))).only_enforce_if(same)
+        m.add(
+            sum(w * v for w, v in zip(weights, va[:bits])) >= sum(w * v for w, v in zip(weights, vb[:bits]))
+        ).only_enforce_if(same)
         count += 1
     return count

@@ -96,7 +96,9 @@ def make_uniform_problem(
         prefix = f"l{layer}."
         for name, saved, out_saved, cost, ins, core in chain:
             resolved = tuple(
-                (layer_input if src == "IN" else prefix + src) for src in ins if not (src == "IN" and layer_input is None)
+                (layer_input if src == "IN" else prefix + src)
+                for src in ins
+                if not (src == "IN" and layer_input is None)
             )
             nodes.append(ProblemNode(prefix + name, saved, out_saved, cost, resolved, layer, layer_class, core))
         layer_input = prefix + "add2"
@@ -107,22 +109,38 @@ def make_uniform_problem(
         nodes.append(ProblemNode("post.ln", 2 * sbh, True, ew(2 * sbh), post_in, None, "post", False))
         nodes.append(ProblemNode("post.head", 2 * logits, True, mm(8), ("post.ln",), None, "post", False))
     windows: list[ProblemWindow] = []
-    caps = [recv_grad_capacity_s] * microbatches if isinstance(recv_grad_capacity_s, (int, float)) else list(recv_grad_capacity_s)
+    caps = (
+        [recv_grad_capacity_s] * microbatches
+        if isinstance(recv_grad_capacity_s, (int, float))
+        else list(recv_grad_capacity_s)
+    )
     if len(caps) != microbatches:
         raise ValueError(f"recv_grad_capacity_s has {len(caps)} entries for {microbatches} microbatches")
     for mb in range(microbatches):
         if caps[mb] > 0:
-            windows.append(ProblemWindow(recv_window_id(stage, "recv_grad", mb), "recv_grad", mb, float(caps[mb]), None))
+            windows.append(
+                ProblemWindow(recv_window_id(stage, "recv_grad", mb), "recv_grad", mb, float(caps[mb]), None)
+            )
         if tp_capacity_s > 0:
             for layer in reversed(range(1, layers)):  # backward runs from the last layer down
                 windows.append(
-                    ProblemWindow(tp_window_id(stage, layer, mb), "tp_allreduce", mb, tp_capacity_s, tuple(range(layer)))
+                    ProblemWindow(
+                        tp_window_id(stage, layer, mb), "tp_allreduce", mb, tp_capacity_s, tuple(range(layer))
+                    )
                 )
     for i, cap in enumerate(dp_capacity_s):
         last = microbatches - 1
-        windows.append(ProblemWindow(dp_window_id(stage, i), "dp_collective", last, float(cap), tuple(range(max(1, layers - 1 - i)))))
+        windows.append(
+            ProblemWindow(
+                dp_window_id(stage, i), "dp_collective", last, float(cap), tuple(range(max(1, layers - 1 - i)))
+            )
+        )
     keep_all = in_flight * sum(n.saved_bytes for n in nodes)
-    budget = budget_bytes if budget_bytes is not None else int(keep_all * (budget_fraction if budget_fraction is not None else 1.0))
+    budget = (
+        budget_bytes
+        if budget_bytes is not None
+        else int(keep_all * (budget_fraction if budget_fraction is not None else 1.0))
+    )
     return StageProblem(
         stage=stage,
         nodes=tuple(nodes),

@@ -29,7 +29,8 @@ def test_inspect_factory(tmp_path, monkeypatch):
     (tmp_path / "factory_mod.py").write_text(
         "import torch\n"
         "def build():\n"
-        "    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()) for _ in range(3)])\n"
+        "    block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())\n"
+        "    m = torch.nn.Sequential(*[block() for _ in range(3)])\n"
         "    return m, (torch.randn(4, 8),)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -39,13 +39,16 @@ def start(args: list[str], world: int = 2, cwd: Path | None = None) -> list[subp
     return procs
 
 
-def launch(args: list[str], world: int = 2, cwd: Path | None = None, timeout: float = 150.0) -> list[tuple[int, str, str]]:
+def launch(
+    args: list[str], world: int = 2, cwd: Path | None = None, timeout: float = 150.0
+) -> list[tuple[int, str, str]]:
     """Run the script on ``world`` ranks; (exit code, stdout, stderr) per rank."""
     return launch_many([args], world, cwd, timeout)[0]
 
 
-def launch_many(runs: list[list[str]], world: int = 2, cwd: Path | None = None,
-                timeout: float = 150.0) -> list[list[tuple[int, str, str]]]:
+def launch_many(
+    runs: list[list[str]], world: int = 2, cwd: Path | None = None, timeout: float = 150.0
+) -> list[list[tuple[int, str, str]]]:
     """Several independent runs at once (they mostly wait on imports: cheaper side by side)."""
     started = [start(args, world, cwd) for args in runs]
     out = []
@@ -57,14 +60,19 @@ def launch_many(runs: list[list[str]], world: int = 2, cwd: Path | None = None,
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-    return [[(p.returncode, stdout, stderr) for p, (_, stdout, stderr) in zip(procs, rows)]
-            for procs, rows in zip(started, out)]
+    return [
+        [(p.returncode, stdout, stderr) for p, (_, stdout, stderr) in zip(procs, rows)]
+        for procs, rows in zip(started, out)
+    ]
 
 
 def snapshot(path: Path) -> dict[str, str]:
     """Every file under ``path`` with the hash of its bytes (to show nothing changed)."""
-    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted(path.rglob("*")) if f.is_file()}
+    return {
+        str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(path.rglob("*"))
+        if f.is_file()
+    }
 
 
 def losses(log: Path) -> list[list[float]]:
@@ -75,8 +83,18 @@ def losses(log: Path) -> list[list[float]]:
 def full_run(tmp_path_factory):
     """An uninterrupted run: 6 steps, a checkpoint after step 4."""
     tmp = tmp_path_factory.mktemp("train")
-    result = launch(["--steps", str(STEPS), "--checkpoint-dir", str(tmp / "ckpt"), "--checkpoint-every", str(EVERY),
-                     "--log-json", str(tmp / "full.json")])
+    result = launch(
+        [
+            "--steps",
+            str(STEPS),
+            "--checkpoint-dir",
+            str(tmp / "ckpt"),
+            "--checkpoint-every",
+            str(EVERY),
+            "--log-json",
+            str(tmp / "full.json"),
+        ]
+    )
     assert all(code == 0 for code, _, _ in result), [err[-2000:] for _, _, err in result]
     return tmp, result
 
@@ -84,17 +102,17 @@ def full_run(tmp_path_factory):
 def test_training_loss_falls_and_reports_plan_vs_measured(full_run) -> None:
     tmp, result = full_run
     steps = losses(tmp / "full.json")
-    assert len(steps) == STEPS and all(len(s) == 4 for s in steps)     # 4 microbatches, 1 replica
+    assert len(steps) == STEPS and all(len(s) == 4 for s in steps)  # 4 microbatches, 1 replica
     mean = [sum(s) / len(s) for s in steps]
-    assert mean[0] > 5.0 and mean[-1] < mean[0] - 0.8, mean          # bytes start at ~ln 256 = 5.55
+    assert mean[0] > 5.0 and mean[-1] < mean[0] - 0.8, mean  # bytes start at ~ln 256 = 5.55
     stdout = result[0][1]
     assert "step time: measured" in stdout and "predicted" in stdout
     assert "step time: measured" in stdout and "the first (warm-up) left out" in stdout
-    for stage in (0, 1):   # byte counts of the real 2-process run: the memory bar holds on every run
+    for stage in (0, 1):  # byte counts of the real 2-process run: the memory bar holds on every run
         line = next(x for x in stdout.splitlines() if x.startswith(f"stage {stage} peak activations: measured"))
         assert "(within 5%)" in line and "under the activation budget" in line, line
     assert (tmp / "ckpt" / "step_4" / "lynx_meta.json").is_file()
-    assert not [p for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")]   # no temporary left
+    assert not [p for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")]  # no temporary left
 
 
 def test_killed_run_resumes_with_bitwise_the_same_losses(full_run, tmp_path) -> None:
@@ -108,10 +126,11 @@ def test_killed_run_resumes_with_bitwise_the_same_losses(full_run, tmp_path) -> 
             time.sleep(0.2)
     finally:
         for p in procs:
-            p.kill()           # SIGKILL: no clean-up of any kind, possibly in the middle of a save
+            p.kill()  # SIGKILL: no clean-up of any kind, possibly in the middle of a save
             p.communicate()
-    result = launch(["--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--resume",
-                     "--log-json", str(tmp_path / "resumed.json")])
+    result = launch(
+        ["--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--resume", "--log-json", str(tmp_path / "resumed.json")]
+    )
     assert all(code == 0 for code, _, _ in result), [err[-2000:] for _, _, err in result]
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     first = resumed["start_step"]
@@ -129,15 +148,19 @@ def _refused(result: list[tuple[int, str, str]], message: str) -> None:
 
 
 def test_more_processes_than_the_mesh_is_refused(tmp_path) -> None:
-    _refused(launch(["--steps", "2", "--pp", "2", "--dp", "1"], world=3, cwd=tmp_path),
-             "3 processes were started but the mesh is pp 2 × dp 1 = 2")
+    _refused(
+        launch(["--steps", "2", "--pp", "2", "--dp", "1"], world=3, cwd=tmp_path),
+        "3 processes were started but the mesh is pp 2 × dp 1 = 2",
+    )
 
 
 def test_budget_no_plan_meets_is_refused_on_every_rank(tmp_path) -> None:
     log = tmp_path / "log.json"
     log.write_text("{}")
-    _refused(launch(["--steps", "2", "--memory-budget", "2MiB", "--log-json", str(log)], cwd=tmp_path),
-             "no heu plan fits memory_budget 2.00 MiB")
+    _refused(
+        launch(["--steps", "2", "--memory-budget", "2MiB", "--log-json", str(log)], cwd=tmp_path),
+        "no heu plan fits memory_budget 2.00 MiB",
+    )
     assert log.read_text() == "{}"
 
 
@@ -145,13 +168,26 @@ def test_plan_for_another_mesh_or_model_is_refused(tmp_path) -> None:
     import lynx
 
     model, inputs = lynx.models.build_preset("gpt-tiny", seq=64, microbatch=8)
-    plan = lynx.compile(model, inputs, pp=2, dp=2, microbatches=4, memory_budget="12MiB", hardware="cpu-local",
-                        optimizer="demo", solver="heu").plan
+    plan = lynx.compile(
+        model,
+        inputs,
+        pp=2,
+        dp=2,
+        microbatches=4,
+        memory_budget="12MiB",
+        hardware="cpu-local",
+        optimizer="demo",
+        solver="heu",
+    ).plan
     plan.save(tmp_path / "dp2.json")
     before = snapshot(tmp_path)
-    other_mesh, other_model = launch_many([["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--dp", "1"],
-                                           ["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--seq", "32",
-                                            "--dp", "1"]], cwd=tmp_path)
+    other_mesh, other_model = launch_many(
+        [
+            ["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--dp", "1"],
+            ["--steps", "2", "--plan", str(tmp_path / "dp2.json"), "--seq", "32", "--dp", "1"],
+        ],
+        cwd=tmp_path,
+    )
     _refused(other_mesh, "differs in dp: plan 2, now 1")
     _refused(other_model, "differs in the model graph")
     assert snapshot(tmp_path) == before
@@ -162,9 +198,13 @@ def test_checkpoint_of_another_configuration_is_refused(full_run, tmp_path) -> N
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tmp / "ckpt", ckpt)
     before = snapshot(ckpt)
-    other_config, no_resume = launch_many([
-        ["--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "lion", "--microbatches", "2"],
-        ["--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]], cwd=tmp_path)
+    other_config, no_resume = launch_many(
+        [
+            ["--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "lion", "--microbatches", "2"],
+            ["--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
+        ],
+        cwd=tmp_path,
+    )
     _refused(other_config, "optimizer: checkpoint 'demo', this run 'lion'")
     _refused(no_resume, "pass --resume to continue")
     assert snapshot(ckpt) == before

@@ -49,7 +49,9 @@ def _worker(rank: int, fn: Callable[..., Any], world: int, port: int, out_dir: s
 def run_world(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; return the results by rank."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(fn, world, free_port(), out_dir, args), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _worker, args=(fn, world, free_port(), out_dir, args), nprocs=world, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

@@ -105,7 +105,9 @@ def _world_two(rank: int, world: int) -> dict:
     train(params, opt, rank, 50, record=record)
     out["history"] = record
     out["bytes"] = opt.last_step_bytes
-    out["analytic"] = demo_wire_bytes(SHAPES, world, param_dtype=torch.float64, topk=5, chunk=8, bucket_bytes=BUCKET_BYTES)
+    out["analytic"] = demo_wire_bytes(
+        SHAPES, world, param_dtype=torch.float64, topk=5, chunk=8, bucket_bytes=BUCKET_BYTES
+    )
     out["collectives"] = counts["n"] // 50
     out["counted_by_opt"] = opt.last_step_collectives
     out["buckets"] = len(opt.buckets)

@@ -98,7 +98,9 @@ def check_compress(kernel, before, grads, settings, row, value_dtype, where):
         assert torch.equal(vals, stepped.gather(1, idx).to(value_dtype)), (where, SHAPES[j])
         # M ← β·M + lr·DCT(g): three roundings (β and lr to fp32, the product, the sum) and the DCT's.
         exact = decay * before[j].double() + lr * exact_encode(grads[j], tp.layout)
-        bound = gamma(3) * (decay * before[j].double().abs()) + (1 + gamma(3)) * abs(lr) * encode_bound(grads[j], tp.layout)
+        bound = gamma(3) * (decay * before[j].double().abs()) + (1 + gamma(3)) * abs(lr) * encode_bound(
+            grads[j], tp.layout
+        )
         bound += gamma(3) * abs(lr) * exact_encode(grads[j], tp.layout).abs()
         assert ((stepped.double() - exact).abs() <= bound).all(), (where, SHAPES[j])
         assert bound.max() <= 1e-4 * exact.abs().max(), "the bound must be tight enough to catch a wrong kernel"
@@ -135,7 +137,9 @@ def check_decompress(signs, rows, plan, value_dtype):
 def test_bucket_kernel_matches_demo_step(world, value_dtype, mixed):
     plan = plan_bucket([(s, torch.float32) for s in SHAPES], topk=6, chunk=32, value_dtype=value_dtype)
     assert {tp.compressed for tp in plan.tensors} == {True, False}  # both kinds in one bucket
-    kernels = [BucketKernel(plan, [torch.float32] * len(SHAPES), value_dtype, torch.device("cpu")) for _ in range(world)]
+    kernels = [
+        BucketKernel(plan, [torch.float32] * len(SHAPES), value_dtype, torch.device("cpu")) for _ in range(world)
+    ]
     # mixed: members of one chunk group with different (decay, lr), as from two param groups
     settings = [(0.9, 0.1) if mixed and j % 2 else (0.99, 0.01) for j in range(len(SHAPES))]
     g = torch.Generator().manual_seed(7)
@@ -171,7 +175,9 @@ def test_bucket_kernel_rounding_bound_can_fail():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("rows,entries,k", [(9, 4096, 32), (5, 64, 32), (4, 841, 5), (6, 1000, 3), (3, 4096, 1), (2, 30, 30)])
+@pytest.mark.parametrize(
+    "rows,entries,k", [(9, 4096, 32), (5, 64, 32), (4, 841, 5), (6, 1000, 3), (3, 4096, 1), (2, 30, 30)]
+)
 def test_topk_rows_is_the_stable_sort_set(dtype, rows, entries, k):
     """The tournament picks what a stable descending sort of |x| puts first: ties → lower index."""
     from lynx.optim.topk import topk_rows

@@ -45,9 +45,17 @@ def main() -> None:
             opt.zero_grad()
             losses.append(float(loss))
         params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
-        torch.save({"losses": losses, "recomputed": recomputed, "params": params, "grads": grads, "stage": pipe.stage_index,
-                    "form": compiled.loss.form},
-                   os.path.join(out_dir, f"{kind}.rank{pipe.rank}.pt"))
+        torch.save(
+            {
+                "losses": losses,
+                "recomputed": recomputed,
+                "params": params,
+                "grads": grads,
+                "stage": pipe.stage_index,
+                "form": compiled.loss.form,
+            },
+            os.path.join(out_dir, f"{kind}.rank{pipe.rank}.pt"),
+        )
         pipe.close()
     dist.barrier()
     dist.destroy_process_group()

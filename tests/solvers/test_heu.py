@@ -23,10 +23,24 @@ def _step_proxy(p, pp=4):
 
 
 CASES = [
-    dict(layers=4, microbatches=8, in_flight=4, budget_fraction=0.2, recv_grad_capacity_s=[0.02, 0.006] + [0] * 5 + [0.002]),
-    dict(layers=4, microbatches=8, in_flight=4, budget_fraction=0.35, recv_grad_capacity_s=[0.02, 0.006] + [0] * 5 + [0.002]),
+    dict(
+        layers=4,
+        microbatches=8,
+        in_flight=4,
+        budget_fraction=0.2,
+        recv_grad_capacity_s=[0.02, 0.006] + [0] * 5 + [0.002],
+    ),
+    dict(
+        layers=4,
+        microbatches=8,
+        in_flight=4,
+        budget_fraction=0.35,
+        recv_grad_capacity_s=[0.02, 0.006] + [0] * 5 + [0.002],
+    ),
     dict(layers=4, microbatches=8, in_flight=4, budget_fraction=0.5, recv_grad_capacity_s=0.003, views=True),
-    dict(layers=5, microbatches=12, in_flight=3, budget_fraction=0.3, recv_grad_capacity_s=[0.03] + [0] * 11, views=True),
+    dict(
+        layers=5, microbatches=12, in_flight=3, budget_fraction=0.3, recv_grad_capacity_s=[0.03] + [0] * 11, views=True
+    ),
     # more budgets, depths and window shapes (each OPT solve well under a second)
     dict(layers=3, microbatches=4, in_flight=4, budget_fraction=0.12, recv_grad_capacity_s=[0.01, 0.002, 0.0, 0.001]),
     dict(layers=6, microbatches=8, in_flight=2, budget_fraction=0.6, recv_grad_capacity_s=[0.004] * 8),
@@ -57,7 +71,9 @@ def test_heu_within_one_percent_of_opt(case):
     ],
 )
 def test_heu_valid_and_fits(extra):
-    kw = dict(layers=4, microbatches=6, in_flight=4, budget_fraction=0.3, recv_grad_capacity_s=[0.01, 0, 0, 0, 0, 0.002])
+    kw = dict(
+        layers=4, microbatches=6, in_flight=4, budget_fraction=0.3, recv_grad_capacity_s=[0.01, 0, 0, 0, 0, 0.002]
+    )
     kw.update(extra)
     p = make_uniform_problem(**kw)
     res = solve_heu(p)
@@ -73,9 +89,7 @@ def test_family_spans_every_identical_layer():
 
 def test_odd_layer_is_planned_on_its_own():
     p = make_uniform_problem(layers=4, microbatches=6, in_flight=4, budget_fraction=0.3, recv_grad_capacity_s=0.002)
-    nodes = tuple(
-        dataclasses.replace(n, saved_bytes=n.saved_bytes * 2) if n.name == "l2.gelu" else n for n in p.nodes
-    )
+    nodes = tuple(dataclasses.replace(n, saved_bytes=n.saved_bytes * 2) if n.name == "l2.gelu" else n for n in p.nodes)
     odd = dataclasses.replace(p, nodes=nodes)
     fam = families(odd, model_from_problem(odd))
     assert len(fam.layers) == 3
@@ -85,8 +99,15 @@ def test_odd_layer_is_planned_on_its_own():
 
 
 def test_heu_is_deterministic():
-    p = make_uniform_problem(layers=6, microbatches=8, in_flight=4, budget_fraction=0.3, views=True,
-                             recv_grad_capacity_s=[0.02, 0.004] + [0] * 6, tp_capacity_s=0.0003)
+    p = make_uniform_problem(
+        layers=6,
+        microbatches=8,
+        in_flight=4,
+        budget_fraction=0.3,
+        views=True,
+        recv_grad_capacity_s=[0.02, 0.004] + [0] * 6,
+        tp_capacity_s=0.0003,
+    )
     first = solve_heu(p).assignment
     assert all(solve_heu(p).assignment == first for _ in range(3))
 
@@ -194,16 +215,19 @@ def test_heu_plan_within_one_percent_of_opt_on_real_models(tiny_graphs, point):
 
     model, pp, m, schedule, level = point
     graph = tiny_graphs[model]
-    base = CompileConfig(pp=pp, microbatches=m, schedule=schedule, hardware="h100-sxm", memory_budget=2**50,
-                         solver="none")
+    base = CompileConfig(
+        pp=pp, microbatches=m, schedule=schedule, hardware="h100-sxm", memory_budget=2**50, solver="none"
+    )
     none = plan_graph_outcome(graph, base, check_budget=False, assemble=False)
-    full = plan_graph_outcome(graph, base.replace(solver="full"), check_budget=False, pipeline=none.pipeline,
-                              assemble=False)
+    full = plan_graph_outcome(
+        graph, base.replace(solver="full"), check_budget=False, pipeline=none.pipeline, assemble=False
+    )
     lo, hi = max(full.sim.peak_memory_bytes), max(none.sim.peak_memory_bytes)
     cfg = base.replace(memory_budget=int(lo + level * (hi - lo)))
     heu = plan_graph_outcome(graph, cfg.replace(solver="heu"), pipeline=none.pipeline, assemble=False)
-    opt = plan_graph_outcome(graph, cfg.replace(solver="opt", time_limit_s=20.0), pipeline=none.pipeline,
-                             assemble=False)
+    opt = plan_graph_outcome(
+        graph, cfg.replace(solver="opt", time_limit_s=20.0), pipeline=none.pipeline, assemble=False
+    )
     assert heu.sim.fits_budget and opt.sim.fits_budget
     assert heu.sim.step_time_s <= opt.sim.step_time_s * 1.01
     for problem, result in zip(heu.problems, heu.results):

@@ -146,7 +146,8 @@ def test_budget_of_exactly_full_peak_is_feasible(solver):
     """Memory is modelled exactly when tensor sizes share a divisor: at a budget equal to
     `full`'s peak to the byte, the solvers find a plan (rounding each tensor up to
     budget/2**26 = 3 bytes here used to make every plan 'not fit')."""
-    p = make_uniform_problem(layers=2, seq=2000, hidden=1000, heads=8, microbatches=2, in_flight=3, recv_grad_capacity_s=0.0005)
+    p = make_uniform_problem(layers=2, seq=2000, hidden=1000, heads=8, microbatches=2, in_flight=3,
+                             recv_grad_capacity_s=0.0005)
     full_peak = peak_activation_bytes(p, solve_full(p).assignment)
     p = dataclasses.replace(p, activation_budget_bytes=full_peak)
     res = solve(solver, p, time_limit_s=10.0)
@@ -154,14 +155,24 @@ def test_budget_of_exactly_full_peak_is_feasible(solver):
     assert peak_activation_bytes(p, res.assignment) <= full_peak
 
 
-@pytest.mark.parametrize("fraction, caps", [(0.2, [0.004, 0.002, 0.002, 0.001]), (0.35, [0.0, 0.003, 0.003, 0.0]),
-                                            (0.5, [0.01, 0.0, 0.0, 0.0])])
+@pytest.mark.parametrize(
+    "fraction, caps",
+    [(0.2, [0.004, 0.002, 0.002, 0.001]), (0.35, [0.0, 0.003, 0.003, 0.0]), (0.5, [0.01, 0.0, 0.0, 0.0])],
+)
 def test_layer_symmetry_breaking_keeps_the_optimum(fraction, caps):
     from lynx.solvers.cpsat import solve_model
     from lynx.solvers.stage_model import model_from_problem
 
-    p = make_uniform_problem(layers=5, microbatches=4, in_flight=3, budget_fraction=fraction, views=True,
-                             recv_grad_capacity_s=caps, pre=True, post=True)
+    p = make_uniform_problem(
+        layers=5,
+        microbatches=4,
+        in_flight=3,
+        budget_fraction=fraction,
+        views=True,
+        recv_grad_capacity_s=caps,
+        pre=True,
+        post=True,
+    )
     model = model_from_problem(p)
     ordered = solve_model(model, time_limit_s=60.0, symmetry=True)
     free = solve_model(model, time_limit_s=60.0, symmetry=False)

@@ -3,7 +3,14 @@
 import pytest
 
 from lynx.errors import LynxPlanError
-from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem, exposed_recompute_s, microbatch_classes
+from lynx.solvers.problem import (
+    Assignment,
+    ProblemNode,
+    ProblemWindow,
+    StageProblem,
+    exposed_recompute_s,
+    microbatch_classes,
+)
 from lynx.solvers.synthetic import make_uniform_problem
 from lynx.solvers.memory import microbatch_peak_bytes, peak_activation_bytes, peak_upper_bound_bytes
 from lynx.solvers.validate import required_recompute_closure, validate
@@ -91,8 +98,16 @@ def test_kept_input_of_a_recomputed_node_is_held_to_the_end():
 def test_node_peak_never_exceeds_the_solvers_bound(fraction):
     from lynx.solvers import solve
 
-    p = make_uniform_problem(layers=3, microbatches=4, in_flight=3, budget_fraction=fraction, views=True,
-                             recv_grad_capacity_s=[0.004, 0.0, 0.001, 0.0], pre=True, post=True)
+    p = make_uniform_problem(
+        layers=3,
+        microbatches=4,
+        in_flight=3,
+        budget_fraction=fraction,
+        views=True,
+        recv_grad_capacity_s=[0.004, 0.0, 0.001, 0.0],
+        pre=True,
+        post=True,
+    )
     for name in ("full", "selective", "checkmate", "heu", "opt"):
         a = solve(name, p, time_limit_s=10.0).assignment
         assert peak_activation_bytes(p, a) <= peak_upper_bound_bytes(p, a), name

@@ -17,7 +17,8 @@ Example::
     >>> p = make_uniform_problem(layers=2, microbatches=4, in_flight=2, recv_grad_capacity_s=0.001)
     >>> lay = Layout(model_from_problem(p))
     >>> anywhere = [[True] * lay.n for _ in lay.classes]
-    >>> [b.peak() <= p.activation_budget_bytes for b in realise(lay, [True] * lay.n, p.activation_budget_bytes, anywhere)]
+    >>> books = realise(lay, [True] * lay.n, p.activation_budget_bytes, anywhere)
+    >>> [b.peak() <= p.activation_budget_bytes for b in books]
     [True, True]
 """
 

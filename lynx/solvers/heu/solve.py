@@ -312,4 +312,5 @@ def _fallback(problem: StageProblem, model: StageModel, time_limit_s: float, sta
     if sol.status not in ("OPTIMAL", "FEASIBLE"):
         raise LynxBudgetError(f"stage {problem.stage}: HEU found no plan within the budget in {time_limit_s} s")
     assignment = expand_solution(problem, model, sol)
-    return SolveResult(assignment, "HEURISTIC", exposed_recompute_s(problem, assignment), None, time.perf_counter() - start)
+    exposed = exposed_recompute_s(problem, assignment)
+    return SolveResult(assignment, "HEURISTIC", exposed, None, time.perf_counter() - start)
