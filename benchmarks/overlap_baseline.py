@@ -1,10 +1,10 @@
 """The ``torch.utils.checkpoint`` baseline of ``benchmarks/overlap_cpu.py``: a stage whose
-dropped nodes run under non-reentrant checkpoint instead of Lynx's hooks.
+dropped nodes run under non-reentrant checkpoint instead of Lynx's generated recompute.
 
 :class:`CheckpointStage` re-emits a stage graph with each maximal run of consecutive dropped
 nodes outlined into a submodule called through
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` (its own RNG-state save and
-re-run in backward; Lynx's hooks see nothing inside) — for a Megatron-full drop set that is
+re-run in backward) — for a Megatron-full drop set that is
 Megatron's ``--recompute-granularity full``. Its peak saved bytes count the kept tensors,
 checkpoint's held inputs and, through a dispatch mode active only during checkpoint's
 re-run, every tensor the re-run produces while it is alive. Gradients are bitwise those of
@@ -19,7 +19,8 @@ import torch
 import torch.utils._python_dispatch
 from torch import fx
 
-from lynx.rewrite.stage import StageModule
+from lynx.rewrite.saved import SavedBytesMeter
+from lynx.rewrite.stage import MicrobatchStats
 
 __all__ = ["CheckpointStage"]
 
@@ -28,7 +29,7 @@ class _RecomputeMeter(torch.utils._python_dispatch.TorchDispatchMode):
     """Registers every tensor an op produces while checkpoint recomputes (the saved ones stay
     alive until backward consumes them; the meter's weak references drop the others)."""
 
-    def __init__(self, stage: StageModule) -> None:
+    def __init__(self, stage: "CheckpointStage") -> None:
         super().__init__()
         self.stage = stage
 
@@ -62,20 +63,56 @@ class _Checkpointed(torch.nn.Module):
         return tuple(out) if self.n_out > 1 else (out,)
 
 
-class CheckpointStage(StageModule):
+class CheckpointStage(torch.nn.Module):
     """A stage that keeps everything except runs of ``dropped`` nodes, each executed under
     ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (its own RNG-state save and
-    re-run in backward; Lynx's hooks see nothing inside). Peak saved bytes count the kept
-    tensors, checkpoint's held inputs and what its re-run produces until backward frees it."""
+    re-run in backward). It runs eagerly (``gm(*args)``: plain PyTorch, the baseline) and offers
+    what the runtime calls on a stage (``spec``, ``meter``, ``recompute`` — a no-op: checkpoint
+    recomputes inside backward —, ``release``, ``forward_done``). Peak saved bytes count the kept
+    tensors (a pack hook), checkpoint's held inputs and what its re-run produces until backward
+    frees it, each storage once while it is alive."""
 
     def __init__(self, part: Any, dropped: set[str]) -> None:
-        from lynx.rewrite.split import StageGraph
-
+        super().__init__()
         holder: dict = {}
-        gm = _outline(part.gm, part.spec.nodes, set(dropped), holder)
-        super().__init__(StageGraph(gm, part.spec, part.out_spec))
-        self.constant_ptrs = {t.untyped_storage().data_ptr() for t in self._exclude}
+        self.gm = _outline(part.gm, part.spec.nodes, set(dropped), holder)
+        self.spec, self.index, self.dropped = part.spec, part.spec.index, frozenset()
+        self._out_spec = part.out_spec
+        self.meter = SavedBytesMeter()
+        self.constant_ptrs = {t.untyped_storage().data_ptr() for t in (*self.gm.parameters(), *self.gm.buffers())}
+        self._in_flight: dict[int, MicrobatchStats] = {}
         holder["stage"] = self
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.constant_ptrs:
+            self.meter.add(t, "boundary" if ptr in self._received else "stage")
+        return t
+
+    def forward(self, *args: torch.Tensor, microbatch: int = 0) -> Any:
+        self._received = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        self._in_flight[microbatch] = MicrobatchStats()
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            out = self.gm(*args)
+        if self.spec.is_last:
+            flat = list(out) if isinstance(out, (tuple, list)) else [out]
+            return torch.utils._pytree.tree_unflatten(flat, self._out_spec) if self._out_spec is not None else out
+        for t in out:  # what the stage sends stays referenced until its backward (as StageModule counts it)
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.constant_ptrs:
+                self.meter.add(t, "stage")
+        return tuple(out)
+
+    def recompute(self, microbatch: int, nodes: Any, *, on_demand: bool = False) -> None:
+        """Nothing to do ahead of time: checkpoint re-runs its segments inside backward."""
+
+    def forward_done(self, microbatch: int) -> bool:
+        return microbatch in self._in_flight
+
+    def stats(self, microbatch: int) -> MicrobatchStats:
+        return self._in_flight[microbatch]
+
+    def release(self, microbatch: int) -> MicrobatchStats:
+        return self._in_flight.pop(microbatch)
 
 
 def _outline(gm: fx.GraphModule, order: list[str], dropped: set[str], holder: dict) -> fx.GraphModule:

@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-json", default=None, help="write per-step losses and the summary here (rank 0)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--compile", action="store_true",
+                    help="pass each stage's generated graphs through torch.compile (Inductor; on CPU needs gcc)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for a peer")
     return ap.parse_args(argv)
 
@@ -314,7 +316,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)  # the same weights on every rank
     model, inputs = build_model(args.model, args.seq, args.microbatch, str(run.device))
     settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
-    compiled = lynx.compile(model, inputs, plan=run.plan, **settings)  # checked against this model
+    use_compile = args.compile or bool(run.plan.config.get("compile"))
+    compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)  # checked against this model
     pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s)
     topo = pipe.topology
     optimizer = make_optimizer(run.settings["optimizer"], run.lr, list(pipe.parameters()), pipe.dp_group)

@@ -70,6 +70,7 @@ plan's path or a :class:`lynx.Plan`) is used
     target: Optional[Literal["cuda", "cpu"]] = None
     seed: int = 0
     max_iterations: int = 3
+    compile: bool = False          # stages pass their generated graphs through torch.compile (Inductor)
 
     def __init__(self, **data: Any) -> None:
         unknown = sorted(set(data) - set(type(self).model_fields))

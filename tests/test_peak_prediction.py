@@ -76,7 +76,13 @@ def _check(plan, stages, where: str) -> None:
         predicted, measured = sp.activation_bytes, stage.meter.peak_by.get("stage", 0)
         at = f"{where} stage {s}: measured {measured} B, predicted {predicted} B"
         assert measured <= predicted, at
-        assert measured >= 0.95 * predicted, at
+        # The compiled backward frees each recomputed value after its last reader; the memory
+        # model holds a node's saved bytes until the node's own backward step, so it is
+        # conservative where much is recomputed on demand (down to 0.83 here: docs/memory.md).
+        schedule = plan.stage_schedule(s)
+        windowed = {n for j in range(M) for _w, nodes in schedule.prefetch.get(j, []) for n in nodes}
+        on_demand = bool(schedule.dropped - windowed)
+        assert measured >= (0.80 if on_demand else 0.95) * predicted, at
         if plan.predicted.fits_budget:
             assert measured <= sp.budget_bytes - sp.static_bytes, at
 

@@ -110,6 +110,8 @@ def plan_command(
     optimizer: str = _OPTIM, time_limit: float = _TL, target: Optional[str] = _TARGET, seed: int = _SEED,
     iterations: int = _ITER, seq: Optional[int] = _SEQ, microbatch: Optional[int] = _MB,
     dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
+    compile_graphs: bool = typer.Option(False, "--compile", help="runs of this plan pass each stage's generated "
+                                        "graphs through torch.compile (Inductor; on CPU it needs gcc/clang)"),
 ) -> None:
     """Plan recomputation for MODEL and write the plan as JSON; print the seconds of each phase."""
     from lynx.phases import Phases, since_process_start
@@ -119,7 +121,7 @@ def plan_command(
 
     def work() -> Any:
         config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
-                         solver, time_limit, target, seed, iterations)
+                         solver, time_limit, target, seed, iterations).replace(compile=compile_graphs)
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
             outcome = plan_graph_outcome(analysis.graph, config, progress=lambda msg: status.update(msg))

@@ -299,6 +299,25 @@ def _named_attrs(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     return attrs
 
 
+def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp: Any, mode: FakeTensorMode) -> None:
+    """On a CPU target, count what the compiled stages keep (:func:`lynx.rewrite.lower.saved_by_node`).
+
+    Stages run graphs lowered from AOTAutograd's joint graph, whose CPU dropout keeps a 1-byte
+    mask (eager's CPU dropout keeps a tensor of the input's dtype) and whose views are counted
+    by the storage they share: the plan must count what that executor holds. Falls back to
+    eager autograd's saves when the joint graph cannot be traced (the stage reports why then).
+    """
+    from lynx.frontend.joint import profile_saved
+
+    try:
+        with quiet_torch(), mode:
+            saved = profile_saved(gm, attrs, inputs)
+    except Exception:  # noqa: BLE001 - eager's attribution below stays in force
+        return
+    interp.saved = {i: (owner, nbytes, list(savers)) for i, (owner, (nbytes, _out, savers)) in enumerate(saved.items())}
+    interp.output_keys = {owner: ({i} if out else set()) for i, (owner, (_b, out, _s)) in enumerate(saved.items())}
+
+
 def profile(captured: Captured, target: str = "cuda") -> Profile:
     """Measure every op node of ``captured`` for the ``target`` device (``"cuda"`` or ``"cpu"``)."""
     if target not in TARGETS:
@@ -327,6 +346,8 @@ def profile(captured: Captured, target: str = "cuda") -> Profile:
             "model's forward expects."
         ) from err
     del out
+    if target == "cpu":
+        _count_compiled_saves(gm, attrs, inputs, interp, mode)
     for key, (owner, nbytes, savers) in interp.saved.items():
         record = interp.records[owner]
         record.saved_bytes += nbytes

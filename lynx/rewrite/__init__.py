@@ -11,11 +11,13 @@ Example::
 """
 
 from lynx.rewrite.build import build_stage_module, build_stages, stage_node_lists
-from lynx.rewrite.saved import SavedBytesMeter, SaveTracker, storage_key
+from lynx.frontend.joint import JointGraph, trace_joint
+from lynx.rewrite.lower import LoweredStage, lower
+from lynx.rewrite.saved import SavedBytesMeter
 from lynx.rewrite.split import StageGraph, StageSpec, split_graph
 from lynx.rewrite.stage import MicrobatchStats, StageModule
 
 __all__ = [
     "build_stage_module", "build_stages", "stage_node_lists", "split_graph", "StageGraph", "StageSpec",
-    "StageModule", "MicrobatchStats", "SavedBytesMeter", "SaveTracker", "storage_key",
+    "StageModule", "MicrobatchStats", "SavedBytesMeter", "JointGraph", "trace_joint", "LoweredStage", "lower",
 ]

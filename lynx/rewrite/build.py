@@ -53,12 +53,14 @@ def split_cached(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> li
 
 
 def build_stages(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]],
-                 dropped: Sequence[frozenset[str] | set[str]] | None = None) -> list[StageModule]:
-    """All stage modules of ``gm`` split as ``stage_nodes``, stage s dropping ``dropped[s]``."""
+                 dropped: Sequence[frozenset[str] | set[str]] | None = None, *, compile: bool = False) -> list[StageModule]:
+    """All stage modules of ``gm`` split as ``stage_nodes``, stage s dropping ``dropped[s]``.
+
+    ``compile``: pass the generated graphs through ``torch.compile`` (Inductor)."""
     parts = split_cached(gm, stage_nodes)
     dropped = dropped if dropped is not None else [frozenset()] * len(parts)
     out_spec = getattr(gm, "_out_spec", None)
-    return [StageModule(part, drop, out_spec=out_spec) for part, drop in zip(parts, dropped)]
+    return [StageModule(part, drop, out_spec=out_spec, compile=compile) for part, drop in zip(parts, dropped)]
 
 
 def build_stage_module(compiled: Any, index: int) -> StageModule:
@@ -71,5 +73,6 @@ def build_stage_module(compiled: Any, index: int) -> StageModule:
     gm = compiled.analysis.captured.gm
     parts = split_cached(gm, stage_node_lists(plan, getattr(compiled.analysis, "graph", None)))
     schedule = plan.stage_schedule(index)
-    return StageModule(parts[index], schedule.dropped, out_spec=getattr(gm, "_out_spec", None))
+    return StageModule(parts[index], schedule.dropped, out_spec=getattr(gm, "_out_spec", None),
+                       compile=bool(getattr(compiled.config, "compile", False)))
 

@@ -1,89 +1,76 @@
-"""Who owns a saved tensor, and how many saved bytes are alive.
+"""How many bytes a stage holds for backward, per category: live and peak.
 
-The profile attributes every tensor autograd saves to the fx node that produced its storage
-(or, for tensors created inside an op such as a dropout mask, to the node that was running).
-The rewrite must drop exactly what the plan accounted for, so it applies the profile's rule
-(:class:`lynx.frontend.profile.SaveTracker`), keyed on live storages (see :class:`SaveTracker` below).
-
-:class:`SavedBytesMeter` counts the bytes of distinct storages the stage holds for backward
-(kept saved tensors and recomputed ones in the cache) while they are alive, using weak
-references on the storages, so the peak it reports is what was really resident.
+The lowering knows, per value a microbatch keeps, which storage it lives in and how many bytes
+that storage has (from the joint graph's metadata; each storage counted once, parameters
+never). So the meter is arithmetic at graph boundaries — the forward graph adds what it left
+behind, a recompute graph what it brought back, the microbatch's release subtracts it all —
+with nothing that runs per saved tensor. Categories separate what the plan predicts
+(``"stage"``: kept saved values, recomputed values, the values the stage sends) from values
+held only to recompute from (``"held"``) and received values a stage saves (``"boundary"``).
 
 Example::
 
-    >>> import torch
     >>> meter = SavedBytesMeter()
-    >>> t = torch.zeros(4)
-    >>> meter.add(t, "stage")
+    >>> meter.hold("stage", 16); meter.hold("held", 4)
+    >>> meter.live_bytes, meter.peak_by["stage"]
+    (20, 16)
+    >>> meter.free("stage", 16)
     >>> meter.live_bytes, meter.peak_bytes
-    (16, 16)
-    >>> del t
-    >>> meter.live_bytes, meter.peak_bytes
-    (0, 16)
+    (4, 20)
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
-from lynx.frontend.profile import SaveTracker as _ProfileSaveTracker
-from lynx.frontend.profile import storage_key as _profile_storage_key
-
-__all__ = ["storage_key", "SaveTracker", "SavedBytesMeter", "tensor_leaves"]
-
-
-def tensor_leaves(value: Any) -> list[torch.Tensor]:
-    """The tensors in a node's (possibly nested) output, in pytree order."""
-    return [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-
-
-# The rule is the profile's, shared so that what a stage drops is exactly what the profile
-# counted (its storages are tracked with weak references, so reused addresses are not confused).
-SaveTracker = _ProfileSaveTracker
-storage_key = _profile_storage_key
+__all__ = ["SavedBytesMeter"]
 
 
 class SavedBytesMeter:
-    """Live and peak bytes of distinct storages held for backward, per category.
-
-    ``add(t, category)`` registers ``t``'s storage once; its bytes count until the storage is
-    freed (a weak-reference finaliser subtracts them). Categories let the caller separate
-    bytes owned by the stage's nodes (what the plan predicts) from other held tensors.
-    """
+    """Live and peak bytes held for backward, per category (see module docstring)."""
 
     def __init__(self) -> None:
-        self._live: dict[int, tuple[weakref.ref, int, str]] = {}
         self.live_by: dict[str, int] = {}
         self.peak_by: dict[str, int] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self._watched: dict[int, tuple[weakref.ref, int, str]] = {}
+
+    def hold(self, category: str, nbytes: int) -> None:
+        """``nbytes`` more are resident under ``category``."""
+        live = self.live_by[category] = self.live_by.get(category, 0) + nbytes
+        self.live_bytes += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        if live > self.peak_by.get(category, 0):
+            self.peak_by[category] = live
+
+    def free(self, category: str, nbytes: int) -> None:
+        """``nbytes`` under ``category`` were released."""
+        self.live_by[category] = self.live_by.get(category, 0) - nbytes
+        self.live_bytes -= nbytes
 
     def add(self, t: torch.Tensor, category: str) -> None:
+        """Count ``t``'s storage (once) until it is freed: for executors the lowering does not
+        describe, e.g. the ``torch.utils.checkpoint`` baseline of ``benchmarks/overlap_cpu.py``.
+
+        A weak reference on the storage subtracts its bytes when it dies."""
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        entry = self._live.get(key)
+        entry = self._watched.get(key)
         if entry is not None and entry[0]() is storage:
             return
         nbytes = storage.nbytes()
-        ref = weakref.ref(storage, lambda _r, k=key: self._drop(k, _r))
-        self._live[key] = (ref, nbytes, category)
-        self.live_by[category] = self.live_by.get(category, 0) + nbytes
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        self.peak_by[category] = max(self.peak_by.get(category, 0), self.live_by[category])
+        self._watched[key] = (weakref.ref(storage, lambda ref, k=key: self._expire(k, ref)), nbytes, category)
+        self.hold(category, nbytes)
 
-    def _drop(self, key: int, ref: weakref.ref) -> None:
-        entry = self._live.get(key)
-        if entry is None or entry[0] is not ref:
-            return
-        del self._live[key]
-        _, nbytes, category = entry
-        self.live_by[category] -= nbytes
-        self.live_bytes -= nbytes
+    def _expire(self, key: int, ref: weakref.ref) -> None:
+        entry = self._watched.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._watched[key]
+            self.free(entry[2], entry[1])
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes

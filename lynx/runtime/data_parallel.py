@@ -119,6 +119,10 @@ class BucketLauncher:
         self.armed = True
         self._remaining = dict(self._members)
 
+    def param_ready(self, param: torch.Tensor) -> None:
+        """``param.grad`` is final for this backward (a compiled stage's backward graph calls this)."""
+        self._on_grad(param)
+
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self.armed:
             return

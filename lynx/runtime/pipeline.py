@@ -3,7 +3,8 @@
 For every backward B(j) the gradient receive is posted as soon as F(j)'s activations are sent;
 when B(j) comes up the runner first runs the recomputation the plan put in that window
 (``s{stage}.recv_grad.mb{j}``) while the gradient is still in flight, then waits, then runs
-backward. Recomputation planned for a forward's wait (``s{stage}.recv_act.mb{k}``) runs before
+backward. Each window is one call of a generated recompute graph (:mod:`lynx.rewrite.lower`).
+Recomputation planned for a forward's wait (``s{stage}.recv_act.mb{k}``) runs before
 waiting for that activation. Windows of data-parallel collectives are served by on-demand
 recomputation in the last backward, which runs while the per-bucket collectives launched by
 :class:`~lynx.runtime.data_parallel.BucketLauncher` are in flight. Every wait goes through the
@@ -90,6 +91,10 @@ class PipelineRunner:
             # buckets holding tied weights wait for the tied sum at the end (launched by finish)
             held = {self.sync.bucket_of(p) for p in self.params if id(p) in tied_ids}
             self.launcher = BucketLauncher(self.sync, self.params, hold_buckets=held)
+            if hasattr(stage, "on_param_grad"):
+                # the backward graph accumulates each parameter gradient as soon as it is final,
+                # so buckets launch while the rest of the backward graph still runs
+                stage.on_param_grad = self.launcher.param_ready
 
     # ------------------------------------------------------------------ windows
     def _index_windows(self, schedule: Any) -> dict[str, list[tuple[int, list[str]]]]:
@@ -134,19 +139,22 @@ class PipelineRunner:
             stats.events.append((what, j, t0, time.perf_counter()))
 
     def _run_window(self, wid: str, works: Sequence[Any], stats: StepStats) -> None:
+        """Run the recompute graph of each microbatch this window serves (one generated call each).
+
+        Time spent while the awaited message was still in flight counts as hidden, the rest
+        (the message had arrived, or nothing is awaited) as exposed."""
         for j, nodes in self._windows.get(wid, ()):
             if not self.stage.forward_done(j):
                 continue  # its forward has not run here (another schedule's window): on demand instead
-            for node in nodes:
-                arrived = all(w.is_completed() for w in works)
-                start = time.perf_counter()
-                self.stage.recompute(j, [node])
-                elapsed = time.perf_counter() - start
-                self._mark(stats, "R" if (works and not arrived) else "Rx", j, start)
-                if arrived or not works:
-                    stats.recompute_window_exposed_s += elapsed
-                else:
-                    stats.recompute_hidden_s += elapsed
+            arrived = all(w.is_completed() for w in works)
+            start = time.perf_counter()
+            self.stage.recompute(j, nodes)
+            elapsed = time.perf_counter() - start
+            self._mark(stats, "R" if (works and not arrived) else "Rx", j, start)
+            if arrived or not works:
+                stats.recompute_window_exposed_s += elapsed
+            else:
+                stats.recompute_hidden_s += elapsed
 
     # --------------------------------------------------------------------- step
     def step(self, microbatches: Sequence[Mapping[str, torch.Tensor]]) -> StepStats:
@@ -286,6 +294,8 @@ class PipelineRunner:
         if self.launcher is not None:
             self.launcher.remove()
             self.launcher = None
+            if getattr(self.stage, "on_param_grad", None) is not None:
+                self.stage.on_param_grad = None
 
     def _sync_tied(self) -> None:
         import torch.distributed as dist

@@ -49,6 +49,7 @@ class WorkerSpec:
     fingerprint: str | dict[int, str] | None = None  # plan fingerprint per rank (default: the plan's)
     compile_settings: dict[str, Any] = field(default_factory=dict)
     lr_schedule: Callable[[int], float] | None = None  # step -> learning rate of every param group
+    compile: bool = False                 # torch.compile each stage's generated graphs (or the plan says so)
 
 
 def rank_seed(seed: int, stage: int, dp_rank: int) -> int:
@@ -91,6 +92,8 @@ def stage_setup(spec: WorkerSpec, model: torch.nn.Module, inputs: tuple,
         raise LynxConfigError(f"the split has {len(nodes)} stages but pp={spec.pp}")
     parts = split_cached(gm, nodes)
     names = [{str(n.target) for n in part.gm.graph.nodes if n.op == "get_attr"} for part in parts]
-    stage_module = build_stages(gm, nodes, [frozenset() if s != stage else dropped for s in range(spec.pp)])[stage]
+    use_compile = spec.compile or bool(spec.plan is not None and plan.config.get("compile", False))
+    stage_module = build_stages(gm, nodes, [frozenset() if s != stage else dropped for s in range(spec.pp)],
+                                compile=use_compile)[stage]
     input_names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     return stage_module, schedule, names, input_names

@@ -68,3 +68,50 @@ def test_buckets_launch_while_backward_runs(kind: str) -> None:
         sync.step()  # finishes the launched collectives and updates
         assert any(not torch.equal(a, p.detach()) for a, p in zip(before, params))
     launcher.remove()
+
+
+def test_compiled_stage_launches_buckets_from_inside_its_backward_graph() -> None:
+    """A compiled stage hands each parameter gradient over as soon as the backward graph computes
+    it: the first bucket launches while later-needed gradients do not exist yet, and the
+    gradients equal those of the stage returning them all at the end."""
+    from lynx.frontend.capture import capture
+    from lynx.models import build_preset
+    from lynx.rewrite import build_stages
+    from lynx.rewrite.split import op_nodes
+
+    torch.manual_seed(0)
+    model, inputs = build_preset("gpt-tiny", device="cpu", seq=16, dropout=0.1)
+    captured = capture(model, inputs)
+    names = [n.name for n in op_nodes(captured.gm)]
+    stage, = build_stages(captured.gm, [names], [set(names[::3])])
+    args = [dict(zip(captured.input_names, inputs))[n] for n in stage.spec.inputs]
+    params = list(reversed([p for p in stage.parameters() if p.requires_grad]))
+
+    def run(sink: bool) -> list[torch.Tensor]:
+        for p in params:
+            p.grad = None
+        torch.manual_seed(3)
+        stage(*args, microbatch=0).backward()
+        stage.release(0)
+        return [p.grad.clone() for p in params]
+
+    reference = run(sink=False)
+    sync = AllReduceSync(params, group=None, bucket_bytes=4096)
+    assert len(sync.buckets) >= 3
+    missing_at_launch: list[int] = []
+
+    class Counting(_Recording):
+        def launch(self, b):
+            missing_at_launch.append(sum(p.grad is None for p in params))
+            return self.sync.launch(b)
+
+    launcher = BucketLauncher(Counting(sync, [True]), params)
+    stage.on_param_grad = launcher.param_ready
+    launcher.arm()
+    grads = run(sink=True)
+    launcher.disarm()
+    stage.on_param_grad = None
+    launcher.remove()
+    assert len(missing_at_launch) == len(sync.buckets)
+    assert missing_at_launch[0] > 0, "the first bucket launched only after the whole backward"
+    assert all(torch.equal(a, b) for a, b in zip(reference, grads))
