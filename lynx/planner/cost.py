@@ -5,9 +5,9 @@ memory bandwidth)`` plus the hardware's per-op overhead; views cost nothing. Bac
 twice the forward FLOPs (gradients for inputs and weights) and twice the bytes. Host costs
 the hardware names (zero on the GPU presets) come on top: a random op draws one number per
 output element (``rng_s_per_element``: on a CPU dropout's mask costs more than its memory
-traffic), and the stage interpreter pays ``interpreter_node_s`` for every node it runs
-forward, views included (a recomputed node is run by it again, so its recompute cost is its
-forward cost). :func:`optimizer_step_s` is one optimizer step over a device's parameters.
+traffic). Stages run generated code (``lynx.rewrite.lower``), so a node costs the host what an
+eager op does (``op_overhead_s``), views included; there is no per-node interpreter term.
+:func:`optimizer_step_s` is one optimizer step over a device's parameters.
 Collectives use ring formulas over a :class:`~lynx.planner.hardware.LinkSpec` (α latency per message
 step, β bytes/s). :func:`lynx.frontend.measure.measure_times` instead times every node for real
 on the current device.
@@ -60,11 +60,11 @@ def random_elements(attrs: dict[str, Any]) -> int:
 
 def node_forward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:
     if attrs.get("is_view"):
-        return hw.interpreter_node_s
+        return hw.op_overhead_s  # a view is a dispatched op in the generated code, no arithmetic
     compute = attrs["flops"] / hw.achievable_flops(dtype)
     memory = (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
     rng = random_elements(attrs) * hw.rng_s_per_element
-    return max(compute, memory) + rng + hw.op_overhead_s + hw.interpreter_node_s
+    return max(compute, memory) + rng + hw.op_overhead_s
 
 
 def node_backward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:

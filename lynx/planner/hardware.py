@@ -5,9 +5,8 @@ achievable in practice, memory bandwidth and capacity, and per-link α (latency,
 (bandwidth, bytes/s) for the pipeline (``pp``), tensor-parallel (``tp``) and data-parallel
 (``dp``) groups. Presets are vendor datasheet numbers with typical achievable fractions.
 ``cpu-local`` is measured on this machine (``benchmarks/calibrate_cpu.py``) and adds what a CPU
-run of Lynx's stage interpreter pays on the host: random numbers, the interpreter's cost per
-node and the optimizer step (zero on the GPU presets, where they are small or overlap
-asynchronous kernels).
+run pays on the host: random numbers and the optimizer step (zero on the GPU presets, where they
+are small or overlap asynchronous kernels).
 
 Example::
 
@@ -21,9 +20,9 @@ Example::
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lynx.errors import LynxConfigError
 
@@ -77,10 +76,18 @@ class HardwareSpec(BaseModel):
     op_overhead_s: float = Field(default=0.0, ge=0.0)  # per-op dispatch cost not hidden by async launch
     # Host-bound costs a CPU run pays and a GPU hides (GPU presets: 0, not modelled):
     rng_s_per_element: float = Field(default=0.0, ge=0.0)   # one random number (dropout's mask)
-    interpreter_node_s: float = Field(default=0.0, ge=0.0)  # the stage interpreter, per graph node run
     optimizer_s_per_param: dict[str, float] = Field(default_factory=dict)  # optimizer name -> step s/param
     source: Optional[str] = Field(default=None, exclude=True)
     calibration: Optional[Calibration] = Field(default=None, exclude=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_interpreter_term(cls, data: Any) -> Any:
+        # Plans saved before stages were compiled (issue 12) record a per-node interpreter cost;
+        # nothing runs a node through an interpreter any more, so it is read and ignored.
+        if isinstance(data, dict) and "interpreter_node_s" in data:
+            data = {k: v for k, v in data.items() if k != "interpreter_node_s"}
+        return data
 
     @field_validator("links")
     @classmethod
@@ -168,8 +175,7 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # This machine's CPU cores, one thread per rank, gloo over loopback; measured by
     # `benchmarks/calibrate_cpu.py` (2026-12-03, fastest of many runs at load 4-7 on 2 cores):
     # matmul 114-119 GFLOP/s and elementwise 14-15 GB/s fitted to gpt-tiny's own nodes, 1.9 µs
-    # per eager op, 4.7 ns per random number, 38 µs per node run by the stage interpreter, an
-    # optimizer step of 6.0 (AdamW), 13 (DeMo) and 5.4 (Lion) ns per parameter; gloo p2p
+    # per eager op, 4.7 ns per random number, an optimizer step of 6.0 (AdamW), 13 (DeMo) and 5.4 (Lion) ns per parameter; gloo p2p
     # 3.0 GB/s and 150 µs latency on a quiet machine (86 µs quiet, 1.2-1.6 ms under load).
     "cpu-local": HardwareSpec(
         name="cpu-local",
@@ -185,7 +191,6 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         },
         op_overhead_s=1.9e-6,
         rng_s_per_element=4.7e-9,
-        interpreter_node_s=38e-6,
         optimizer_s_per_param={"adamw": 6.0e-9, "demo": 13e-9, "lion": 5.4e-9},
     ),
 }
@@ -215,7 +220,7 @@ def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
     Example::
 
         >>> shared = share_cores(get_hardware("cpu-local"), ranks=4, cores=2)
-        >>> shared.name, shared.interpreter_node_s == 2 * get_hardware("cpu-local").interpreter_node_s
+        >>> shared.name, shared.op_overhead_s == 2 * get_hardware("cpu-local").op_overhead_s
         ('cpu-local-4on2', True)
     """
     if hw.device != "cpu" or ranks <= cores or cores < 1:
@@ -227,6 +232,5 @@ def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
         "memory_bandwidth": hw.memory_bandwidth * share,
         "op_overhead_s": hw.op_overhead_s / share,
         "rng_s_per_element": hw.rng_s_per_element / share,
-        "interpreter_node_s": hw.interpreter_node_s / share,
         "optimizer_s_per_param": {k: v / share for k, v in hw.optimizer_s_per_param.items()},
     })
