@@ -175,7 +175,8 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # This machine's CPU cores, one thread per rank, gloo over loopback; measured by
     # `benchmarks/calibrate_cpu.py` (2026-12-03, fastest of many runs at load 4-7 on 2 cores):
     # matmul 114-119 GFLOP/s and elementwise 14-15 GB/s fitted to gpt-tiny's own nodes, 1.9 µs
-    # per eager op, 4.7 ns per random number, an optimizer step of 6.0 (AdamW), 13 (DeMo) and 5.4 (Lion) ns per parameter; gloo p2p
+    # per eager op, 4.7 ns per random number, an optimizer step of 6.0 (AdamW), 13 (DeMo) and
+    # 5.4 (Lion) ns per parameter; gloo p2p
     # 3.0 GB/s and 150 µs latency on a quiet machine (86 µs quiet, 1.2-1.6 ms under load).
     "cpu-local": HardwareSpec(
         name="cpu-local",

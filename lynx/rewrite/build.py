@@ -53,7 +53,8 @@ def split_cached(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> li
 
 
 def build_stages(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]],
-                 dropped: Sequence[frozenset[str] | set[str]] | None = None, *, compile: bool = False) -> list[StageModule]:
+                 dropped: Sequence[frozenset[str] | set[str]] | None = None, *,
+                 compile: bool = False) -> list[StageModule]:
     """All stage modules of ``gm`` split as ``stage_nodes``, stage s dropping ``dropped[s]``.
 
     ``compile``: pass the generated graphs through ``torch.compile`` (Inductor)."""

@@ -35,7 +35,6 @@ Example::
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,11 +43,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from lynx.frontend.joint import (JointGraph, classify, fetch_attr, input_saver, is_view_op, storage_nbytes,
+from lynx.frontend.joint import (JointGraph, classify, fetch_attr, input_saver, storage_nbytes,
                                  storage_root)
 
-__all__ = ["LoweredStage", "RecomputeGraph", "BackwardGraph", "lower", "save_rng_state", "replay_rng", "accumulate_grad",
-           "GradSink", "Clock", "clock_start", "clock_stop"]
+__all__ = ["LoweredStage", "RecomputeGraph", "BackwardGraph", "lower", "save_rng_state", "replay_rng",
+           "accumulate_grad", "GradSink", "Clock", "clock_start", "clock_stop"]
 
 # random ops whose overload carries no ``nondeterministic_seeded`` tag
 _RANDOM_NAMES = ("dropout", "bernoulli", "rand", "rrelu", "multinomial")
@@ -520,8 +519,9 @@ def _build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool
         run = lambda args: fn(*args)  # noqa: E731 - Inductor manages its buffers itself
     else:
         run = gm
-    return BackwardGraph(gm=gm, run=run, in_slots=in_slots + [i for i, _ in rng_used], nodes=origins, clock=attrs["lynx_clock"],
-                         extra_peak_bytes=extra, sink=attrs["lynx_sink"] if sunk else None)
+    return BackwardGraph(gm=gm, run=run, in_slots=in_slots + [i for i, _ in rng_used], nodes=origins,
+                         clock=attrs["lynx_clock"], extra_peak_bytes=extra,
+                         sink=attrs["lynx_sink"] if sunk else None)
 
 
 def _extra_peak(graph: fx.Graph, joint_of: dict[fx.Node, fx.Node], counted: set[fx.Node]) -> int:
