@@ -1,8 +1,8 @@
 """Runtime: execute planned stages, recomputing inside communication windows.
 
 ``Pipeline`` is the user-facing API: your own loop, optimizer and data under ``torchrun``
-(``docs/train_your_model.md``). ``run_local`` runs every stage in one process (the reference); ``PipelineRunner`` runs one
-stage per rank over ``torch.distributed`` (gloo or NCCL) with 1F1B or GPipe, posting each
+(``docs/train_your_model.md``). ``run_local`` runs every stage in one process (the reference);
+``PipelineRunner`` runs one stage per rank over ``torch.distributed`` (gloo or NCCL) with 1F1B or GPipe, posting each
 gradient receive, running the plan's window recomputation while it is in flight, then
 waiting and running backward; data parallelism over a ``(pp, dp)`` device mesh. See
 ``docs/runtime.md``.

@@ -182,7 +182,8 @@ def spawn(spec: WorkerSpec, timeout_s: float = 300.0) -> list[RankResult]:
             except Exception:  # queue.Empty
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and p.exitcode]
                 if dead:
-                    raise LynxRuntimeError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode}) without a result")
+                    code = procs[dead[0]].exitcode
+                    raise LynxRuntimeError(f"rank {dead[0]} died (exit code {code}) without a result")
                 continue
             results[item[1]] = item
     finally:

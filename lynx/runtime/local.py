@@ -61,7 +61,8 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
     if schedule == "sequential":
         queues = [[] for _ in range(p)]
         order = [(s, a) for j in range(m) for s, a in
-                 [(s, ScheduledAction("F", s, j)) for s in range(p)] + [(s, ScheduledAction("B", s, j)) for s in reversed(range(p))]]
+                 [(s, ScheduledAction("F", s, j)) for s in range(p)]
+                 + [(s, ScheduledAction("B", s, j)) for s in reversed(range(p))]]
     else:
         queues = [list(stage_actions(schedule, stage=s, stages=p, microbatches=m)) for s in range(p)]
         order = None

@@ -86,7 +86,8 @@ class LossSpec:
         if loss_fn is None:
             return self
         if not callable(loss_fn):
-            raise LynxConfigError(f"loss_fn must be callable as loss_fn(output, *targets), got {type(loss_fn).__name__}")
+            raise LynxConfigError(
+                f"loss_fn must be callable as loss_fn(output, *targets), got {type(loss_fn).__name__}")
         name = getattr(loss_fn, "__qualname__", type(loss_fn).__name__)
         return LossSpec("loss_fn", f"the loss is loss_fn(output, *targets) with loss_fn={name}", loss_fn=loss_fn)
 

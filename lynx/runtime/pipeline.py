@@ -85,7 +85,8 @@ class PipelineRunner:
         self.sync = None
         self.launcher = None
         if topology.dp > 1:
-            is_bucketed = optimizer is not None and all(hasattr(optimizer, a) for a in ("launch", "finish", "bucket_of"))
+            hooks = ("launch", "finish", "bucket_of")
+            is_bucketed = optimizer is not None and all(hasattr(optimizer, a) for a in hooks)
             self.sync = optimizer if is_bucketed else AllReduceSync(self.params, topology.dp_group,
                                                                       config.bucket_bytes)
             # buckets holding tied weights wait for the tied sum at the end (launched by finish)

@@ -39,7 +39,8 @@ class StepStats:
     peak_held_bytes: int = 0               # + received boundary values and recompute inputs held
     cuda_max_memory_allocated: int | None = None
     losses: list[float] = field(default_factory=list)
-    events: list[tuple[str, int, float, float]] = field(default_factory=list)  # (what, microbatch, start, end) perf_counter s, with RuntimeConfig(trace=True)
+    # (what, microbatch, start, end) in perf_counter seconds, with RuntimeConfig(trace=True)
+    events: list[tuple[str, int, float, float]] = field(default_factory=list)
 
     @property
     def wait_s(self) -> float:
@@ -64,7 +65,8 @@ def format_stats(stats: Sequence[StepStats], plan: Any = None) -> str:
     head = (f"{'stage':>5} {'dp':>3} {'step s':>8} {'wait s':>8} {'hidden s':>9} {'exposed s':>10} "
             f"{'peak MiB':>9}")
     if plan is not None:
-        head += f" | {'pred step s':>11} {'pred exposed':>12} {'pred hidden':>11} {'pred act MiB':>12} {'budget MiB':>10}"
+        head += (f" | {'pred step s':>11} {'pred exposed':>12} {'pred hidden':>11} {'pred act MiB':>12} "
+                 f"{'budget MiB':>10}")
     rows = [head]
     for s in sorted(stats, key=lambda x: (x.stage, x.dp_rank)):
         row = (f"{s.stage:>5} {s.dp_rank:>3} {s.step_s:>8.3f} {s.wait_s:>8.3f} {s.recompute_hidden_s:>9.3f} "

@@ -224,7 +224,8 @@ class Pipeline:
             opt = getattr(optimizer, "inner", optimizer)
             # keyed by parameter name, param groups included (torchtitan's form for pipeline
             # stages: each stage's entries are its own, nothing collides across stages)
-            osd = get_optimizer_state_dict(self.stage.gm, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+            options = StateDictOptions(flatten_optimizer_state_dict=True)
+            osd = get_optimizer_state_dict(self.stage.gm, opt, options=options)
             # compressed optimizers keep a momentum per replica: one entry each (not de-duplicated)
             state["optimizer"] = {f"replica{self.topology.dp_rank}": osd} if _per_replica(opt) else osd
         return state
