@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,6 +58,24 @@ class RuntimeConfig(BaseModel):
     bucket_bytes: int = Field(1 << 20, gt=0)
     prefetch: bool = True          # False: ignore the plan's windows (everything on demand)
     trace: bool = False            # record (what, microbatch, start s, end s) per action in StepStats.events
+
+
+@dataclass
+class _StepState:
+    """What one step's schedule has in flight: posted receives and sends, forwards awaiting backward."""
+
+    stats: StepStats
+    start: float
+    first: bool
+    last: bool
+    act_recv: dict[int, tuple[list, list]] = field(default_factory=dict)
+    grad_recv: dict[int, tuple[list, list]] = field(default_factory=dict)
+    flights: dict[int, InFlight] = field(default_factory=dict)
+    sends: list[tuple[list, list]] = field(default_factory=list)
+    # an activation send holds its tensors: it is dropped once that microbatch's gradient is
+    # back (the peer has used it), so a stage holds no more than the plan counts
+    act_sends: dict[int, tuple[list, list]] = field(default_factory=dict)
+    flag_recv: Any = None  # (buffer, works) of the boundary flags, until they arrive
 
 
 class PipelineRunner:
@@ -173,101 +192,108 @@ class PipelineRunner:
             raise
 
     def _step(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> StepStats:
-        m, topo, stage = self.config.microbatches, self.topo, self.stage
+        m, topo = self.config.microbatches, self.topo
         if len(batches) != m:
             raise LynxConfigError(f"step() got {len(batches)} microbatches, the runtime is configured for {m}")
+        state = self._begin_step()
+        for action in stage_actions(self.config.schedule, stage=topo.stage, stages=topo.pp, microbatches=m):
+            if action.kind == "F":
+                self._forward(state, action.microbatch, batches)
+            else:
+                self._backward(state, action.microbatch)
+        return self._finish_step(state)
+
+    def _begin_step(self) -> _StepState:
+        """Reset gradients and peaks; post the first activation receive (and the boundary flags')."""
+        topo = self.topo
         self.monitor.check()
         stats = StepStats(rank=topo.rank, stage=topo.stage, dp_rank=topo.dp_rank)
         for p in self.params:
             p.grad = None
-        stage.meter.reset_peak()
+        self.stage.meter.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = self._t0 = time.perf_counter()
         self._mark(stats, "start", -1, start)
-        first, last = topo.stage == 0, topo.stage == topo.pp - 1
-        act_recv: dict[int, tuple[list, list]] = {}
-        grad_recv: dict[int, tuple[list, list]] = {}
-        flights: dict[int, InFlight] = {}
-        sends: list[tuple[list, list]] = []
-        # an activation send holds its tensors: it is dropped once that microbatch's gradient is
-        # back (the peer has used it), so a stage holds no more than the plan counts
-        act_sends: dict[int, tuple[list, list]] = {}
-        flag_recv = None
-        if not first and self.recv_flags is None:
-            flag_buf, flag_works = _recv_flags(len(self.recv_meta), topo.prev_rank, self.device)
-            flag_recv = (flag_buf, flag_works)
-        if not first:
-            act_recv[0] = post_recv(self.recv_meta, topo.prev_rank, 0, ACT, self.device)
+        state = _StepState(stats=stats, start=start, first=topo.stage == 0, last=topo.stage == topo.pp - 1)
+        if not state.first and self.recv_flags is None:
+            state.flag_recv = _recv_flags(len(self.recv_meta), topo.prev_rank, self.device)
+        if not state.first:
+            state.act_recv[0] = post_recv(self.recv_meta, topo.prev_rank, 0, ACT, self.device)
+        return state
 
-        for action in stage_actions(self.config.schedule, stage=topo.stage, stages=topo.pp, microbatches=m):
-            j = action.microbatch
-            if action.kind == "F":
-                received: list[torch.Tensor] = []
-                if not first:
-                    buffers, works = act_recv.pop(j)
-                    self._run_window(recv_window_id(topo.stage, "recv_act", j), works, stats)
-                    t0 = time.perf_counter()
-                    for w in works:
-                        stats.wait_act_s += self._wait(w, f"activation receive of microbatch {j}",
-                                                              topo.prev_rank)
-                    self._mark(stats, "wait_act", j, t0)
-                    if flag_recv is not None:
-                        for w in flag_recv[1]:
-                            self._wait(w, "boundary flags receive", topo.prev_rank)
-                        self.recv_flags = [bool(v) for v in flag_recv[0].tolist()]
-                        flag_recv = None
-                    received = as_received(buffers, self.recv_flags)
-                    if j + 1 < m:
-                        act_recv[j + 1] = post_recv(self.recv_meta, topo.prev_rank, j + 1, ACT, self.device)
-                t0 = time.perf_counter()
-                flight = forward_step(stage, j, _to(batches[j], self.device), received)
-                stats.forward_s += time.perf_counter() - t0
-                self._mark(stats, "F", j, t0)
-                flights[j] = flight
-                if last:
-                    stats.losses.append(float(flight.output.detach()))
-                else:
-                    if self.send_flags is None:
-                        self.send_flags = [needs_grad(o) for o in flight.output]
-                        flags = torch.tensor(self.send_flags, dtype=torch.uint8, device=self.device)
-                        sends.append(post_send([flags], topo.next_rank, 0, FLAGS))
-                    act_sends[j] = post_send(list(flight.output), topo.next_rank, j, ACT)
-                    grad_recv[j] = post_recv(self.send_meta, topo.next_rank, j, GRAD, self.device,
-                                             only=self.send_flags)
-            else:
-                buffers, works = grad_recv.pop(j) if not last else ([], [])
-                self._run_window(recv_window_id(topo.stage, "recv_grad", j), works, stats)
-                t0 = time.perf_counter()
-                for w in works:
-                    stats.wait_grad_s += self._wait(w, f"gradient receive of microbatch {j}", topo.next_rank)
-                self._mark(stats, "wait_grad", j, t0)
-                sent = act_sends.pop(j, None)
-                if sent is not None:
-                    for w in sent[0]:
-                        self._wait(w, "send", None)
-                    del sent
-                is_last_backward = j == m - 1
-                if is_last_backward and self.launcher is not None:
-                    self.launcher.arm()
-                t0 = time.perf_counter()
-                in_grads = backward_step(stage, j, flights.pop(j), buffers, self.config.loss_scale)
-                stats.backward_s += time.perf_counter() - t0
-                self._mark(stats, "B", j, t0)
-                if self.launcher is not None:
-                    self.launcher.disarm()
-                mb = stage.release(j)
-                stats.recompute_on_demand_s += mb.on_demand_s
-                if is_last_backward and self.sync is not None:
-                    stats.recompute_on_demand_dp_s += mb.on_demand_s
-                if not first:
-                    payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
-                               if flag else None
-                               for g, flag, meta in zip(in_grads, self.recv_flags or [], self.recv_meta)]
-                    sends.append(post_send(payload, topo.prev_rank, j, GRAD))
-
+    def _forward(self, state: _StepState, j: int, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """F(j): the activation window, wait, the forward graph, send the output on."""
+        topo, stats, m = self.topo, state.stats, self.config.microbatches
+        received: list[torch.Tensor] = []
+        if not state.first:
+            buffers, works = state.act_recv.pop(j)
+            self._run_window(recv_window_id(topo.stage, "recv_act", j), works, stats)
+            t0 = time.perf_counter()
+            for w in works:
+                stats.wait_act_s += self._wait(w, f"activation receive of microbatch {j}", topo.prev_rank)
+            self._mark(stats, "wait_act", j, t0)
+            if state.flag_recv is not None:
+                for w in state.flag_recv[1]:
+                    self._wait(w, "boundary flags receive", topo.prev_rank)
+                self.recv_flags = [bool(v) for v in state.flag_recv[0].tolist()]
+                state.flag_recv = None
+            received = as_received(buffers, self.recv_flags)
+            if j + 1 < m:
+                state.act_recv[j + 1] = post_recv(self.recv_meta, topo.prev_rank, j + 1, ACT, self.device)
         t0 = time.perf_counter()
-        for works, _payload in [*sends, *act_sends.values()]:
+        flight = forward_step(self.stage, j, _to(batches[j], self.device), received)
+        stats.forward_s += time.perf_counter() - t0
+        self._mark(stats, "F", j, t0)
+        state.flights[j] = flight
+        if state.last:
+            stats.losses.append(float(flight.output.detach()))
+            return
+        if self.send_flags is None:
+            self.send_flags = [needs_grad(o) for o in flight.output]
+            flags = torch.tensor(self.send_flags, dtype=torch.uint8, device=self.device)
+            state.sends.append(post_send([flags], topo.next_rank, 0, FLAGS))
+        state.act_sends[j] = post_send(list(flight.output), topo.next_rank, j, ACT)
+        state.grad_recv[j] = post_recv(self.send_meta, topo.next_rank, j, GRAD, self.device, only=self.send_flags)
+
+    def _backward(self, state: _StepState, j: int) -> None:
+        """B(j): the gradient window, wait, the backward graph (on-demand recompute inside), send."""
+        topo, stats, stage = self.topo, state.stats, self.stage
+        buffers, works = state.grad_recv.pop(j) if not state.last else ([], [])
+        self._run_window(recv_window_id(topo.stage, "recv_grad", j), works, stats)
+        t0 = time.perf_counter()
+        for w in works:
+            stats.wait_grad_s += self._wait(w, f"gradient receive of microbatch {j}", topo.next_rank)
+        self._mark(stats, "wait_grad", j, t0)
+        sent = state.act_sends.pop(j, None)
+        if sent is not None:
+            for w in sent[0]:
+                self._wait(w, "send", None)
+            del sent
+        is_last_backward = j == self.config.microbatches - 1
+        if is_last_backward and self.launcher is not None:
+            self.launcher.arm()
+        t0 = time.perf_counter()
+        in_grads = backward_step(stage, j, state.flights.pop(j), buffers, self.config.loss_scale)
+        stats.backward_s += time.perf_counter() - t0
+        self._mark(stats, "B", j, t0)
+        if self.launcher is not None:
+            self.launcher.disarm()
+        mb = stage.release(j)
+        stats.recompute_on_demand_s += mb.on_demand_s
+        if is_last_backward and self.sync is not None:
+            stats.recompute_on_demand_dp_s += mb.on_demand_s
+        if not state.first:
+            payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
+                       if flag else None
+                       for g, flag, meta in zip(in_grads, self.recv_flags or [], self.recv_meta)]
+            state.sends.append(post_send(payload, topo.prev_rank, j, GRAD))
+
+    def _finish_step(self, state: _StepState) -> StepStats:
+        """Wait for the sends, synchronise tied weights and data-parallel gradients, step the optimizer."""
+        stats, stage = state.stats, self.stage
+        t0 = time.perf_counter()
+        for works, _payload in [*state.sends, *state.act_sends.values()]:
             for w in works:
                 self._wait(w, "send", None)
         self._sync_tied()
@@ -283,7 +309,7 @@ class PipelineRunner:
             self.optimizer.step()
         stats.wait_sync_s += time.perf_counter() - t0
         self._mark(stats, "sync", -1, t0)
-        stats.step_s = time.perf_counter() - start
+        stats.step_s = time.perf_counter() - state.start
         stats.peak_saved_bytes = stage.meter.peak_by.get("stage", 0)
         stats.peak_held_bytes = stage.meter.peak_bytes
         if self.device.type == "cuda":
