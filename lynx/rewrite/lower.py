@@ -241,18 +241,23 @@ def _slot_bytes(fw_saved: list[fx.Node], rng_names: list[str], dropped_values: l
     return sizes, categories
 
 
-def _extract(root: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], *, boxed: bool = False,
-             before: dict[fx.Node, Any] | None = None, rewrite: dict[fx.Node, Any] | None = None) -> fx.GraphModule:
-    """A graph module computing ``outputs`` from ``inputs`` with the joint graph's nodes between them."""
+def _ancestors(outputs: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
+    """``outputs`` and every node they read, transitively, not walking past a node in ``stop``."""
     needed: set[fx.Node] = set()
-    stack = [o for o in outputs if isinstance(o, fx.Node)]
-    input_set = set(inputs)
+    stack = list(outputs)
     while stack:
         n = stack.pop()
-        if n in needed or n in input_set:
+        if n in needed or n in stop:
             continue
         needed.add(n)
         stack.extend(n.all_input_nodes)
+    return needed
+
+
+def _extract(root: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], *, boxed: bool = False,
+             before: dict[fx.Node, Any] | None = None, rewrite: dict[fx.Node, Any] | None = None) -> fx.GraphModule:
+    """A graph module computing ``outputs`` from ``inputs`` with the joint graph's nodes between them."""
+    needed = _ancestors([o for o in outputs if isinstance(o, fx.Node)], stop=set(inputs))
     missing = [n.name for n in needed if n.op == "placeholder"]
     if missing:
         raise AssertionError(f"lowering: graph reads {missing[:5]} which it does not take")
@@ -314,14 +319,7 @@ def _build_recompute(lowered: LoweredStage, targets: frozenset[int], available: 
     wanted = [nodes[slot_names[i]] for i in sorted(targets)]
     # what the targets need, stopping at sources; dropped values met on the way come back too
     source_nodes = {n for _, n in sources}
-    needed: set[fx.Node] = set()
-    stack = list(wanted)
-    while stack:
-        n = stack.pop()
-        if n in needed or n in source_nodes:
-            continue
-        needed.add(n)
-        stack.extend(n.all_input_nodes)
+    needed = _ancestors(wanted, stop=source_nodes)
     dropped_slot = {nodes[slot_names[i]]: i for i in range(first, len(slot_names))}
     outputs = [n for n in nodes.values() if n in needed and n in dropped_slot]
     used_sources = [(i, n) for i, n in sources if any(u in needed for u in n.users)]
