@@ -6,7 +6,10 @@ this machine as ``lynx calibrate`` measured it; ``--calibrate`` measures again f
 prints per run the load average before and after, the measured median step (the first left
 out) against the plan's prediction, the fastest step's ratio, the busiest rank's CPU time
 against its predicted busy time, and each stage's measured/predicted peak activation bytes.
-The bars (issue 13): step time within 0.8-1.25 at load below 1.5, memory within 5%.
+The bars (issue 13): step time within 0.8-1.25 at load below 1.5, memory within 5%. The
+machine is shared: the calibration and each training run in a session of their own whose
+niceness is ``--nice`` (default -10 as root, as ``overlap_cpu.py``'s ranks), so other
+sessions' jobs disturb them less.
 
     python benchmarks/main_job_prediction.py --runs 3 --calibrate
     python benchmarks/main_job_prediction.py --runs 3 --hardware cpu-local --json benchmarks/results/x.json
@@ -24,11 +27,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shared_machine import renice_session  # noqa: E402
 SETTINGS = ["--model", "gpt-tiny", "--seq", "64", "--microbatch", "8", "--pp", "2", "--microbatches", "4",
             "--optimizer", "demo", "--memory-budget", "12MiB", "--solver", "heu"]
 
 
-def one_run(hardware: str, steps: int, folder: Path, index: int) -> dict:
+def one_run(hardware: str, steps: int, folder: Path, index: int, nice: int = 0) -> dict:
     log = folder / f"run{index}.json"
     load_before = os.getloadavg()[0]
     command = [
@@ -47,7 +53,8 @@ def one_run(hardware: str, steps: int, folder: Path, index: int) -> dict:
         str(log),
     ]
     done = subprocess.run(
-        command, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900
+        command, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900,
+        start_new_session=True, preexec_fn=lambda: renice_session(nice),  # its own autogroup, reniced
     )
     if done.returncode != 0:
         raise SystemExit(f"run {index} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -69,6 +76,7 @@ def one_run(hardware: str, steps: int, folder: Path, index: int) -> dict:
         "cpu_ratio": float(cpu.group(1)) if cpu else None,
         "memory_ratio": ratios,
         "hardware": hardware_line,
+        "nice": nice,
     }
 
 
@@ -79,13 +87,16 @@ def main() -> None:
     ap.add_argument("--hardware", default="auto")
     ap.add_argument("--calibrate", action="store_true", help="run `lynx calibrate` first (refreshes auto)")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--nice", type=int, default=-10,
+                    help="niceness of the training's session (root; as overlap_cpu.py): other jobs disturb it less")
     args = ap.parse_args()
     if args.calibrate:
-        subprocess.run([sys.executable, "-c", "from lynx.cli import main; main()", "calibrate"], check=True)
+        subprocess.run([sys.executable, "-c", "from lynx.cli import main; main()", "calibrate"], check=True,
+                       start_new_session=True, preexec_fn=lambda: renice_session(args.nice))
     rows = []
     with tempfile.TemporaryDirectory(prefix="lynx-prediction-") as folder:
         for i in range(args.runs):
-            rows.append(one_run(args.hardware, args.steps, Path(folder), i + 1))
+            rows.append(one_run(args.hardware, args.steps, Path(folder), i + 1, args.nice))
             r = rows[-1]
             memory = ", ".join(f"stage {s} {v:.3f}" for s, v in sorted(r["memory_ratio"].items()))
             print(

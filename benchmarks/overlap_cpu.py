@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overlap_baseline import CheckpointStage
+from shared_machine import renice_session
 from overlap_model import Stage, best_transfer_ms, simulate
 from overlap_setup import (
     CFG,
@@ -68,22 +69,6 @@ VARIANTS = ("none", "checkpoint", "on-demand", "lynx")
 
 
 # ------------------------------------------------------------------------------- worker
-def _renice(nice: int) -> None:
-    """The machine is shared: as root, let the other jobs disturb this process less. With the
-    scheduler's autogroups (one per session, equal shares) a thread's nice value only ranks it
-    within its own session, so the session's autogroup (this process leads one: NetBed starts
-    each rank in its own session) gets the niceness."""
-    if not nice:
-        return
-    try:
-        Path("/proc/self/autogroup").write_text(str(nice))
-    except OSError:
-        try:
-            os.nice(nice)
-        except PermissionError:
-            pass
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -104,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     os.sched_setaffinity(
         0, {cores[rank % len(cores)] if world <= len(cores) else cores[rank // spec["dp"] % len(cores)]}
     )
-    _renice(spec["nice"])
+    renice_session(spec["nice"])
     dist.init_process_group("gloo")
     topo = make_topology(spec["pp"], spec["dp"])
     model, inputs = build_model()
@@ -303,7 +288,7 @@ def main() -> None:
         return
     if args.plan_worker:
         spec = json.loads(Path(args.spec).read_text())
-        _renice(spec["nice"])
+        renice_session(spec["nice"])
         if spec["solver"] == "hand":
             plan = make_schedules(spec["pp"], spec["microbatches"])
         elif spec["solver"].endswith(".json"):
