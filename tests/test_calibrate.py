@@ -53,3 +53,19 @@ def test_auto_measures_once_then_reuses(tmp_path, monkeypatch, capfd) -> None:
     again = CompileConfig(hardware="auto", pp=2, microbatches=2)  # reused, not measured again
     assert path.stat().st_mtime_ns == stamp and again.fingerprint_fields() == config.fingerprint_fields()
     assert "measuring" not in capfd.readouterr().err
+
+
+def test_generated_op_overhead_is_the_residual_per_generated_op() -> None:
+    """The reference's generated graphs, timed for real, less the arithmetic the rates price,
+    shared over the ops they run; never below the eager op overhead given as the floor."""
+    from lynx.calibrate.cpu import ReferenceModel, generated_graphs_s, generated_op_overhead_s
+
+    reference = ReferenceModel()
+    graphs_s = generated_graphs_s(reference, in_flight=2, runs=1)
+    assert 1e-4 < graphs_s < 5.0
+    G = reference.analysis.graph
+    ops = sum(G.nodes[n]["forward_ops"] + G.nodes[n]["backward_ops"] for n in G)
+    free = {"matmul_flops": 1e30, "memory_bandwidth": 1e30, "rng_s_per_element": 0.0}  # arithmetic costs ~nothing
+    assert abs(generated_op_overhead_s(reference, free, graphs_s) - graphs_s / ops) < 1e-12
+    slow = {"matmul_flops": 1.0, "memory_bandwidth": 1.0, "rng_s_per_element": 1.0}  # priced above any time
+    assert generated_op_overhead_s(reference, slow, graphs_s, floor_s=3e-6) == 3e-6

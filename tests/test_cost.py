@@ -57,3 +57,22 @@ def test_measure_mode_refuses_meta_models():
     model, inputs = build_preset("gpt-tiny", device="meta")
     with pytest.raises(LynxConfigError, match="real weights"):
         analyze(model, inputs, times="measure")
+
+
+def test_host_overhead_per_generated_op():
+    """A node costs op_overhead_s per op its generated forward and backward run where the
+    profile counted them; one op each (none for a view's backward) where it did not."""
+    hw = HardwareSpec(name="host", device="cpu", peak_flops={"float32": 1e12}, achievable_fraction=1.0,
+                      memory_bandwidth=1e12, memory_bytes=2**30, links={k: LINK for k in ("pp", "tp", "dp")},
+                      op_overhead_s=1e-6)
+    node = {"flops": 0, "input_bytes": 0, "output_bytes": 0, "is_view": False}
+    assert node_forward_s(node, hw, "float32") == pytest.approx(1e-6)
+    assert node_backward_s(node, hw, "float32") == pytest.approx(1e-6)
+    counted = {**node, "forward_ops": 3, "backward_ops": 5}
+    assert node_forward_s(counted, hw, "float32") == pytest.approx(3e-6)
+    assert node_backward_s(counted, hw, "float32") == pytest.approx(5e-6)
+    view = {**node, "is_view": True}
+    assert (node_forward_s(view, hw, "float32"), node_backward_s(view, hw, "float32")) == (pytest.approx(1e-6), 0.0)
+    assert node_backward_s({**view, "backward_ops": 1}, hw, "float32") == pytest.approx(1e-6)
+    folded = {**node, "forward_ops": 0, "backward_ops": 0}  # a node the joint graph folded away
+    assert node_forward_s(folded, hw, "float32") == node_backward_s(folded, hw, "float32") == 0.0

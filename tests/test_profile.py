@@ -129,3 +129,33 @@ def test_unknown_target():
     model, inputs = build_preset("gpt-tiny", device="meta")
     with pytest.raises(LynxConfigError, match="target"):
         profile(capture(model, inputs), target="tpu")
+
+
+def test_cpu_profile_counts_the_ops_the_generated_graphs_run():
+    """forward_ops / backward_ops per node add up to the calls of the generated forward and
+    backward graphs of a stage that drops nothing (getitem unpacking aside)."""
+    import operator
+
+    from lynx.rewrite import build_stages
+    from lynx.rewrite.split import op_nodes
+
+    model, inputs = build_preset("gpt-tiny", device="cpu")
+    captured = capture(model, inputs)
+    prof = profile(captured, target="cpu")
+    stage, = build_stages(captured.gm, [[n.name for n in op_nodes(captured.gm)]])
+    loss = stage(*inputs, microbatch=0)
+    lowered = next(iter(stage._lowered.values()))
+    backward = lowered.backward_graph(frozenset())
+
+    def calls(gm):
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem)
+
+    counted_forward = sum(r.forward_ops for r in prof.nodes.values())
+    counted_backward = sum(r.backward_ops for r in prof.nodes.values())
+    assert counted_forward > len(prof.nodes) and counted_backward > 0
+    # the generated forward also returns the kept values (no extra calls); the backward graph
+    # may add unowned accumulations of gradients (adds), never fewer calls than counted
+    assert calls(lowered.forward) == counted_forward
+    assert 0 <= calls(backward.gm) - counted_backward <= len(prof.nodes) // 10
+    del loss
+    assert all(r.forward_ops is None for r in profile(captured, target="cuda").nodes.values())

@@ -30,6 +30,8 @@ __all__ = [
     "ReferenceModel",
     "op_overhead_s",
     "node_rates",
+    "generated_graphs_s",
+    "generated_op_overhead_s",
     "matmul_dtype_ratios",
     "optimizer_s_per_param",
 ]
@@ -83,6 +85,56 @@ def node_rates(reference: ReferenceModel, overhead_s: float) -> dict[str, float]
         "memory_bandwidth": bandwidth,
         "rng_s_per_element": max(0.0, rng_s) / elements if elements else 0.0,
     }
+
+
+def generated_graphs_s(reference: ReferenceModel, in_flight: int = 4, runs: int = 3) -> float:
+    """Seconds per microbatch of the reference's generated forward and backward graphs.
+
+    The reference runs as one compiled stage that keeps everything, ``in_flight`` microbatches
+    forward then backward (a pipeline stage holds several); the fastest of ``runs``."""
+    from lynx.rewrite.build import build_stages
+
+    graph, captured = reference.analysis.graph, reference.analysis.captured
+    (stage,) = build_stages(captured.gm, [list(graph.nodes)])
+    inputs = captured.example_inputs
+
+    def microbatches() -> None:
+        losses = [stage(*inputs, microbatch=j) for j in range(in_flight)]
+        for j, loss in enumerate(losses):
+            (loss[0] if isinstance(loss, tuple) else loss).backward()
+            stage.release(j)
+
+    microbatches()  # traces and partitions the joint graph once
+    seconds = best_of(microbatches, runs) / in_flight
+    for p in stage.parameters():
+        p.grad = None
+    return seconds
+
+
+def generated_op_overhead_s(reference: ReferenceModel, rates: dict[str, float], graphs_s: float,
+                            floor_s: float = 0.0) -> float:
+    """Host seconds per op of the generated graphs stages run, fitted on the reference model.
+
+    From ``graphs_s`` (:func:`generated_graphs_s`) the arithmetic the cost model prices with
+    ``rates`` (:func:`node_rates`) is taken, and the rest shared over the ops the generated
+    forward and backward graphs run (their nodes' ``forward_ops`` and ``backward_ops``): Python
+    calling each op, dispatch, the copies and allocations around the kernels. Never below
+    ``floor_s`` (an eager op's overhead: a generated op is the same dispatch, called from Python).
+    """
+    from lynx.planner.cost import node_backward_s, node_forward_s
+    from lynx.planner.hardware import HardwareSpec, LinkSpec
+
+    graph = reference.analysis.graph
+    link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1.0)
+    arithmetic = HardwareSpec(name="arithmetic", device="cpu", peak_flops={"float32": rates["matmul_flops"]},
+                              achievable_fraction=1.0, memory_bandwidth=rates["memory_bandwidth"], memory_bytes=1,
+                              links={"pp": link, "tp": link, "dp": link},
+                              rng_s_per_element=rates["rng_s_per_element"])
+    dtype = str(graph.graph.get("dims", {}).get("dtype") or "float32")
+    priced = sum(node_forward_s(graph.nodes[n], arithmetic, dtype) + node_backward_s(graph.nodes[n], arithmetic, dtype)
+                 for n in graph)
+    ops = sum((graph.nodes[n].get("forward_ops") or 0) + (graph.nodes[n].get("backward_ops") or 0) for n in graph)
+    return max(floor_s, (graphs_s - priced) / max(ops, 1))
 
 
 def matmul_dtype_ratios(m: int = 512, k: int = 128, n: int = 512, runs: int = 5) -> dict[str, float]:

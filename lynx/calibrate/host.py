@@ -63,7 +63,8 @@ def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None =
 
 # ------------------------------------------------------------------------------- CPU
 def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
-    from lynx.calibrate.cpu import OPTIMIZERS, ReferenceModel, matmul_dtype_ratios, node_rates, op_overhead_s
+    from lynx.calibrate.cpu import OPTIMIZERS, ReferenceModel, generated_graphs_s, generated_op_overhead_s
+    from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s
     from lynx.calibrate.cpu import optimizer_s_per_param
     from lynx.calibrate.links import measure_link
 
@@ -76,13 +77,17 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     m = {name: Repeated(name) for name in (
         "op_overhead_s", "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
         "rng_s_per_element", *(f"optimizer_s_per_param.{o}" for o in OPTIMIZERS))}
+    graphs_s: list[float] = []
+    eager_overheads: list[float] = []
     for r in range(repeats):
-        say.step(f"repeat {r + 1} of {repeats}: op overhead, gpt-tiny's nodes, matmul dtypes, optimizer steps")
+        say.step(f"repeat {r + 1} of {repeats}: "
+                 "op overhead, gpt-tiny's nodes and generated graphs, matmul dtypes, optimizer steps")
         overhead = op_overhead_s()
+        eager_overheads.append(overhead)
         rates = node_rates(reference, overhead)
         ratios = matmul_dtype_ratios()
         steps = optimizer_s_per_param(reference)
-        m["op_overhead_s"].values.append(overhead)
+        graphs_s.append(generated_graphs_s(reference))
         m["peak_flops.float32"].values.append(rates["matmul_flops"])
         m["memory_bandwidth"].values.append(rates["memory_bandwidth"])
         m["rng_s_per_element"].values.append(rates["rng_s_per_element"])
@@ -90,6 +95,11 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
             m[f"peak_flops.{dtype}"].values.append(rates["matmul_flops"] * ratios[dtype])
         for name in OPTIMIZERS:
             m[f"optimizer_s_per_param.{name}"].values.append(steps[name])
+    # the generated code's per-op cost on the median rates: its spread is the timing's alone
+    rates = {"matmul_flops": m["peak_flops.float32"].median, "memory_bandwidth": m["memory_bandwidth"].median,
+             "rng_s_per_element": m["rng_s_per_element"].median}
+    eager = statistics.median(eager_overheads)
+    m["op_overhead_s"].values.extend(generated_op_overhead_s(reference, rates, t, floor_s=eager) for t in graphs_s)
     link = LinkSpec(alpha_s=statistics.median(alphas), beta_bytes_per_s=statistics.median(betas))
     fields = {
         "name": f"{socket.gethostname()}-cpu", "device": "cpu",
@@ -101,6 +111,7 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     }
     measured = [*m.values(), Repeated("links.alpha_s", alphas), Repeated("links.beta_bytes_per_s", betas)]
     notes = ["one thread per process, as a training rank runs; rates fitted to gpt-tiny's own nodes",
+             "op overhead: per op of the generated graphs, fitted on gpt-tiny compiled as one stage (4 in flight)",
              "links: gloo between two processes of this host; pp, tp and dp all use it",
              "bfloat16/float16 matmul: float32's fitted rate × their speed on a (512, 128) @ (128, 512) matmul"]
     return fields, measured, notes, 1

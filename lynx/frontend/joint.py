@@ -41,7 +41,7 @@ from torch import fx
 from lynx.errors import LynxRuntimeError
 
 __all__ = ["JointGraph", "trace_joint", "signature_of", "is_view_op", "fetch_attr", "classify", "owners_of",
-           "storage_root", "storage_nbytes", "saved_by_node", "profile_saved", "input_saver"]
+           "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved", "input_saver"]
 
 
 @dataclass
@@ -259,13 +259,32 @@ def saved_by_node(joint: JointGraph, order: dict[str, int]) -> dict[str, tuple[i
     return result
 
 
-def profile_saved(gm: fx.GraphModule, attrs: dict[str, torch.Tensor], inputs: list[Any]) -> dict:
-    """:func:`saved_by_node` for a whole captured graph on the given (possibly fake) tensors.
+def generated_ops(joint: JointGraph) -> dict[str, tuple[int, int]]:
+    """Per captured node, the ops its forward and its backward run in the generated graphs.
+
+    Every ``call_function`` of the joint graph the node owns counts once, views included (each
+    is a dispatched call in the generated code); ``getitem`` unpacking does not. A captured node
+    absent from the result runs nothing (e.g. a ``detach`` AOTAutograd folded away)."""
+    _nodes, _primals, _tangents, _fw_outs, _grads, forward, _owner, _saved = classify(joint)
+    counts: dict[str, tuple[int, int]] = {}
+    for n in joint.gm.graph.nodes:
+        name = joint.origin.get(n.name)
+        if n.op != "call_function" or n.target is operator.getitem or name is None:
+            continue
+        fwd, bwd = counts.get(name, (0, 0))
+        counts[name] = (fwd + 1, bwd) if n in forward else (fwd, bwd + 1)
+    return counts
+
+
+def profile_saved(gm: fx.GraphModule, attrs: dict[str, torch.Tensor],
+                  inputs: list[Any]) -> tuple[dict, dict[str, tuple[int, int]]]:
+    """:func:`saved_by_node` and :func:`generated_ops` for a whole captured graph on the given
+    (possibly fake) tensors.
 
     A stage of the pipeline keeps the same per node (a stage's graph is a slice of this one;
-    what it sends is counted on the producer, as here)."""
+    what it sends is counted on the producer, as here) and runs the same ops."""
     joint = trace_joint(gm, list(inputs), attrs=attrs)
-    return saved_by_node(joint, {n.name: i for i, n in enumerate(gm.graph.nodes)})
+    return saved_by_node(joint, {n.name: i for i, n in enumerate(gm.graph.nodes)}), generated_ops(joint)
 
 
 def owners_of(nodes: list[fx.Node], forward: set[fx.Node], joint: JointGraph,

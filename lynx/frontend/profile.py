@@ -178,6 +178,9 @@ class NodeProfile:
     output_saved: bool = False
     output_saved_by: list[str] = field(default_factory=list)
     emulated: bool = False
+    # ops the generated forward / backward graphs run for it (CPU target; None: not traced)
+    forward_ops: int | None = None
+    backward_ops: int | None = None
 
 
 @dataclass
@@ -300,7 +303,8 @@ def _named_attrs(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 
 def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp: Any, mode: FakeTensorMode) -> None:
-    """On a CPU target, count what the compiled stages keep (:func:`lynx.rewrite.lower.saved_by_node`).
+    """On a CPU target, count what the compiled stages keep (:func:`lynx.rewrite.lower.saved_by_node`)
+    and the ops they run per node (:func:`lynx.frontend.joint.generated_ops`).
 
     Stages run graphs lowered from AOTAutograd's joint graph, whose CPU dropout keeps a 1-byte
     mask (eager's CPU dropout keeps a tensor of the input's dtype) and whose views are counted
@@ -311,9 +315,11 @@ def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp:
 
     try:
         with quiet_torch(), mode:
-            saved = profile_saved(gm, attrs, inputs)
+            saved, ops = profile_saved(gm, attrs, inputs)
     except Exception:  # noqa: BLE001 - eager's attribution below stays in force
         return
+    for name, record in interp.records.items():
+        record.forward_ops, record.backward_ops = ops.get(name, (0, 0))
     interp.saved = {i: (owner, nbytes, list(savers)) for i, (owner, (nbytes, _out, savers)) in enumerate(saved.items())}
     interp.output_keys = {owner: ({i} if out else set()) for i, (owner, (_b, out, _s)) in enumerate(saved.items())}
 

@@ -5,8 +5,10 @@ memory bandwidth)`` plus the hardware's per-op overhead; views cost nothing. Bac
 twice the forward FLOPs (gradients for inputs and weights) and twice the bytes. Host costs
 the hardware names (zero on the GPU presets) come on top: a random op draws one number per
 output element (``rng_s_per_element``: on a CPU dropout's mask costs more than its memory
-traffic). Stages run generated code (``lynx.rewrite.lower``), so a node costs the host what an
-eager op does (``op_overhead_s``), views included; there is no per-node interpreter term.
+traffic). Stages run generated code (``lynx.rewrite.lower``): a node costs the host
+``op_overhead_s`` per op its generated forward (``forward_ops``) and backward (``backward_ops``)
+run, views included, where the profile traced them (CPU targets); else one op forward and one
+backward (none for a view's backward). There is no per-node interpreter term.
 :func:`optimizer_step_s` is one optimizer step over a device's parameters.
 Collectives use ring formulas over a :class:`~lynx.planner.hardware.LinkSpec` (α latency per message
 step, β bytes/s). :func:`lynx.frontend.measure.measure_times` instead times every node for real
@@ -58,21 +60,28 @@ def random_elements(attrs: dict[str, Any]) -> int:
     return sum(math.prod(shape) for shape in shapes[:1])
 
 
+def _ops(attrs: dict[str, Any], key: str, unknown: int) -> int:
+    """Ops the generated code runs for a node (``unknown`` where the profile did not trace them)."""
+    count = attrs.get(key)
+    return unknown if count is None else count
+
+
 def node_forward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:
+    overhead = _ops(attrs, "forward_ops", 1) * hw.op_overhead_s
     if attrs.get("is_view"):
-        return hw.op_overhead_s  # a view is a dispatched op in the generated code, no arithmetic
+        return overhead  # a view is a dispatched op in the generated code, no arithmetic
     compute = attrs["flops"] / hw.achievable_flops(dtype)
     memory = (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
     rng = random_elements(attrs) * hw.rng_s_per_element
-    return max(compute, memory) + rng + hw.op_overhead_s
+    return max(compute, memory) + rng + overhead
 
 
 def node_backward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> float:
     if attrs.get("is_view"):
-        return 0.0
+        return _ops(attrs, "backward_ops", 0) * hw.op_overhead_s
     compute = 2 * attrs["flops"] / hw.achievable_flops(dtype)
     memory = 2 * (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
-    return max(compute, memory) + hw.op_overhead_s
+    return max(compute, memory) + _ops(attrs, "backward_ops", 1) * hw.op_overhead_s
 
 
 def optimizer_step_s(params: int, optimizer: str, hw: HardwareSpec) -> float:
