@@ -80,4 +80,7 @@ def test_every_plan_gives_bitwise_gradients(name: str, pp: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses)), where
         differ = [n for n, p in model.named_parameters() if not torch.equal(p.grad, ref[n])]
         assert not differ, f"{where}: gradients differ for {differ[:4]}"
+        for s, stage in enumerate(stages):  # never above the plan (equality: test_peak_prediction.py)
+            measured, predicted = stage.meter.peak_by.get("stage", 0), compiled.plan.stage(s).activation_bytes
+            assert measured <= predicted, f"{where} stage {s}: measured {measured} B, predicted {predicted} B"
     assert dropped_somewhere > 0

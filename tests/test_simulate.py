@@ -116,3 +116,25 @@ def test_public_names_are_callable_after_submodule_import() -> None:
     import lynx.planner.simulator  # noqa: F401
 
     assert callable(lynx.simulate) and callable(lynx.compile)
+
+
+def test_a_sent_value_nobody_saves_is_held_per_microbatch_in_flight() -> None:
+    # stage 0 also sends a view of a mask no stage saves: it holds the mask's 256 B per
+    # microbatch in flight whatever the plan; the problem's budget leaves it out, the plan counts it
+    g, pipe, static, problems = _setup(pp=2, m=4)
+    last = problems[0].nodes[-1].name
+    block = g.nodes[last]["block"]
+    receiver = next(iter(g.successors(last)))
+    g.add_node("mask", **{**g.nodes[last], "output_bytes": 256, "saved_bytes": 0, "output_saved": False})
+    g.add_node("mask_view", **{**g.nodes[last], "output_bytes": 0, "saved_bytes": 0, "output_saved": False,
+                               "is_view": True})
+    g.add_edge("mask", "mask_view")
+    g.add_edge("mask_view", receiver)
+    g.graph["blocks"][block]["nodes"] += ["mask", "mask_view"]
+    problems = build_problems(g, pipe, run_timeline(pipe), budget_bytes=2**40, static=static)
+    assert [p.sent_bytes for p in problems] == [256, 0]
+    assert problems[0].activation_budget_bytes == 2**40 - static[0] - 2 * 256
+    assert [n.sent for n in problems[0].nodes if n.name == last] == [True]  # the saved output sent on
+    keep = [Assignment(recompute=frozenset()) for _ in problems]
+    sim = simulate_assignments(g, pipe, problems, keep, static=static, budget_bytes=2**40)
+    assert sim.activation_bytes[0] == 2 * (sum(n.saved_bytes for n in problems[0].nodes) + 256)

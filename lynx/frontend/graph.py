@@ -186,6 +186,7 @@ def build_graph(captured: Captured, prof: Profile, dims: dict | None = None) -> 
             output_bytes=r.output_bytes,
             saved_bytes=r.saved_bytes,
             output_saved=r.output_saved,
+            output_saved_bytes=r.output_saved_bytes,
             output_saved_by=list(r.output_saved_by),
             is_view=r.is_view,
             forward_ops=r.forward_ops,

@@ -219,14 +219,15 @@ def _aliases(root: fx.Node) -> list[fx.Node]:
     return out
 
 
-def saved_by_node(joint: JointGraph, order: dict[str, int]) -> dict[str, tuple[int, bool, list[str]]]:
+def saved_by_node(joint: JointGraph, order: dict[str, int]) -> dict[str, tuple[int, bool, list[str], int]]:
     """What the lowered stage keeps per captured node when nothing is dropped.
 
     Per owner: the bytes of the distinct storages its saved values live in (parameters and
-    buffers never count; a saved model input counts on :func:`input_saver`), whether one of them is the node's output
-    (a consumer saved it), and the captured nodes whose backward reads that output, in
-    ``order`` (captured node name -> position). This is the profile's record for the
-    compiled executor: what :func:`lower` keeps and drops is exactly what it counted.
+    buffers never count; a saved model input counts on :func:`input_saver`), whether one of
+    them is the node's output (a consumer saved it), the captured nodes whose backward reads
+    that output, in ``order`` (captured node name -> position), and the bytes of the output's
+    storages among the first figure. This is the profile's record for the compiled executor:
+    what :func:`lower` keeps and drops is exactly what it counted.
     """
     nodes, primals, _tangents, fw_outs, _grads, forward, owner, saved = classify(joint)
     origin = joint.origin
@@ -242,7 +243,7 @@ def saved_by_node(joint: JointGraph, order: dict[str, int]) -> dict[str, tuple[i
     for n in saved:
         readers.setdefault(storage_root(n), set()).update(
             origin[u.name] for u in n.users if u not in forward and u.name in origin)
-    result: dict[str, tuple[int, bool, list[str]]] = {}
+    result: dict[str, tuple[int, bool, list[str], int]] = {}
     for root, who in readers.items():
         if root.op == "placeholder":
             name = None if root in attrs else input_saver(joint, root, forward)
@@ -250,12 +251,13 @@ def saved_by_node(joint: JointGraph, order: dict[str, int]) -> dict[str, tuple[i
             name = owner.get(root)
         if name is None:
             continue
-        nbytes, out_saved, savers = result.get(name, (0, False, []))
+        nbytes, out_saved, savers, out_bytes = result.get(name, (0, False, [], 0))
         nbytes += storage_nbytes(root)
         if root in out_roots.get(name, ()):
             out_saved = True
+            out_bytes += storage_nbytes(root)
             savers = sorted(set(savers) | who, key=lambda r: order.get(r, 0))
-        result[name] = (nbytes, out_saved, savers)
+        result[name] = (nbytes, out_saved, savers, out_bytes)
     return result
 
 
@@ -321,9 +323,14 @@ def storage_root(n: fx.Node) -> fx.Node:
 
 
 def storage_nbytes(n: fx.Node) -> int:
+    """Bytes of the storage ``n``'s value lives in; for a primal (a parameter, buffer or input),
+    of the value itself: a microbatch handed to a stage may be a slice of the caller's batch,
+    whose storage is the caller's (and the same for every microbatch), not the stage's."""
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
+    if n.op == "placeholder":
+        return val.numel() * val.element_size()
     try:
         return int(val.untyped_storage().nbytes())
     except Exception:  # noqa: BLE001 - fake storages of some tensor subclasses cannot say

@@ -176,6 +176,7 @@ class NodeProfile:
     output_shapes: list[tuple[int, ...]]
     saved_bytes: int = 0  # attributed to this node, de-duplicated by storage
     output_saved: bool = False
+    output_saved_bytes: int = 0  # of saved_bytes, the output's storage (what its savers read)
     output_saved_by: list[str] = field(default_factory=list)
     emulated: bool = False
     # ops the generated forward / backward graphs run for it (CPU target; None: not traced)
@@ -320,8 +321,14 @@ def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp:
         return
     for name, record in interp.records.items():
         record.forward_ops, record.backward_ops = ops.get(name, (0, 0))
-    interp.saved = {i: (owner, nbytes, list(savers)) for i, (owner, (nbytes, _out, savers)) in enumerate(saved.items())}
-    interp.output_keys = {owner: ({i} if out else set()) for i, (owner, (_b, out, _s)) in enumerate(saved.items())}
+    # two entries per owner: its output's storages (when saved) and the rest
+    interp.saved, interp.output_keys = {}, {}
+    for owner, (nbytes, out, savers, out_bytes) in saved.items():
+        key = len(interp.saved)
+        interp.saved[key] = (owner, nbytes - out_bytes, [])
+        if out:
+            interp.saved[key + 1] = (owner, out_bytes, list(savers))
+            interp.output_keys[owner] = {key + 1}
 
 
 def profile(captured: Captured, target: str = "cuda") -> Profile:
@@ -359,6 +366,7 @@ def profile(captured: Captured, target: str = "cuda") -> Profile:
         record.saved_bytes += nbytes
         if key in interp.output_keys.get(owner, ()):
             record.output_saved = True
+            record.output_saved_bytes += nbytes
             record.output_saved_by.extend(s for s in savers if s not in record.output_saved_by)
     dtypes = [str(t.dtype).removeprefix("torch.") for t in attrs.values() if t.is_floating_point()]
     return Profile(

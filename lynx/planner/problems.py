@@ -108,13 +108,18 @@ def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, bud
     it has seen by identity instead of comparing hundreds of nodes."""
     problems = []
     for s in range(pipe.pp):
+        in_flight = timeline.in_flight[s]
         if previous is not None:
+            sent_bytes = previous[s].sent_bytes
             problems.append(StageProblem(
                 stage=s, nodes=previous[s].nodes, windows=_windows(timeline, s), microbatches=pipe.microbatches,
-                in_flight=timeline.in_flight[s], activation_budget_bytes=max(0, budget_bytes - static[s])))
+                in_flight=in_flight, activation_budget_bytes=max(0, budget_bytes - static[s] - in_flight * sent_bytes),
+                sent_bytes=sent_bytes))
             continue
         names = stage_nodes(graph, pipe, s)
         members = set(names)
+        sent, sent_bytes = _sent_storages(graph, names)
+        sent_bytes = -(-sent_bytes // tp)
         # who saves each output: the profile's names hold only in an unfolded graph
         savers_known = not graph.graph.get("folded")
         nodes = []
@@ -131,11 +136,46 @@ def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, bud
                 layer_class=str(attrs.get("layer_class", "")),
                 core_attention=bool(attrs.get("core_attention", False)),
                 saved_by=None if saved_by is None else tuple(v for v in saved_by if v in members),
+                output_bytes=_output_bytes(attrs, tp),
+                sent=n in sent,
             ))
         problems.append(StageProblem(
             stage=s, nodes=tuple(nodes), windows=_windows(timeline, s), microbatches=pipe.microbatches,
-            in_flight=timeline.in_flight[s], activation_budget_bytes=max(0, budget_bytes - static[s])))
+            in_flight=in_flight, activation_budget_bytes=max(0, budget_bytes - static[s] - in_flight * sent_bytes),
+            sent_bytes=sent_bytes))
     return problems
+
+
+def _sent_storages(graph: nx.DiGraph, names: list[str]) -> tuple[set[str], int]:
+    """What a stage's sends hold: the nodes owning a sent storage that a stage saves, and the
+    bytes of sent storages nobody saves (each storage once). A sent view is its base's
+    storage; a view of a value the stage did not produce (a model input, a received value)
+    is not the stage's."""
+    members = set(names)
+    saved, owners = set(), set()
+    for n in names:
+        if all(v in members for v in graph.successors(n)):
+            continue
+        base = n
+        while graph.nodes[base].get("is_view"):
+            inputs = list(graph.predecessors(base))
+            if not inputs or inputs[0] not in members:
+                base = None
+                break
+            base = inputs[0]
+        if base is None:
+            continue
+        (saved if graph.nodes[base].get("output_saved") else owners).add(base)
+    return saved, sum(int(graph.nodes[b].get("output_bytes", 0)) for b in owners)
+
+
+def _output_bytes(attrs: dict, tp: int) -> int | None:
+    """The saved output's share of a node's saved bytes (per tp rank), None where the graph
+    does not say (built before the profile recorded it)."""
+    if "output_saved_bytes" not in attrs:
+        return None
+    saved = -(-int(attrs.get("saved_bytes", 0)) // tp)
+    return min(saved, -(-int(attrs["output_saved_bytes"]) // tp))
 
 
 def _windows(timeline: Timeline, stage: int) -> tuple[ProblemWindow, ...]:

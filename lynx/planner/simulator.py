@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -89,7 +90,8 @@ def simulate_assignments(graph: nx.DiGraph, pipe: Pipeline, problems: list[Stage
     if check:
         for problem, assignment in zip(problems, assignments):
             validate(_windows_of(problem, timeline), assignment)
-    activation = [peak_activation_bytes(p, a) for p, a in zip(problems, assignments)]
+    # the plan's saved activations, and what the stage sends that nobody saves (held anyway)
+    activation = [peak_activation_bytes(p, a) + p.in_flight * p.sent_bytes for p, a in zip(problems, assignments)]
     peak = [st + act for st, act in zip(static, activation)]
     bubble = timeline.bubble_s
     return SimResult(
@@ -110,9 +112,7 @@ def _windows_of(problem: StageProblem, timeline: Timeline) -> StageProblem:
     windows = tuple(ProblemWindow(id=w.id, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
                                   eligible_layers=w.eligible_layers)
                     for w in timeline.windows if w.device == problem.stage)
-    return StageProblem(stage=problem.stage, nodes=problem.nodes, windows=windows,
-                        microbatches=problem.microbatches, in_flight=problem.in_flight,
-                        activation_budget_bytes=problem.activation_budget_bytes)
+    return dataclasses.replace(problem, windows=windows)
 
 
 def config_from_record(record: dict[str, Any]) -> Any:

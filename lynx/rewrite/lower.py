@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -214,7 +215,14 @@ def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, m
                            category_of_slot=categories)
     lowered._graph_nodes = {n.name: n for n in nodes}
     lowered._forward, lowered._tangents, lowered._grads = forward, tangents, [grads[i] for i in grad_of]
+    # storages the meter counts under "stage": saved values the stage produced, and saved model
+    # inputs while the node that saved them is kept (the profile counts them on that node)
     lowered.stage_roots = {r for r in (storage_root(n) for n in kept + dropped_values) if r.op != "placeholder"}
+    lowered.stage_roots |= {storage_root(n) for n, category in zip(kept, categories)
+                            if category == "stage" and storage_root(n).op == "placeholder"}
+    # what the stage sends is held by the caller until the backward ends (its roots): a kept
+    # one is not freed inside the backward graph (a dropped one is recomputed: a new copy)
+    lowered.stage_roots -= {storage_root(n) for n in fw_outs} & kept_roots
     return lowered
 
 
@@ -527,7 +535,10 @@ def _extra_peak(graph: fx.Graph, joint_of: dict[fx.Node, fx.Node], counted: set[
 
     A storage lives from the first node that holds it (an input or a recomputed value) until
     the last use of any node aliasing it: fx's generated code drops each value after its last
-    use, and the boxed calling convention lets inputs go too.
+    use, and the boxed calling convention lets inputs go too. A piece of a multi-output op's
+    result (``getitem``, e.g. dropout's mask or layer norm's statistics) lives from the op
+    until the last use of the piece or of the op's result, whichever is later: the result
+    holds every piece until its last piece is taken.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     start: dict[fx.Node, int] = {}
@@ -541,6 +552,10 @@ def _extra_peak(graph: fx.Graph, joint_of: dict[fx.Node, fx.Node], counted: set[
             continue
         first = 0 if n.op == "placeholder" else order[n]
         last = max((order[u] for u in n.users), default=first)
+        whole = n.args[0] if n.target is operator.getitem and n.args else None
+        if isinstance(whole, fx.Node) and whole.op != "placeholder":
+            first = min(first, order[whole])
+            last = max([last] + [order[u] for u in whole.users])
         start[root] = min(start.get(root, first), first)
         end[root] = max(end.get(root, last), last)
     events: dict[int, int] = {}

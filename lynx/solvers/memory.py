@@ -1,29 +1,39 @@
-"""Peak saved-activation bytes of a stage under an assignment: what the runtime really holds.
+"""Peak saved-activation bytes of a stage under an assignment: what the compiled stage holds.
 
-The runtime (:mod:`lynx.rewrite.stage`) keeps the saved tensors of kept nodes from forward to
-backward, fills a cache with what windows recompute before a microbatch's backward, and
-recomputes the rest lazily from autograd's unpack hook. Autograd runs a stage's backward in
-reverse creation order, so with the stage's nodes in forward order, node ``i`` of ``N`` is
-back-propagated at *backward step* ``N − 1 − i``. For one microbatch j:
+A stage runs generated graphs (:mod:`lynx.rewrite.lower`): the forward graph returns the
+values the plan keeps, a window's recompute graph brings dropped values back before a
+microbatch's backward, and the backward graph re-runs what is still missing just before its
+first reader and drops every value after its last reader. The backward runs the captured
+nodes' gradients in reverse forward order, so with the stage's nodes in forward order, node
+``i`` of ``N`` is back-propagated at *backward step* ``N − 1 − i``. A node's saved bytes
+(``ProblemNode.saved_bytes``) are two parts: its output's storage (``output_bytes``), read by
+the backward of the nodes that saved it (``saved_by``: its consumers, itself when its own
+backward reads it, as softmax's does) and by the re-run of a dropped consumer; and the rest
+(e.g. a dropout mask, layer norm's statistics, a saved model input), read by its own
+backward. For one microbatch j, each part is held:
 
-* a kept node's saved bytes live until its own backward step (its consumers, which hold
-  its output, run before it) — or to the end of the backward when a recomputed node reads
-  it (the runtime holds such inputs by reference for the whole microbatch); a node whose
-  output only a later stage saves (:func:`is_sent`) lives to the end, kept or not;
-* a node recomputed in a window for j lives from that window (before j's backward) until
-  its backward step;
-* a node recomputed on demand is regenerated at the first backward step that needs it — the
-  step of one of the nodes that saved its output (``ProblemNode.saved_by``; every in-stage
-  consumer when unknown), its own step when it saves bytes, or the regeneration of an
-  on-demand consumer (re-running a node first re-runs its dropped inputs) — and lives until
-  its backward step.
+* from step 0 when the node is kept or recomputed in a window for j; when it is recomputed
+  on demand, from the first step that needs it: a saver's step, its own step when it has a
+  rest, or the re-run of an on-demand consumer (re-running a node first re-runs its dropped
+  inputs). A re-run brings both parts back at once (a multi-output op's result holds every
+  piece until the last is taken);
+* the output until its last reader, the rest until the node's own step. A saved output
+  the stage sends on (:func:`is_sent`) is held to the end of the backward, kept or not:
+  the stage holds what it sent as a root of the backward (values it sends that no stage
+  saves, ``StageProblem.sent_bytes``, are outside the plan's reach: the problem's budget
+  leaves them out and the simulator adds them to the plan's peak).
+
+Where the profile does not say (``saved_by`` None: every consumer may read the output, and
+the node itself; ``output_bytes`` None: all of the bytes are held as long as any are needed,
+until the node's own step) the model takes the side that holds longer.
 
 :func:`peak_activation_bytes` is the largest, over microbatches j and backward steps, of
-``(in_flight − 1) · kept + what j holds at that step``. At the first step j holds all it
-kept and everything prefetched for it, so the state just before its backward
-(``in_flight · kept + prefetched(j)``) is covered. This is what the simulator reports and
-what the runtime's saved-bytes meter measures (``tests/test_peak_prediction.py``: within 4%,
-never above, for every solver's plan of the tiny GPT; see ``docs/memory.md``).
+``(in_flight − 1) · held + what j holds at that step``, where ``held`` (:func:`held_bytes`)
+is what a microbatch holds between its forward and its backward. At step 0, j holds all it
+kept and everything prefetched for it, so the state just before its backward is covered.
+This is what the simulator reports and what the runtime's saved-bytes meter measures
+(``tests/test_peak_prediction.py``: equal to the byte for every solver's plan of the tiny
+GPT; see ``docs/memory.md``).
 
 :func:`peak_upper_bound_bytes` is the coarser bound the solvers enforce (linear in the
 decisions): ``in_flight · kept + max_j prefetched(j) + max_j (largest on-demand group of j +
@@ -55,6 +65,7 @@ __all__ = [
     "peak_upper_bound_bytes",
     "microbatch_peak_bytes",
     "kept_bytes",
+    "held_bytes",
     "prefetched_bytes",
     "on_demand_transient_bytes",
     "savers_of",
@@ -70,12 +81,13 @@ def kept_bytes(problem: StageProblem, assignment: Assignment) -> int:
 
 
 def is_sent(node: ProblemNode) -> bool:
-    """Its output is saved only by a later stage: dropping it frees nothing on this stage.
+    """Its saved output goes to a later stage: dropping it frees nothing on this stage.
 
     The stage holds its outputs until the microbatch's backward is done (they are the roots
-    of that backward), and the next stage saves its received copy, so these bytes stay.
+    of that backward), so these bytes stay. Known from ``node.sent``, or, where the problem
+    does not say, from a saved output no in-stage node saves (a later stage does).
     """
-    return node.output_saved and node.saved_by is not None and not node.saved_by
+    return node.output_saved and (node.sent or node.saved_by is not None and not node.saved_by)
 
 
 def prefetched_bytes(problem: StageProblem, assignment: Assignment) -> dict[int, int]:
@@ -124,50 +136,79 @@ def _signatures(problem: StageProblem, assignment: Assignment) -> dict[frozenset
 
 
 def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]) -> int:
-    """Most bytes one microbatch holds at any backward step, given the nodes prefetched for it."""
+    """Most bytes one microbatch holds at any backward step, given the nodes prefetched for it.
+
+    Each node's saved bytes are two intervals of backward steps (see the module docstring):
+    its output's storage, from when it is there (step 0 if kept or prefetched, else when
+    first needed) to its last reader; the rest, from then to the node's own step.
+    """
     nodes = problem.nodes
     last = len(nodes) - 1
     step = {n.name: last - i for i, n in enumerate(nodes)}
-    savers = savers_of(problem)
     consumers = _consumers(problem)
     dropped = assignment.recompute
-    regenerated: dict[str, int] = {}  # on-demand node -> backward step it is regenerated at
     delta = [0] * (len(nodes) + 1)
-    live = 0
+
+    def hold(first: int, until: int, nbytes: int) -> None:
+        if nbytes and first <= until:
+            delta[first] += nbytes
+            delta[until + 1] -= nbytes
+
+    regenerated: dict[str, int] = {}  # on-demand node -> backward step it is re-run at
     for n in reversed(nodes):  # consumers before producers
         name = n.name
-        if is_sent(n):
-            live += n.saved_bytes  # held to the end, whatever the plan says
-            regenerated[name] = _NEVER  # nothing on this stage reads it back
-            continue
-        if name not in dropped or name in prefetched:
-            live += n.saved_bytes  # held from the start of the backward
-            if name in dropped or not _held_to_end(n, consumers[name], dropped):
-                delta[step[name] + 1] -= n.saved_bytes
-            continue
-        when = [step[s] for s in savers[name]]
-        if n.saved_bytes:
-            when.append(step[name])
+        out_bytes, own_bytes = _split(n)
+        # backward steps reading the output: its savers', and the re-runs of dropped consumers
+        reads = [step[s] for s in n.saved_by if s in step] if n.output_saved and n.saved_by is not None else []
         for c in consumers[name]:
             if c in prefetched:
-                when.append(0)  # (an invalid plan) a window re-runs it first
-            elif c in dropped:
-                when.append(regenerated[c])
-        at = min(when, default=_NEVER)
-        regenerated[name] = at
-        if at <= step[name] and n.saved_bytes:
-            delta[at] += n.saved_bytes
-            delta[step[name] + 1] -= n.saved_bytes
-    best = 0
+                reads.append(0)  # (an invalid plan) a window re-runs it first
+            elif regenerated.get(c, _NEVER) != _NEVER:
+                reads.append(regenerated[c])
+        if n.output_saved and n.saved_by is None:  # unknown savers: every consumer, perhaps itself
+            maybe = [step[c] for c in consumers[name]] + reads + ([step[name]] if n.saved_bytes else [])
+            first_read, last_read = min(maybe, default=_NEVER), step[name]
+        else:
+            first_read, last_read = min(reads, default=_NEVER), max(reads, default=-1)
+        if name in dropped and name not in prefetched:
+            at = min(first_read, step[name] if own_bytes else _NEVER)
+            regenerated[name] = at
+        else:
+            at = 0
+        if is_sent(n):  # the stage holds what it sent until the microbatch's backward ends
+            hold(0, last, out_bytes)
+            if name in dropped and at != _NEVER and (n.saved_by is None or n.saved_by):
+                hold(at, last_read, out_bytes)  # in-stage readers get a recomputed copy
+        elif at != _NEVER:
+            hold(at, last_read, out_bytes)
+        if at != _NEVER:
+            hold(at, step[name], own_bytes)
+    live = best = 0
     for change in delta[:-1]:
         live += change
         best = max(best, live)
     return best
 
 
+def _split(node: ProblemNode) -> tuple[int, int]:
+    """(bytes of the saved output, the rest); unknown: all of it is the rest, or, for a value
+    only a later stage saves, the output."""
+    if node.output_bytes is None:
+        return (node.saved_bytes, 0) if is_sent(node) else (0, node.saved_bytes)
+    out = min(node.output_bytes, node.saved_bytes) if node.output_saved else 0
+    return out, node.saved_bytes - out
+
+
+def held_bytes(problem: StageProblem, assignment: Assignment) -> int:
+    """Bytes one microbatch holds between its forward and its backward: what it keeps, and
+    of a dropped node whose output only a later stage saves, that output (it was sent)."""
+    return sum(n.saved_bytes if n.name not in assignment.recompute else _split(n)[0] if is_sent(n) else 0
+               for n in problem.nodes)
+
+
 def peak_activation_bytes(problem: StageProblem, assignment: Assignment) -> int:
-    """(in_flight − 1) · kept + the most one microbatch holds during its backward (see above)."""
-    others = (problem.in_flight - 1) * kept_bytes(problem, assignment)
+    """(in_flight − 1) · held + the most one microbatch holds during its backward (see above)."""
+    others = (problem.in_flight - 1) * held_bytes(problem, assignment)
     own = max((microbatch_peak_bytes(problem, assignment, pf) for pf in _signatures(problem, assignment)),
               default=0)
     return max(0, others + own)
@@ -219,8 +260,3 @@ def _consumers(problem: StageProblem) -> dict[str, list[str]]:
             if src in out:
                 out[src].append(n.name)
     return out
-
-
-def _held_to_end(node: ProblemNode, consumers: list[str], dropped) -> bool:
-    """A kept node whose output the runtime references until the microbatch's backward ends."""
-    return is_sent(node) or any(c in dropped for c in consumers)

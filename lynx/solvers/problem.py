@@ -73,6 +73,12 @@ class ProblemNode:
     # in-stage nodes whose backward reads this node's output (the profile's output_saved_by);
     # None: unknown, every in-stage consumer is assumed to (the memory model's safe side)
     saved_by: tuple[str, ...] | None = None
+    # of saved_bytes, the output's storage (read by ``saved_by``); the rest is read by the
+    # node's own backward. None: unknown, all of it is held as long as any of it is needed
+    output_bytes: int | None = None
+    # its output (or a view of it) goes to a later stage: the stage holds it until the
+    # microbatch's backward ends, so a saved output stays whatever the plan says
+    sent: bool = False
 
 
 @dataclass(frozen=True)
@@ -94,8 +100,13 @@ class StageProblem:
     microbatches: int  # m
     # microbatches whose kept activations are live at peak (1F1B: min(p-s, m); GPipe: m)
     in_flight: int
-    # per-device budget minus static memory (weights, grads, optimizer state)
+    # per-device budget minus static memory (weights, grads, optimizer state) and minus
+    # ``in_flight · sent_bytes``: what the plan's saved activations may use
     activation_budget_bytes: int
+    # per microbatch, bytes the stage sends that no stage saves (an attention mask, say): held
+    # until the microbatch's backward ends whatever the plan; the simulator adds
+    # ``in_flight · sent_bytes`` to the plan's activation peak
+    sent_bytes: int = 0
 
 
 @dataclass(frozen=True)

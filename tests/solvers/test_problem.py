@@ -1,5 +1,7 @@
 """The stage problem's accounting and validity rules (lynx.solvers.problem)."""
 
+import dataclasses
+
 import pytest
 
 from lynx.errors import LynxPlanError
@@ -40,9 +42,8 @@ def test_peak_follows_the_backward_node_by_node():
     p = _tiny(w)
     a = Assignment(frozenset({"b", "e", "f"}), {("b", 0): "w0", ("e", 1): "w1", ("f", 1): "w1"})
     validate(p, a)
-    # backward steps: f 0, e 1, c 2, b 3, a 4. a and c are read by recomputed b and e: the
-    # runtime holds them to the end. Microbatch 0 at step 0 holds a, c, prefetched b and f
-    # (regenerated for its own backward); microbatch 1 at most a + c + f.
+    # backward steps: f 0, e 1, c 2, b 3, a 4. Microbatch 0 at step 0 holds kept a and c,
+    # prefetched b and f (regenerated for its own backward); microbatch 1 at most a + c + f.
     others = (3 - 1) * (100 + 50)
     assert peak_activation_bytes(p, a) == others + 100 + 50 + 200 + 300
     assert peak_activation_bytes(p, a) <= peak_upper_bound_bytes(p, a)
@@ -76,22 +77,45 @@ def test_on_demand_regeneration_is_lazy_and_frees_as_backward_proceeds():
     assert peak_activation_bytes(_chain(), a) == 400
 
 
-def test_kept_input_of_a_recomputed_node_is_held_to_the_end():
+def test_kept_input_of_a_recomputed_node_is_freed_after_its_last_reader():
     # o saves its own output (as softmax does) and is dropped; p is kept and read by dropped q.
-    # Steps: s 0, r 1, q 2, p 3, o 4. The runtime holds p (q's input) until the backward
-    # ends, so when o comes back at step 4, p is still there: 300 + 100.
+    # Steps: s 0, r 1, q 2, p 3, o 4. q is re-run at r's step (1), reading p; p's last reader
+    # is q's backward (step 2): the backward graph frees p there, so when o comes back at
+    # step 4 it is alone: 300 (holding p to the end, as the interpreter did, would be 400).
     nodes = (
-        ProblemNode("o", 300, True, 1.0, (), 0, "L", False, ("o",)),
-        ProblemNode("p", 100, True, 1.0, ("o",), 0, "L", False, ("q",)),
-        ProblemNode("q", 100, True, 1.0, ("p",), 0, "L", False, ("r",)),
-        ProblemNode("r", 100, True, 1.0, ("q",), 0, "L", False, ("s",)),
-        ProblemNode("s", 100, False, 1.0, ("r",), 0, "L", False, ()),
+        ProblemNode("o", 300, True, 1.0, (), 0, "L", False, ("o",), output_bytes=300),
+        ProblemNode("p", 100, True, 1.0, ("o",), 0, "L", False, ("q",), output_bytes=100),
+        ProblemNode("q", 100, True, 1.0, ("p",), 0, "L", False, ("r",), output_bytes=100),
+        ProblemNode("r", 100, True, 1.0, ("q",), 0, "L", False, ("s",), output_bytes=100),
+        ProblemNode("s", 100, False, 1.0, ("r",), 0, "L", False, (), output_bytes=0),
     )
     p = StageProblem(0, nodes, (), microbatches=1, in_flight=1, activation_budget_bytes=10_000)
     a = Assignment(frozenset({"o", "q"}))
     validate(p, a)
-    assert microbatch_peak_bytes(p, a, frozenset()) == 400
-    assert peak_upper_bound_bytes(p, a) >= 400
+    # step 0: s, r, p; step 1: regenerated q and p; step 2: p; step 4: o
+    assert microbatch_peak_bytes(p, a, frozenset()) == 300
+    assert peak_upper_bound_bytes(p, a) >= 300
+
+
+def test_a_saved_output_is_freed_at_its_last_saver_and_the_rest_at_the_own_step():
+    # a's output (80 B) is saved by b and c, a's own internals (20 B, e.g. a dropout mask) by a.
+    # Steps: c 0, b 1, a 2. Dropped a comes back at c's step with both parts; its output goes
+    # after b's step (1), its internals at its own step (2).
+    nodes = (
+        ProblemNode("a", 100, True, 1.0, (), 0, "L", False, ("b", "c"), output_bytes=80),
+        ProblemNode("b", 400, False, 1.0, ("a",), 0, "L", False, (), output_bytes=0),
+        ProblemNode("c", 10, False, 1.0, ("a",), 0, "L", False, (), output_bytes=0),
+    )
+    p = StageProblem(0, nodes, (), microbatches=1, in_flight=1, activation_budget_bytes=10_000)
+    drop_a = Assignment(frozenset({"a"}))
+    # step 0: b, c, a (regenerated) = 510; step 1: b + a = 500; step 2: a's internals = 20
+    assert microbatch_peak_bytes(p, drop_a, frozenset()) == 510
+    # with b dropped too (on demand, it saves only internals): it comes back at its step (1),
+    # after c's bytes went: a + b = 500
+    assert microbatch_peak_bytes(p, Assignment(frozenset({"b"})), frozenset()) == 100 + 400
+    # unknown split: a's 100 B are held to a's own step (as long as any of them is needed)
+    unknown = dataclasses.replace(p, nodes=(dataclasses.replace(nodes[0], output_bytes=None), *nodes[1:]))
+    assert microbatch_peak_bytes(unknown, drop_a, frozenset()) == 510
 
 
 @pytest.mark.parametrize("fraction", [0.15, 0.3, 0.6])
