@@ -324,17 +324,17 @@ def storage_root(n: fx.Node) -> fx.Node:
 
 def storage_nbytes(n: fx.Node) -> int:
     """Bytes of the storage ``n``'s value lives in; for a primal (a parameter, buffer or input),
-    of the value itself: a microbatch handed to a stage may be a slice of the caller's batch,
-    whose storage is the caller's (and the same for every microbatch), not the stage's."""
+    at most those of the value itself: a microbatch handed to a stage may be a slice of the
+    caller's batch, whose storage is the caller's (and the same for every microbatch)."""
     val = n.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
-    if n.op == "placeholder":
-        return val.numel() * val.element_size()
+    own = val.numel() * val.element_size()
     try:
-        return int(val.untyped_storage().nbytes())
+        nbytes = int(val.untyped_storage().nbytes())
     except Exception:  # noqa: BLE001 - fake storages of some tensor subclasses cannot say
-        return val.numel() * val.element_size()
+        return own
+    return min(nbytes, own) if n.op == "placeholder" else nbytes
 
 
 @functools.lru_cache(maxsize=1)
