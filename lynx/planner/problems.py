@@ -108,42 +108,50 @@ def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, bud
     it has seen by identity instead of comparing hundreds of nodes."""
     problems = []
     for s in range(pipe.pp):
-        in_flight = timeline.in_flight[s]
         if previous is not None:
-            sent_bytes = previous[s].sent_bytes
-            problems.append(StageProblem(
-                stage=s, nodes=previous[s].nodes, windows=_windows(timeline, s), microbatches=pipe.microbatches,
-                in_flight=in_flight, activation_budget_bytes=max(0, budget_bytes - static[s] - in_flight * sent_bytes),
-                sent_bytes=sent_bytes))
-            continue
-        names = stage_nodes(graph, pipe, s)
-        members = set(names)
-        sent, sent_bytes = _sent_storages(graph, names)
-        sent_bytes = -(-sent_bytes // tp)
-        # who saves each output: the profile's names hold only in an unfolded graph
-        savers_known = not graph.graph.get("folded")
-        nodes = []
-        for n in names:
-            attrs = graph.nodes[n]
-            saved_by = attrs.get("output_saved_by") if savers_known else None
-            nodes.append(ProblemNode(
-                name=n,
-                saved_bytes=-(-int(attrs.get("saved_bytes", 0)) // tp),
-                output_saved=bool(attrs.get("output_saved", False)),
-                recompute_s=float(attrs.get("forward_s", 0.0)) / tp,
-                inputs=tuple(p for p in graph.predecessors(n) if p in members),
-                layer=attrs.get("layer"),
-                layer_class=str(attrs.get("layer_class", "")),
-                core_attention=bool(attrs.get("core_attention", False)),
-                saved_by=None if saved_by is None else tuple(v for v in saved_by if v in members),
-                output_bytes=_output_bytes(attrs, tp),
-                sent=n in sent,
-            ))
+            nodes, sent_bytes = previous[s].nodes, previous[s].sent_bytes
+        else:
+            nodes, sent_bytes = _stage_nodes(graph, pipe, s, tp)
+        in_flight = timeline.in_flight[s]
         problems.append(StageProblem(
-            stage=s, nodes=tuple(nodes), windows=_windows(timeline, s), microbatches=pipe.microbatches,
+            stage=s, nodes=nodes, windows=_windows(timeline, s), microbatches=pipe.microbatches,
             in_flight=in_flight, activation_budget_bytes=max(0, budget_bytes - static[s] - in_flight * sent_bytes),
             sent_bytes=sent_bytes))
     return problems
+
+
+def _stage_nodes(graph: nx.DiGraph, pipe: Pipeline, s: int, tp: int) -> tuple[tuple[ProblemNode, ...], int]:
+    """Stage ``s``'s nodes as the solvers see them (bytes per tp rank), and what its sends hold
+    that no stage saves (per microbatch)."""
+    names = stage_nodes(graph, pipe, s)
+    members = set(names)
+    sent, sent_bytes = _sent_storages(graph, names)
+    # who saves each output: the profile's names hold only in an unfolded graph
+    savers_known = not graph.graph.get("folded")
+    nodes = []
+    for n in names:
+        attrs = graph.nodes[n]
+        saved_by = attrs.get("output_saved_by") if savers_known else None
+        output_bytes = attrs.get("output_saved_bytes")  # absent from graphs built before the profile had it
+        nodes.append(ProblemNode(
+            name=n,
+            saved_bytes=_per_rank(attrs.get("saved_bytes", 0), tp),
+            output_saved=bool(attrs.get("output_saved", False)),
+            recompute_s=float(attrs.get("forward_s", 0.0)) / tp,
+            inputs=tuple(p for p in graph.predecessors(n) if p in members),
+            layer=attrs.get("layer"),
+            layer_class=str(attrs.get("layer_class", "")),
+            core_attention=bool(attrs.get("core_attention", False)),
+            saved_by=None if saved_by is None else tuple(v for v in saved_by if v in members),
+            output_bytes=None if output_bytes is None else _per_rank(output_bytes, tp),
+            sent=n in sent,
+        ))
+    return tuple(nodes), _per_rank(sent_bytes, tp)
+
+
+def _per_rank(nbytes: Any, tp: int) -> int:
+    """A node's bytes on one of ``tp`` ranks (rounded up: never optimistic)."""
+    return -(-int(nbytes) // tp)
 
 
 def _sent_storages(graph: nx.DiGraph, names: list[str]) -> tuple[set[str], int]:
@@ -167,15 +175,6 @@ def _sent_storages(graph: nx.DiGraph, names: list[str]) -> tuple[set[str], int]:
             continue
         (saved if graph.nodes[base].get("output_saved") else owners).add(base)
     return saved, sum(int(graph.nodes[b].get("output_bytes", 0)) for b in owners)
-
-
-def _output_bytes(attrs: dict, tp: int) -> int | None:
-    """The saved output's share of a node's saved bytes (per tp rank), None where the graph
-    does not say (built before the profile recorded it)."""
-    if "output_saved_bytes" not in attrs:
-        return None
-    saved = -(-int(attrs.get("saved_bytes", 0)) // tp)
-    return min(saved, -(-int(attrs["output_saved_bytes"]) // tp))
 
 
 def _windows(timeline: Timeline, stage: int) -> tuple[ProblemWindow, ...]:
