@@ -30,6 +30,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,18 @@ def _state_tensors(opt: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+def _sync_site(message: Any) -> str:
+    """Where a synchronising call came from: the innermost frame of Lynx's own code (the torch
+    frame a warning names is only the Python line that was running), and that torch frame."""
+    if "synchroniz" not in str(message):
+        return ""
+    frames = [f for f in traceback.extract_stack()[:-2] if "warnings" not in Path(f.filename).name]
+    ours = [f for f in frames if f"{os.sep}lynx{os.sep}" in f.filename]
+    torch_frame = frames[-1] if frames else None
+    site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
+    return site + (f" (in {Path(torch_frame.filename).name}:{torch_frame.lineno})" if torch_frame else "")
+
+
 def _run(kind: str, device: torch.device, params0: list, grads: list, count_syncs: bool) -> tuple:
     params = [torch.nn.Parameter(p.clone().to(device)) for p in params0]
     opt = _make(kind, params)
@@ -85,14 +99,15 @@ def _run(kind: str, device: torch.device, params0: list, grads: list, count_sync
             p.grad = g.to(device)
         if count_syncs and t > 0:
             torch.cuda.synchronize(device)
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
+                warnings.showwarning = lambda message, *_a, **_k: syncs.append(_sync_site(message))
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
                     opt.step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            syncs += [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+            syncs[:] = [s for s in syncs if s]
         else:
             opt.step()
     return [p.detach().cpu() for p in params], _state_tensors(opt), syncs

@@ -159,3 +159,21 @@ def test_cpu_profile_counts_the_ops_the_generated_graphs_run():
     assert 0 <= calls(backward.gm) - counted_backward <= len(prof.nodes) // 10
     del loss
     assert all(r.forward_ops is None for r in profile(captured, target="cuda").nodes.values())
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_a_graph_captured_on_a_gpu_profiles_on_the_cpu(target):
+    # Captured on a GPU, `arange(T, device=idx.device)` bakes `cuda:0` into the graph; the
+    # profile runs on fake CPU tensors, so factory ops must follow them there (the first H200
+    # run of benchmarks/gpu_check.py failed at the position embedding without this).
+    model, inputs = build_preset("gpt-tiny", device="cpu")
+    captured = capture(model, inputs)
+    reference = profile(captured, target=target).total_saved_bytes
+    moved = 0
+    for node in captured.gm.graph.nodes:
+        if isinstance(node.kwargs.get("device"), torch.device):
+            node.update_kwarg("device", torch.device("cuda", 0))
+            moved += 1
+    assert moved > 0, "gpt-tiny no longer makes a tensor with a device argument: pick another model"
+    captured.gm.recompile()
+    assert profile(captured, target=target).total_saved_bytes == reference

@@ -41,7 +41,8 @@ from torch import fx
 from lynx.errors import LynxRuntimeError
 
 __all__ = ["JointGraph", "trace_joint", "signature_of", "is_view_op", "fetch_attr", "classify", "owners_of",
-           "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved", "input_saver"]
+           "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved", "input_saver",
+           "on_profile_device"]
 
 
 @dataclass
@@ -89,8 +90,8 @@ class _Runner(fx.Interpreter):
         return super().run_node(n)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if self.meta_to_cpu:  # captured on meta, traced on fake CPU tensors: factory ops follow
-            args, kwargs = torch.utils._pytree.tree_map(_meta_to_cpu, (args, kwargs))
+        if self.meta_to_cpu:  # profiled on fake CPU tensors: factory ops follow
+            args, kwargs = torch.utils._pytree.tree_map(on_profile_device, (args, kwargs))
         return super().call_function(target, args, kwargs)
 
     def output(self, target: Any, args: Any, kwargs: Any) -> Any:
@@ -98,8 +99,11 @@ class _Runner(fx.Interpreter):
         return tuple(v.clone() if i in self.clone else v for i, v in enumerate(flat))
 
 
-def _meta_to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.device) and value.type == "meta":
+def on_profile_device(value: Any) -> Any:
+    """``value``, or the CPU where it is another device: a graph captured on meta or on a GPU
+    (``arange(..., device=cuda:0)`` baked in) is profiled on fake CPU tensors, and the tensors
+    its factory ops make must be on the device of the rest."""
+    if isinstance(value, torch.device) and value.type != "cpu":
         return torch.device("cpu")
     return value
 

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lynx.frontend.capture import Captured, is_op_node, quiet_torch
+from lynx.frontend.joint import on_profile_device
 from lynx.errors import LynxConfigError, LynxProfileError
 
 __all__ = [
@@ -202,11 +203,6 @@ class Profile:
 
 
 _METADATA_ASSERTS = {torch.ops.aten._assert_tensor_metadata.default}
-_META = torch.device("meta")
-
-
-def _meta_to_cpu(value: Any) -> Any:
-    return torch.device("cpu") if isinstance(value, torch.device) and value == _META else value
 
 
 def _module_stack(node: fx.Node) -> list[str]:
@@ -251,8 +247,8 @@ class _ProfilingInterpreter(fx.Interpreter):
             return None
         self.tracker.begin(n.name)
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        # Captured on meta, profiled on fake CPU tensors: factory ops must follow.
-        args, kwargs = tree_map(_meta_to_cpu, (args, kwargs))
+        # Captured on meta or a GPU, profiled on fake CPU tensors: factory ops must follow.
+        args, kwargs = tree_map(on_profile_device, (args, kwargs))
         emulate = CUDA_EMULATED_OPS.get(n.target) if self.target_device == "cuda" else None
         with FlopCounterMode(display=False) as counter:
             out = emulate(*args, **kwargs) if emulate else getattr(self, n.op)(n.target, args, kwargs)
