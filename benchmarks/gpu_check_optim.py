@@ -87,7 +87,8 @@ def _sync_site(message: Any) -> str:
     ours = [f for f in frames if f"{os.sep}lynx{os.sep}" in f.filename]
     torch_frame = frames[-1] if frames else None
     site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
-    return site + (f" (in {Path(torch_frame.filename).name}:{torch_frame.lineno})" if torch_frame else "")
+    stack = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:8])
+    return site + (f" (in {Path(torch_frame.filename).name}:{torch_frame.lineno}; stack {stack})" if torch_frame else "")
 
 
 def _run(kind: str, device: torch.device, params0: list, grads: list, count_syncs: bool) -> tuple:

@@ -148,6 +148,35 @@ def joint_on_device(model: torch.nn.Module, inputs: tuple) -> int | None:
     return sum(entry[0] for entry in saved.values())
 
 
+def _llama_case(env: Env) -> dict[str, Part]:
+    """lynx's Llama (RMSNorm, rotary, SwiGLU, sdpa) at the run's sizes in bf16: the family whose
+    compiled stages held more than eager autograd saves on the CPU (silu kept whole)."""
+    from lynx.models.llama import Llama, LlamaConfig
+
+    sizes = env.sizes
+    cfg = LlamaConfig(vocab_size=sizes.vocab, seq_len=sizes.seq, hidden=sizes.hidden, heads=sizes.heads,
+                      kv_heads=sizes.heads, layers=sizes.layers, ffn_hidden=sizes.hidden * 11 // 4)
+    torch.manual_seed(0)
+    with torch.device(env.device):
+        model = Llama(cfg).to(torch.bfloat16).train()
+    idx = torch.randint(0, sizes.vocab, (sizes.microbatch, sizes.seq), device=env.device)  # (B, T)
+    inputs = (idx, idx.roll(-1, dims=1))
+    profiled = lynx.profile(lynx.capture(model, inputs), target=env.target).total_saved_bytes
+    eager = measure_saved(model, inputs).total
+    compiled = measure_compiled(model, inputs)
+    diff = rel_diff(profiled, compiled["meter"])
+    figure = {"profile_bytes": profiled, "eager_bytes": eager, "compiled_meter_bytes": compiled["meter"],
+              "compiled_allocator_bytes": compiled.get("allocator"), "rel_diff": diff,
+              "eager_vs_compiled": rel_diff(eager, compiled["meter"]),
+              "allocator_vs_meter": rel_diff(compiled.get("allocator", 0), compiled["meter"])}
+    del model, inputs, idx
+    free_memory(env.device)
+    return {"llama/bfloat16/compiled": Part(
+        figure, judged(abs(diff) <= BAR),
+        f"profile {diff:+.3%} vs the compiled stage's meter (eager saves {figure['eager_vs_compiled']:+.3%}, "
+        f"allocator {figure['allocator_vs_meter']:+.3%} of it; bar ±{BAR:.0%})")}
+
+
 def check_saved_bytes(env: Env) -> CheckResult:
     sizes, parts, worst = env.sizes, {}, 0.0
     for attention in sizes.attentions:
@@ -192,6 +221,8 @@ def check_saved_bytes(env: Env) -> CheckResult:
                                    "its mask in the input's dtype")
             del model, inputs
             free_memory(env.device)
+    if env.cuda:
+        parts.update(_llama_case(env))
     how = ("cuda target (bool dropout masks and flash attention emulated on fake CPU tensors) vs the "
            "device's kernels" if env.cuda else
            "cpu target vs what a compiled stage keeps on this CPU; the CUDA emulation is not exercised on "

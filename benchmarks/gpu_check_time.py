@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -141,8 +142,11 @@ def check_time(env: Env) -> CheckResult:
         first = compiled_for(model, inputs, env, pp=1, microbatches=1, solver="none", hardware=path)
         calibrated = {"none": first, "full": compiled_for(model, inputs, env, pp=1, microbatches=1, solver="full",
                                                           hardware=path, analysis=first.analysis)}
+        measured_hw = {k: v for k, v in json.loads(Path(path).read_text()).items()
+                       if k in ("peak_flops", "achievable_fraction", "memory_bandwidth", "op_overhead_s")}
         for name, part in _prediction_parts(env, "calibrated", calibrated, times).items():
             part.reason += f" ({how})"
+            part.figure["hardware"] = measured_hw
             parts[name] = part
 
     ratio = times["none"]["step_s"] / times["eager"]["step_s"]
