@@ -95,6 +95,12 @@ def _run(kind: str, device: torch.device, params0: list, grads: list, count_sync
     params = [torch.nn.Parameter(p.clone().to(device)) for p in params0]
     opt = _make(kind, params)
     syncs: list[str] = []
+    if count_syncs:  # switch the mode once outside the count: what that call flushes is not a step's
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.cuda.synchronize(device)
+            torch.cuda.set_sync_debug_mode("warn")
+            torch.cuda.set_sync_debug_mode("default")
     for t, step_grads in enumerate(grads):
         for p, g in zip(params, step_grads):
             p.grad = g.to(device)

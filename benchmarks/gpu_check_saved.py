@@ -148,6 +148,18 @@ def joint_on_device(model: torch.nn.Module, inputs: tuple) -> int | None:
     return sum(entry[0] for entry in saved.values())
 
 
+def _compiled_by_node(captured: Any) -> dict[str, int]:
+    """Bytes the compiled executor keeps per captured node, from the joint graph traced on the
+    real (device) tensors: :func:`lynx.frontend.joint.saved_by_node`, as the CPU profile counts."""
+    from lynx.frontend.capture import quiet_torch
+    from lynx.frontend.joint import profile_saved
+    from lynx.frontend.profile import _named_attrs
+
+    with quiet_torch():
+        saved, _ops = profile_saved(captured.gm, _named_attrs(captured.gm), list(captured.example_inputs))
+    return {name: entry[0] for name, entry in saved.items()}
+
+
 def _llama_case(env: Env) -> dict[str, Part]:
     """lynx's Llama (RMSNorm, rotary, SwiGLU, sdpa) at the run's sizes in bf16: the family whose
     compiled stages held more than eager autograd saves on the CPU (silu kept whole)."""
@@ -161,14 +173,25 @@ def _llama_case(env: Env) -> dict[str, Part]:
         model = Llama(cfg).to(torch.bfloat16).train()
     idx = torch.randint(0, sizes.vocab, (sizes.microbatch, sizes.seq), device=env.device)  # (B, T)
     inputs = (idx, idx.roll(-1, dims=1))
-    profiled = lynx.profile(lynx.capture(model, inputs), target=env.target).total_saved_bytes
+    captured = lynx.capture(model, inputs)
+    prof = lynx.profile(captured, target=env.target)
+    profiled = prof.total_saved_bytes
     eager = measure_saved(model, inputs).total
     compiled = measure_compiled(model, inputs)
+    by_node = _compiled_by_node(captured)
+    differing = sorted(((name, prof.nodes[name].saved_bytes if name in prof.nodes else None, held)
+                        for name, held in by_node.items()
+                        if name not in prof.nodes or prof.nodes[name].saved_bytes != held),
+                       key=lambda t: -abs((t[1] or 0) - t[2]))
+    missing = [(n, r.saved_bytes) for n, r in prof.nodes.items() if r.saved_bytes and n not in by_node]
     diff = rel_diff(profiled, compiled["meter"])
     figure = {"profile_bytes": profiled, "eager_bytes": eager, "compiled_meter_bytes": compiled["meter"],
               "compiled_allocator_bytes": compiled.get("allocator"), "rel_diff": diff,
               "eager_vs_compiled": rel_diff(eager, compiled["meter"]),
-              "allocator_vs_meter": rel_diff(compiled.get("allocator", 0), compiled["meter"])}
+              "allocator_vs_meter": rel_diff(compiled.get("allocator", 0), compiled["meter"]),
+              "by_node_total": sum(by_node.values()),
+              "nodes_differing": [(n, prof.nodes[n].op if n in prof.nodes else "?", p, h) for n, p, h in differing[:40]],
+              "profiled_not_held": missing[:40]}
     del model, inputs, idx
     free_memory(env.device)
     return {"llama/bfloat16/compiled": Part(
