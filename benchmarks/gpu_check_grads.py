@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gpu_check_common import CheckResult, Env, Part, free_memory, judged, shared_gpt, shared_plan
+from gpu_check_common import CheckResult, Env, Part, compiled_for, free_memory, judged, shared_gpt, shared_plan
 
 __all__ = ["check_gradients"]
 
@@ -77,6 +77,69 @@ def _dropped_random(compiled: Any) -> int:
     return sum(1 for n in dropped if "dropout" in str(graph.nodes[n].get("op", "")))
 
 
+def build_llama(env: Env, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, tuple]:
+    """lynx's Llama (RMSNorm, rotary, SwiGLU, sdpa) at the run's layer sizes, with one microbatch."""
+    from lynx.models.llama import Llama, LlamaConfig
+
+    sizes = env.sizes
+    cfg = LlamaConfig(vocab_size=sizes.vocab, seq_len=sizes.seq, hidden=sizes.hidden, heads=sizes.heads,
+                      kv_heads=sizes.heads, layers=sizes.layers, ffn_hidden=sizes.hidden * 11 // 4)
+    torch.manual_seed(0)
+    with torch.device(env.device):
+        model = Llama(cfg).to(dtype).train()
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, sizes.vocab, (sizes.microbatch, sizes.seq), generator=gen).to(env.device)  # (B, T)
+    return model, (idx, idx.roll(-1, dims=1))
+
+
+def _llama_parts(env: Env) -> dict[str, Part]:
+    """A model with RMSNorm: its compiled stage (keep-all, 1 stage) vs eager, bitwise, and — for
+    the record — the same with every composite that has a device kernel kept whole, as before
+    the fix (on a CUDA build that cut a Llama's gradients off at the final RMSNorm)."""
+    import contextlib
+
+    import lynx.frontend.joint as joint
+
+    model, inputs = build_llama(env)
+    reference = _eager(model, inputs, 2)
+    kept = sorted(str(op) for op in joint._kernel_and_composite_ops())
+
+    @contextlib.contextmanager
+    def keep_all_whole():
+        from torch._export.utils import _special_op_to_preserve_cia
+        from torch.export.exported_program import _override_composite_implicit_decomp
+
+        ops = joint._kernel_and_composite_ops()
+        with _override_composite_implicit_decomp({op: _special_op_to_preserve_cia for op in ops}):
+            yield
+
+    parts = {}
+    for label, kernels in (("llama", None), ("llama_before_fix", keep_all_whole)):
+        original = joint._eager_kernels
+        if kernels is not None:
+            joint._eager_kernels = kernels
+        try:
+            compiled = compiled_for(model, inputs, env, pp=1, microbatches=1, solver="none")
+            batch = dict(zip(compiled.analysis.captured.input_names, inputs))
+            figure = _compare(reference, _rewritten(model, compiled, batch, 2))
+        except Exception as err:  # noqa: BLE001 - the record of a broken variant, not a crash
+            figure = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
+        finally:
+            joint._eager_kernels = original
+        figure["kept_whole_on_this_build"] = kept
+        ok = "error" not in figure and figure["losses_equal"] and not figure["params_differing"] \
+            and not figure["missing"]
+        text = figure.get("error") or (
+            f"{figure['params_differing']}/{figure['params']} gradients differ (max |diff| "
+            f"{figure['max_abs_diff']:.3g}), {len(figure['missing'])} missing, losses "
+            f"{'equal' if figure['losses_equal'] else 'differ'}")
+        parts[label] = Part(figure, judged(ok) if label == "llama" else ("pass" if ok else "skipped"),
+                            text if label == "llama" else f"record only: {text}")
+        free_memory(env.device)
+    model.zero_grad(set_to_none=True)
+    return parts
+
+
 def check_gradients(env: Env, solvers: tuple[str, ...] = ("full", "heu")) -> CheckResult:
     model, inputs, keep = shared_gpt(env)
     m, dtype = env.sizes.microbatches, env.sizes.dtypes[0]
@@ -113,6 +176,7 @@ def check_gradients(env: Env, solvers: tuple[str, ...] = ("full", "heu")) -> Che
         free_memory(env.device)
     model.zero_grad(set_to_none=True)
     del model, inputs, keep
+    parts.update(_llama_parts(env))
     headline = {
         s: {"params_differing": p.figure.get("params_differing"), "max_abs_diff": p.figure.get("max_abs_diff")}
         for s, p in parts.items()

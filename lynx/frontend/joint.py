@@ -362,12 +362,27 @@ def _kernel_and_composite_ops() -> tuple:
     return tuple(ops)
 
 
+def _preserved_below_autograd(op: Any) -> Any:
+    """Keep ``op`` whole where eager runs its backend kernel: called on values autograd does not
+    differentiate (inside a backward formula, as ``silu_backward``). Where its inputs require
+    grad, eager's autograd runs the composite, whose ops carry the derivatives; a preserved op
+    has none, so its result would cut the gradient off silently (on a CUDA build,
+    ``rms_norm`` has such a kernel: a Llama's layers got no gradient on the H200)."""
+
+    def preserve(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+            return op.decompose(*args, **kwargs)
+        return NotImplemented  # what torch.export's _special_op_to_preserve_cia returns: keep it
+
+    return preserve
+
+
 @contextlib.contextmanager
 def _eager_kernels():
-    from torch._export.utils import _special_op_to_preserve_cia
     from torch.export.exported_program import _override_composite_implicit_decomp
 
-    with _override_composite_implicit_decomp({op: _special_op_to_preserve_cia for op in _kernel_and_composite_ops()}):
+    with _override_composite_implicit_decomp({op: _preserved_below_autograd(op) for op in _kernel_and_composite_ops()}):
         yield
 
 
