@@ -109,7 +109,11 @@ def _llama_parts(env: Env) -> dict[str, Part]:
         from torch._export.utils import _special_op_to_preserve_cia
         from torch.export.exported_program import _override_composite_implicit_decomp
 
-        ops = joint._kernel_and_composite_ops()
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::") and has(
+            n, "CompositeImplicitAutograd") and (has(n, "CPU") or has(n, "CUDA"))]
+        packets = [getattr(torch.ops.aten, n.split("::", 1)[1].split(".")[0], None) for n in names]
+        ops = [p.default for p in packets if getattr(p, "default", None) is not None]
         with _override_composite_implicit_decomp({op: _special_op_to_preserve_cia for op in ops}):
             yield
 

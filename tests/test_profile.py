@@ -177,3 +177,17 @@ def test_a_graph_captured_on_a_gpu_profiles_on_the_cpu(target):
     assert moved > 0, "gpt-tiny no longer makes a tensor with a device argument: pick another model"
     captured.gm.recompile()
     assert profile(captured, target=target).total_saved_bytes == reference
+
+
+def test_the_joint_trace_keeps_only_backward_formulas_whole():
+    # A forward composite kept whole carries no derivative: on a CUDA build (where rms_norm has
+    # a device kernel beside its composite) a Llama's layers got no gradient on the H200.
+    from lynx.frontend.joint import keep_whole
+
+    def cuda_build(name, key):  # every op has a composite and a CUDA kernel
+        return key in ("CompositeImplicitAutograd", "CUDA")
+
+    assert keep_whole("aten::silu_backward", cuda_build)
+    assert not keep_whole("aten::rms_norm", cuda_build)
+    assert not keep_whole("aten::native_channel_shuffle", cuda_build)
+    assert not keep_whole("aten::silu_backward", lambda name, key: key == "CUDA")  # no composite

@@ -42,7 +42,7 @@ from lynx.errors import LynxRuntimeError
 
 __all__ = ["JointGraph", "trace_joint", "signature_of", "is_view_op", "fetch_attr", "classify", "owners_of",
            "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved", "input_saver",
-           "on_profile_device"]
+           "on_profile_device", "keep_whole"]
 
 
 @dataclass
@@ -341,6 +341,15 @@ def storage_nbytes(n: fx.Node) -> int:
     return min(nbytes, own) if n.op == "placeholder" else nbytes
 
 
+def keep_whole(name: str, has: Any = None) -> bool:
+    """Whether the joint trace keeps op ``name`` (``"aten::silu_backward"``) whole: a backward
+    formula with a device kernel beside its composite (see :func:`_kernel_and_composite_ops`).
+    ``has(name, key)`` says whether the op has a kernel for a dispatch key (torch's, by default)."""
+    has = has or torch._C._dispatch_has_kernel_for_dispatch_key
+    return (name.startswith("aten::") and "_backward" in name and has(name, "CompositeImplicitAutograd")
+            and (has(name, "CPU") or has(name, "CUDA")))
+
+
 @functools.lru_cache(maxsize=1)
 def _kernel_and_composite_ops() -> tuple:
     """Ops with a backend kernel *and* a CompositeImplicitAutograd one (e.g. ``silu_backward``).
@@ -348,13 +357,16 @@ def _kernel_and_composite_ops() -> tuple:
     Eager autograd calls such an op below the autograd key and gets the backend kernel;
     tracing decomposes it into the composite's ops, whose float results differ. Keeping them
     whole in the joint graph keeps gradients bitwise equal to eager's.
-    """
-    from torch._C import _dispatch_has_kernel_for_dispatch_key as has
 
+    Backward formulas only (``*_backward*``): a forward op kept whole carries no derivative
+    (torch.export puts ``autograd_not_implemented`` on it), so the gradient stops there without
+    a word, and eager decomposes a forward composite anyway (its autograd key is the
+    composite). A CUDA build has such ops (``rms_norm``): kept whole, a Llama's layers got no
+    gradient on the H200.
+    """
     ops = []
     for name in torch._C._dispatch_get_all_op_names():
-        if name.startswith("aten::") and has(name, "CompositeImplicitAutograd") and (
-                has(name, "CPU") or has(name, "CUDA")):
+        if keep_whole(name):
             packet = getattr(torch.ops.aten, name.split("::", 1)[1].split(".")[0], None)
             overload = getattr(packet, "default", None)
             if overload is not None:
@@ -362,27 +374,12 @@ def _kernel_and_composite_ops() -> tuple:
     return tuple(ops)
 
 
-def _preserved_below_autograd(op: Any) -> Any:
-    """Keep ``op`` whole where eager runs its backend kernel: called on values autograd does not
-    differentiate (inside a backward formula, as ``silu_backward``). Where its inputs require
-    grad, eager's autograd runs the composite, whose ops carry the derivatives; a preserved op
-    has none, so its result would cut the gradient off silently (on a CUDA build,
-    ``rms_norm`` has such a kernel: a Llama's layers got no gradient on the H200)."""
-
-    def preserve(*args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                           for t in torch.utils._pytree.tree_leaves((args, kwargs))):
-            return op.decompose(*args, **kwargs)
-        return NotImplemented  # what torch.export's _special_op_to_preserve_cia returns: keep it
-
-    return preserve
-
-
 @contextlib.contextmanager
 def _eager_kernels():
+    from torch._export.utils import _special_op_to_preserve_cia
     from torch.export.exported_program import _override_composite_implicit_decomp
 
-    with _override_composite_implicit_decomp({op: _preserved_below_autograd(op) for op in _kernel_and_composite_ops()}):
+    with _override_composite_implicit_decomp({op: _special_op_to_preserve_cia for op in _kernel_and_composite_ops()}):
         yield
 
 
