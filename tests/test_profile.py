@@ -191,3 +191,40 @@ def test_the_joint_trace_keeps_only_backward_formulas_whole():
     assert not keep_whole("aten::rms_norm", cuda_build)
     assert not keep_whole("aten::native_channel_shuffle", cuda_build)
     assert not keep_whole("aten::silu_backward", lambda name, key: key == "CUDA")  # no composite
+
+
+def _tiny_llama(dtype=torch.float32):
+    from lynx.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, seq_len=16, hidden=32, heads=4, kv_heads=4, layers=1, ffn_hidden=64)
+    with torch.device("meta"):
+        model = Llama(cfg).to(dtype).train()
+    idx = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    return capture(model, (idx, idx))
+
+
+def test_cuda_target_rms_norm_saves_the_input_and_a_float32_rstd():
+    # CUDA's _fused_rms_norm (measured on an H200): the input (its producer's) and a float32
+    # rstd per row; the CPU's composite keeps float32 copies of the rows as well.
+    captured = _tiny_llama(torch.bfloat16)
+    cuda, cpu = profile(captured, target="cuda"), profile(captured, target="cpu")
+    B, T, C = 2, 16, 32
+    for name, record in cuda.nodes.items():
+        if record.op == "aten.rms_norm.default":
+            assert record.saved_bytes == B * T * C * 2 + B * T * 4  # output (read by a linear) + rstd
+            assert cpu.nodes[name].saved_bytes > record.saved_bytes
+    assert "aten.rms_norm.default" in cuda.emulated_ops
+
+
+def test_cuda_target_attention_output_follows_q_layout():
+    # cuDNN attention gives its output q's layout: a Llama's q is contiguous (B, H, T, D) after
+    # the rotary embedding, so reshaping the output back to (B, T, C) copies; a GPT's q is a
+    # view of the qkv projection, and the same reshape is free (both measured on an H200).
+    llama = profile(_tiny_llama(), target="cuda")
+    reshapes = [r for r in llama.nodes.values() if r.op == "aten.reshape.default" and r.output_saved]
+    assert any(r.saved_bytes == 2 * 16 * 32 * 4 for r in reshapes)
+    model, inputs = build_preset("gpt-tiny", device="meta", attention="sdpa", seq=32)
+    gpt = profile(capture(model, inputs), target="cuda")
+    sdpa = next(n for n, r in gpt.nodes.items() if "scaled_dot_product" in r.op)
+    after = [r for r in gpt.nodes.values() if sdpa in r.inputs]
+    assert after and all(r.saved_bytes == 0 for r in after)
