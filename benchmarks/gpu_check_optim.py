@@ -88,7 +88,9 @@ def _sync_site(message: Any) -> str:
     torch_frame = frames[-1] if frames else None
     site = f"{Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].line}" if ours else "?"
     stack = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno}" for f in frames[::-1][:8])
-    return site + (f" (in {Path(torch_frame.filename).name}:{torch_frame.lineno}; stack {stack})" if torch_frame else "")
+    if torch_frame is None:
+        return site
+    return f"{site} (in {Path(torch_frame.filename).name}:{torch_frame.lineno}; stack {stack})"
 
 
 def _run(kind: str, device: torch.device, params0: list, grads: list, count_syncs: bool) -> tuple:
