@@ -1,7 +1,8 @@
 """lynx.runtime.Pipeline under torchrun: a user's own loop trains like single-process PyTorch.
 
 Two models nobody here wrote the runtime for — a plain ``nn.Module`` returning
-``(logits, loss)`` and a ``transformers`` Qwen2 from a config (``.loss``) — are compiled with an
+``(logits, loss)`` and a ``transformers`` Qwen2 from a config (``.loss``; eager attention: its
+sdpa path runs another program under torch.export, see tests/test_transformers_models.py) — are compiled with an
 HEU plan that recomputes, trained 3 steps with AdamW from the user's loop under ``torchrun``
 (2 processes: pp 2; 4 processes: pp 2 × dp 2), and compared with single-process PyTorch on
 the same batches (:func:`user_models.reference`): per-step losses, first-step gradients and

@@ -2,8 +2,9 @@
 
 ``tuple_model``: a plain ``nn.Module`` whose forward returns ``(logits, loss)`` (nanoGPT's
 convention, with ``targets.view(-1)``, which needs contiguous targets). ``qwen2``: a
-``transformers`` Qwen2 built from a config, taking ``input_ids`` and ``labels`` by keyword and
-returning a ``ModelOutput`` whose ``.loss`` is the loss. Dropout is 0 in both.
+``transformers`` Qwen2 built from a config with eager attention, taking ``input_ids`` and
+``labels`` by keyword and returning a ``ModelOutput`` whose ``.loss`` is the loss. Dropout is 0
+in both.
 """
 
 from __future__ import annotations
@@ -51,12 +52,20 @@ def build(kind: str) -> tuple[nn.Module, tuple | dict]:
     idx = torch.randint(0, VOCAB, (MICRO, SEQ))                           # (b, T)
     if kind == "tuple":
         return TupleLM(), (idx, idx.roll(-1, 1))
+    return qwen2("eager"), {"input_ids": idx, "labels": idx.roll(-1, 1)}
+
+
+def qwen2(attention: str) -> nn.Module:
+    """A 4-layer ``transformers`` Qwen2 from a config, with ``attention`` (``"eager"``: the same
+    ops eagerly and under torch.export; ``"sdpa"``, transformers' default, takes another branch
+    under tracing — see docs/runtime.md, "Where gradients are bitwise")."""
     import transformers
 
     cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    use_cache=False, attention_dropout=0.0)
-    return transformers.Qwen2ForCausalLM(cfg), {"input_ids": idx, "labels": idx.roll(-1, 1)}
+    cfg._attn_implementation = attention
+    return transformers.Qwen2ForCausalLM(cfg)
 
 
 def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp: int) -> Any:
