@@ -143,10 +143,12 @@ class Plan(BaseModel):
     @classmethod
     def from_json(cls, text: str, *, source: str = "<string>") -> "Plan":
         """Parse a plan; a corrupt or wrong-version text raises :class:`LynxPlanError`."""
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise LynxPlanError(f"plan {source} is not valid JSON ({err}); re-create it with `lynx plan`") from None
+        from lynx import json_files
+
+        try:  # a key given twice or a NaN token is refused, not read as the last value or a number
+            data = json_files.loads(text, f"plan {source}", error=LynxPlanError)
+        except LynxPlanError as err:
+            raise LynxPlanError(f"{err}; re-create it with `lynx plan`") from None
         if not isinstance(data, dict):
             raise LynxPlanError(f"plan {source} is corrupt: expected a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")

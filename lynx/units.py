@@ -11,12 +11,13 @@ Example::
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Union
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["parse_size", "format_size", "dtype_bytes"]
+__all__ = ["parse_size", "format_size", "dtype_bytes", "MAX_SIZE"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -24,6 +25,8 @@ _UNITS = {
     "t": 10**12, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+# No device or host holds an exbibyte: a size above it is a typo (1e99 was read as a budget)
+MAX_SIZE = 2**60
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -32,9 +35,9 @@ def parse_size(value: Union[int, float, str]) -> int:
     if isinstance(value, bool):
         raise LynxConfigError(f"a memory size must be bytes or a string like '60GiB', got {value!r}")
     if isinstance(value, (int, float)):
-        if value <= 0:
-            raise LynxConfigError(f"a memory size must be positive, got {value!r}")
-        return int(value)
+        if not math.isfinite(value) or value <= 0:
+            raise LynxConfigError(f"a memory size must be a positive, finite number of bytes, got {value!r}")
+        return _bounded(int(value), value)
     if not isinstance(value, str):
         raise LynxConfigError(f"a memory size must be bytes or a string like '60GiB', got {value!r}")
     match = _SIZE_RE.match(value)
@@ -43,9 +46,16 @@ def parse_size(value: Union[int, float, str]) -> int:
         raise LynxConfigError(
             f"cannot read memory size {value!r}: use bytes or a number with a unit "
             f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. '60GiB'")
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise LynxConfigError(f"a memory size must be positive, got {value!r}")
+    number = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(number) or int(number) <= 0:
+        raise LynxConfigError(f"a memory size must be positive and finite, got {value!r}")
+    return _bounded(int(number), value)
+
+
+def _bounded(size: int, given: Any) -> int:
+    if size > MAX_SIZE:
+        raise LynxConfigError(f"memory size {given!r} is {size:.3g} bytes, more than any machine holds "
+                              f"(at most {MAX_SIZE:.3g} bytes, 1 EiB): check the number and its unit")
     return size
 
 

@@ -17,7 +17,8 @@ def test_parse_size(text, expected) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["60 parsecs", "", "GiB", -5, 0, "-1GiB", True, [1]])
+@pytest.mark.parametrize("bad", ["60 parsecs", "", "GiB", -5, 0, "-1GiB", True, [1],
+                                 "1e99", 1e99, float("inf"), float("nan"), 2**61])
 def test_parse_size_rejects(bad) -> None:
     with pytest.raises(LynxConfigError):
         parse_size(bad)
@@ -43,6 +44,7 @@ def test_defaults_and_frozen() -> None:
     (dict(time_limit_s=0), "time_limit_s must be > 0"),
     (dict(time_limit_s=-3), "time_limit_s must be > 0"),
     (dict(memory_budget="lots"), "cannot read memory size"),
+    (dict(memory_budget=1e99), "more than any machine holds"),  # issue 22, finding 6
     (dict(solver="magic"), "solver"),
     (dict(optimizer="sgd"), "optimizer"),
     (dict(schedule="zigzag"), "schedule"),

@@ -94,8 +94,15 @@ def test_cluster_on_another_file_merges_links_and_dicts(tmp_path) -> None:
     [
         (
             "device: a100-80g\nlinks:\n  dp: {alpha_s: -1}\n",
-            "links.dp.alpha_s: Input should be greater than or equal to 0",
+            "links.dp.alpha_s: -1 s is outside the physical range [0, 60] s",
         ),
+        # finding 5 of issue 22: values without bounds reached the solvers or the plan
+        ("device: a100-80g\nlinks:\n  pp: {alpha_s: 1e30}\n", "links.pp.alpha_s: 1e+30 s is outside"),
+        ("device: a100-80g\nmemory_bandwidth: .inf\n", "memory_bandwidth: Input should be a finite number"),
+        ("device: a100-80g\npeak_flops: {float32: 1e-30}\n", "peak_flops.float32: 1e-30 FLOP/s is outside"),
+        ("device: a100-80g\nmemory_bytes: 1e17\n", "memory_bytes: 1e+17 bytes is outside"),
+        ('{"device": "a100-80g", "name": "x", "name": "y"}', "'name' is given twice in one object (line 1)"),
+        ('{"device": "a100-80g", "memory_bandwidth": NaN}', "NaN is not a JSON number"),
         ("device: a100-80g\nlinks:\n  ep: {alpha_s: 1}\n", "links.ep: unknown mesh dimension"),
         ("device: a100-80g\nlink_speed: 3\n", "link_speed: unknown field"),
         ("device: cpu\nname: x\n", "peak_flops: missing (required)"),

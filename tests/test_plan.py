@@ -75,6 +75,14 @@ def test_corrupt_and_wrong_version_files(tmp_path) -> None:
         Plan.load(bad)
     with pytest.raises(LynxPlanError, match="does not exist"):
         Plan.load(tmp_path / "missing.json")
+    # a hand edit that repeats a key, or writes a non-JSON number, is refused (not read as the last value)
+    text = _plan().to_json()
+    bad.write_text(text.replace("\"solver\": \"heu\",", "\"solver\": \"heu\", \"solver\": \"opt\",", 1))
+    with pytest.raises(LynxPlanError, match="'solver' is given twice in one object"):
+        Plan.load(bad)
+    bad.write_text(text.replace("\"step_time_s\": 1.5", "\"step_time_s\": NaN", 1))
+    with pytest.raises(LynxPlanError, match="NaN is not a JSON number"):
+        Plan.load(bad)
 
 
 def test_fingerprint_refusal_names_what_differs() -> None:

@@ -125,9 +125,9 @@ def generated_op_overhead_s(reference: ReferenceModel, rates: dict[str, float], 
     from lynx.planner.hardware import HardwareSpec, LinkSpec
 
     graph = reference.analysis.graph
-    link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1.0)
+    link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9)  # unused: the arithmetic alone is priced
     arithmetic = HardwareSpec(name="arithmetic", device="cpu", peak_flops={"float32": rates["matmul_flops"]},
-                              achievable_fraction=1.0, memory_bandwidth=rates["memory_bandwidth"], memory_bytes=1,
+                              achievable_fraction=1.0, memory_bandwidth=rates["memory_bandwidth"], memory_bytes=2**30,
                               links={"pp": link, "tp": link, "dp": link},
                               rng_s_per_element=rates["rng_s_per_element"])
     dtype = str(graph.graph.get("dims", {}).get("dtype") or "float32")

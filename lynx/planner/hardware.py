@@ -20,21 +20,51 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "get_hardware", "share_cores"]
+__all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES", "get_hardware",
+           "share_cores"]
+
+# What a device or link can physically be, per field: (lowest, highest, unit). Far outside
+# anything built (an H200 does ~1e15 dense FLOP/s and 4.8e12 B/s; NVLink 5 moves 9e11 B/s a
+# direction), so a real figure is never refused, and a typo — 1e30, 1e-30, inf — is refused
+# before it reaches the cost model (1e30 overflowed the solvers' integer scaling; 1e-30 FLOP/s
+# predicted a step of 1e41 ms).
+PHYSICAL_RANGES: dict[str, tuple[float, float, str]] = {
+    "peak_flops": (1e6, 1e18, "FLOP/s"),
+    "memory_bandwidth": (1e6, 1e15, "bytes/s"),
+    "memory_bytes": (2**20, 2**50, "bytes"),
+    "alpha_s": (0.0, 60.0, "s"),
+    "beta_bytes_per_s": (1e3, 1e14, "bytes/s"),
+    "op_overhead_s": (0.0, 1.0, "s"),
+    "rng_s_per_element": (0.0, 1e-3, "s"),
+    "optimizer_s_per_param": (0.0, 1e-3, "s"),
+}
+
+
+def _physical(field: str) -> Any:
+    """A float type that is finite and inside ``PHYSICAL_RANGES[field]`` (a ValueError saying so)."""
+    low, high, unit = PHYSICAL_RANGES[field]
+
+    def check(value: float) -> float:
+        if not low <= value <= high:
+            raise ValueError(f"{value:g} {unit} is outside the physical range [{low:g}, {high:g}] {unit}")
+        return value
+
+    kind = int if field == "memory_bytes" else float
+    return Annotated[kind, AfterValidator(check)]
 
 
 class LinkSpec(BaseModel):
     """One communication link: time(n bytes) = alpha_s + n / beta_bytes_per_s."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    alpha_s: float = Field(ge=0.0)
-    beta_bytes_per_s: float = Field(gt=0.0)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    alpha_s: _physical("alpha_s")  # type: ignore[valid-type]
+    beta_bytes_per_s: _physical("beta_bytes_per_s")  # type: ignore[valid-type]
 
 
 class Calibration(BaseModel):
@@ -44,7 +74,7 @@ class Calibration(BaseModel):
     holds the medians.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     host: str
     date: str  # ISO 8601, UTC
     seconds: float = Field(ge=0.0)  # how long the calibration took
@@ -65,18 +95,20 @@ class HardwareSpec(BaseModel):
     from; neither is part of what a plan records or fingerprints.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     name: str
     device: Literal["cuda", "cpu"]
-    peak_flops: dict[str, float]  # dtype name ("float16", "bfloat16", "float32") → dense FLOP/s
+    peak_flops: dict[str, _physical("peak_flops")]  # type: ignore[valid-type]  # dtype name → dense FLOP/s
     achievable_fraction: float = Field(gt=0.0, le=1.0)
-    memory_bandwidth: float = Field(gt=0.0)  # bytes/s
-    memory_bytes: int = Field(gt=0)
+    memory_bandwidth: _physical("memory_bandwidth")  # type: ignore[valid-type]  # bytes/s
+    memory_bytes: _physical("memory_bytes")  # type: ignore[valid-type]
     links: dict[str, LinkSpec]  # "pp", "tp", "dp"
-    op_overhead_s: float = Field(default=0.0, ge=0.0)  # per-op dispatch cost not hidden by async launch
+    op_overhead_s: _physical("op_overhead_s") = 0.0  # type: ignore[valid-type]  # per op, not hidden by async launch
     # Host-bound costs a CPU run pays and a GPU hides (GPU presets: 0, not modelled):
-    rng_s_per_element: float = Field(default=0.0, ge=0.0)   # one random number (dropout's mask)
-    optimizer_s_per_param: dict[str, float] = Field(default_factory=dict)  # optimizer name -> step s/param
+    rng_s_per_element: _physical("rng_s_per_element") = 0.0  # type: ignore[valid-type]  # one random number
+    # optimizer name -> step seconds per parameter
+    optimizer_s_per_param: dict[str, _physical("optimizer_s_per_param")] = Field(  # type: ignore[valid-type]
+        default_factory=dict)
     source: Optional[str] = Field(default=None, exclude=True)
     calibration: Optional[Calibration] = Field(default=None, exclude=True)
 

@@ -33,7 +33,7 @@ Example::
     >>> load_hardware_file(folder / "bad.yaml")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    lynx.errors.LynxConfigError: hardware file .../bad.yaml: links.dp.alpha_s: Input should be greater than ...
+    lynx.errors.LynxConfigError: hardware file .../bad.yaml: links.dp.alpha_s: -1 s is outside the physical range ...
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from lynx import json_files
 from lynx.errors import LynxConfigError
 from lynx.planner.hardware import HARDWARE_PRESETS, Calibration, HardwareSpec
 from lynx.planner.yaml_files import dumps, loads
@@ -107,10 +108,7 @@ def write_hardware_file(spec: HardwareSpec, path: str | os.PathLike) -> Path:
 def _read(path: Path) -> dict[str, Any]:
     text = path.read_text()
     if path.suffix.lower() == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise LynxConfigError(f"hardware file {path}, line {err.lineno}: not valid JSON: {err.msg}") from None
+        data = json_files.loads(text, f"hardware file {path}")  # a repeated key or NaN refused, as in YAML
     else:
         data = loads(text, f"hardware file {path}")
     if not isinstance(data, dict):
@@ -181,6 +179,8 @@ def _explain(err: ValidationError) -> str:
             parts.append(f"{where}: missing (required)")
         elif kind == "extra_forbidden":
             parts.append(f"{where}: unknown field")
+        elif kind == "value_error":  # Lynx's own checks: the message names the value
+            parts.append(f"{where}: {message.removeprefix('Value error, ')}")
         else:
             parts.append(f"{where}: {message} (got {item.get('input')!r})")
     return "; ".join(parts)
