@@ -92,6 +92,24 @@ def build_llama(env: Env, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.
     return model, (idx, idx.roll(-1, dims=1))
 
 
+def _op_counts(run: Any) -> dict[str, int]:
+    """How often ``run()`` calls each aten op (the compiled stage traced beforehand)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops: Counter = Counter()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as counter:
+        run()
+    return dict(counter.ops)
+
+
 def _llama_parts(env: Env) -> dict[str, Part]:
     """A model with RMSNorm: its compiled stage (keep-all, 1 stage) vs eager, bitwise, and — for
     the record — the same with every composite that has a device kernel kept whole, as before
@@ -126,6 +144,14 @@ def _llama_parts(env: Env) -> dict[str, Part]:
             compiled = compiled_for(model, inputs, env, pp=1, microbatches=1, solver="none")
             batch = dict(zip(compiled.analysis.captured.input_names, inputs))
             figure = _compare(reference, _rewritten(model, compiled, batch, 2))
+            if label == "llama" and figure["params_differing"]:  # which ops differ: the cause, next time
+                eager_ops = _op_counts(lambda: _eager(model, inputs, 1))
+                compiled_ops = _op_counts(lambda: _rewritten(model, compiled, batch, 1))
+                figure["ops_only_eager"] = sorted(set(eager_ops) - set(compiled_ops))
+                figure["ops_only_compiled"] = sorted(set(compiled_ops) - set(eager_ops))
+                figure["ops_counted_differently"] = sorted(
+                    f"{op}: eager {eager_ops[op]}, compiled {compiled_ops[op]}"
+                    for op in set(eager_ops) & set(compiled_ops) if eager_ops[op] != compiled_ops[op])
         except Exception as err:  # noqa: BLE001 - the record of a broken variant, not a crash
             figure = {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
         finally:
