@@ -4,7 +4,7 @@ The GPT (dropout 0.1) runs ``sizes.microbatches`` microbatches twice from the sa
 eagerly as the user's module (forward, backward, one microbatch after the other), and as
 ``compiled.stage(i)`` of a 2-stage plan that recomputes — ``full`` (every layer recomputed,
 its dropouts included, so their masks must come back from the replayed RNG state) and
-``heu`` where it can plan — run by ``lynx.runtime.run_local`` in the same order, each plan's
+``heu`` where it can plan — run by ``lynx.testing.run_local`` in the same order, each plan's
 window recomputation issued before the backward it serves. Losses and every parameter's
 gradient must be bitwise equal. A control runs the eager reference twice: if the device is
 not deterministic for this model, bitwise equality cannot be asked, and the check says so.
@@ -44,7 +44,7 @@ def _eager(model: torch.nn.Module, inputs: tuple, m: int) -> tuple[list[torch.Te
 
 
 def _rewritten(model: torch.nn.Module, compiled: Any, batch: dict, m: int) -> tuple[list, dict]:
-    from lynx.runtime import run_local
+    from lynx.testing import run_local
 
     model.zero_grad(set_to_none=True)
     plan = compiled.plan

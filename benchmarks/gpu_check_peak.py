@@ -59,7 +59,8 @@ def run_stage_alone(stage: Any, plan: Any, stage_index: int, batch: dict, grads:
     Returns, after each action, the allocator's bytes above ``baseline`` (0 on the CPU) and
     the meter's live bytes.
     """
-    from lynx.runtime import backward_step, forward_step, stage_actions
+    from lynx.planner.schedule import stage_actions
+    from lynx.runtime.step import backward_step, forward_step
 
     schedule = plan.stage_schedule(stage_index)
     flights: dict[int, Any] = {}
@@ -86,7 +87,7 @@ def run_stage_alone(stage: Any, plan: Any, stage_index: int, batch: dict, grads:
 def _sent_grads(stage: Any, batch: dict, device: torch.device) -> list:
     """Fixed gradients for the values stage 0 sends (shapes from one forward, then its backward,
     so nothing of it stays alive: saved tensors a pack hook kept can form reference cycles)."""
-    from lynx.runtime import backward_step, forward_step
+    from lynx.runtime.step import backward_step, forward_step
 
     flight = forward_step(stage, 0, batch, [])
     gen = torch.Generator(device=device).manual_seed(1)

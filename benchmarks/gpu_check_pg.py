@@ -1,10 +1,11 @@
 """Check 6 of ``gpu_check.py``: a 2-process pipeline run, on the one GPU if NCCL allows it.
 
-``lynx.runtime.spawn`` starts 2 ranks (pp 2) of the small GPT under a Lynx plan that
-recomputes (``full``); each rank picks its backend as ``lynx.runtime`` always does
-(``select_backend``: NCCL and ``cuda:<local rank mod GPUs>`` where CUDA is available). Both
-ranks' losses and gradients must equal, bitwise, the single-process reference
-(``run_local`` over the same stages, each stage's RNG seeded as its rank's).
+``lynx.testing.spawn_world`` starts 2 ranks (pp 2) of the small GPT, each training one step of
+a Lynx plan that recomputes (``full``) through ``lynx.runtime.Pipeline``; each rank picks its
+backend as ``lynx.runtime`` always does (``select_backend``: NCCL and ``cuda:<local rank mod
+GPUs>`` where CUDA is available). Both ranks' losses and gradients must equal, bitwise, the
+single-process reference (``lynx.testing.run_local`` over the same stages, each stage's RNG
+seeded as its rank's, each microbatch's loss scaled by 1/m as the Pipeline does).
 
 On one GPU both ranks land on ``cuda:0`` and NCCL is expected to refuse the communicator
 ("Duplicate GPU detected"): one GPU cannot hold two NCCL ranks. The refusal is recorded as
@@ -50,26 +51,48 @@ def _build(seq: int) -> Any:
     return functools.partial(lynx.models.build_preset, "gpt-tiny", device="cpu", dropout=0.1, seq=seq, microbatch=1)
 
 
-def _split(env: Env, pp: int, seq: int) -> tuple[list[list[str]], list[Any], Any]:
-    from lynx.rewrite import stage_node_lists
-    from lynx.runtime import TokenBatches
+def _split(env: Env, pp: int, seq: int) -> tuple[Any, Any, Any]:
+    """The plan (``full``), its compile settings and the token batches."""
+    from lynx.testing import TokenBatches
 
     torch.manual_seed(SEED)
     model, inputs = _build(seq)()
     compiled = compiled_for(model, inputs, env, pp=pp, microbatches=M, solver="full")
-    nodes = stage_node_lists(compiled.plan, compiled.analysis.graph)
-    schedules = [compiled.plan.stage_schedule(s) for s in range(pp)]
-    names = tuple(compiled.analysis.captured.input_names)
-    return nodes, schedules, TokenBatches(names, model.config.vocab_size, batch=1, seq=seq, seed=SEED)
+    return compiled.plan, compiled.config, TokenBatches(model.config.vocab_size, batch=1, seq=seq, seed=SEED)
+
+
+def _rank(seq: int, split: tuple) -> dict[str, Any]:
+    """One rank: the model built on this rank's device, one Pipeline step of the plan."""
+    from lynx.runtime.topology import rank_device, rank_seed
+    from lynx.testing import captured_with_plan
+
+    plan, config, batches = split
+    device = rank_device()   # CUDA under NCCL: the model moves before it is captured
+    torch.manual_seed(SEED)
+    model, inputs = _build(seq)()
+    model = model.to(device).train()
+    inputs = tuple(x.to(device) for x in inputs)
+    pipe = lynx.runtime.Pipeline(captured_with_plan(model, inputs, plan, config), exit_on_error=False,
+                                 timeout_s=60)
+    torch.manual_seed(rank_seed(SEED, pipe.stage_index, 0))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    pipe.step(*batches(0, 1, M))
+    stats = pipe.last_stats
+    out = {"rank": pipe.rank, "stage": pipe.stage_index, "losses": stats.losses,
+           "cuda_max_memory_allocated": stats.cuda_max_memory_allocated,
+           "grads": {n: p.grad.detach().cpu() for n, p in pipe.named_parameters() if p.grad is not None}}
+    pipe.close()
+    return out
 
 
 def _reference(pp: int, seq: int, split: tuple, device: torch.device) -> tuple[list[float], dict[str, torch.Tensor]]:
     """``run_local`` over the same stages, each stage seeded as its rank: losses and gradients."""
-    from lynx.rewrite import build_stages
-    from lynx.runtime import run_local
-    from lynx.runtime.launch import rank_seed
+    from lynx.rewrite import build_stages, stage_node_lists
+    from lynx.runtime.topology import rank_seed
+    from lynx.testing import run_local
 
-    nodes, schedules, batches = split
+    plan, _config, batches = split
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: the same kernels, the same rounding
     try:
@@ -77,9 +100,13 @@ def _reference(pp: int, seq: int, split: tuple, device: torch.device) -> tuple[l
         model, inputs = _build(seq)()
         model = model.to(device).train()
         inputs = tuple(x.to(device) for x in inputs)
-        stages = build_stages(lynx.capture(model, inputs).gm, nodes, [s.dropped for s in schedules])
-        data = [{k: v.to(device) for k, v in mb.items()} for mb in batches(0, 0, M)]
-        losses = run_local(stages, data, schedule="1f1b", stage_seeds=[rank_seed(SEED, s, 0) for s in range(pp)])
+        captured = lynx.capture(model, inputs)
+        stages = build_stages(captured.gm, stage_node_lists(plan),
+                              [plan.stage_schedule(s).dropped for s in range(pp)])
+        data = [{k: v.to(device) for k, v in zip(captured.input_names, batches.microbatch(0, 0, j))}
+                for j in range(M)]
+        losses = run_local(stages, data, schedule="1f1b", stage_seeds=[rank_seed(SEED, s, 0) for s in range(pp)],
+                           loss_scale=1.0 / M)
         return [float(x) for x in losses], {n: p.grad.detach().cpu() for n, p in model.named_parameters()
                                             if p.grad is not None}
     finally:
@@ -103,14 +130,11 @@ def _cuda_hidden(hide: bool):
 
 
 def _spawn(pp: int, seq: int, split: tuple, *, hide_cuda: bool) -> tuple[list[Any], float]:
-    from lynx.runtime import RuntimeConfig, WorkerSpec, spawn
+    from lynx.testing import spawn_world
 
-    nodes, schedules, batches = split
-    spec = WorkerSpec(build=_build(seq), pp=pp, stage_nodes=nodes, schedules=schedules, batches=batches, seed=SEED,
-                      return_grads=True, runtime=RuntimeConfig(schedule="1f1b", microbatches=M, timeout_s=60))
     start = time.perf_counter()
     with _cuda_hidden(hide_cuda):
-        results = spawn(spec, timeout_s=180)
+        results = spawn_world(_rank, pp, seq, split, timeout_s=180)
     return results, time.perf_counter() - start
 
 
@@ -120,11 +144,10 @@ def _judge(results: list[Any], ref: tuple, seconds: float, what: str) -> Part:
     losses: list[float] = []
     peaks = {}
     for r in results:
-        stats, rank_grads = r.runs[0]
-        grads.update({n: g.cpu() for n, g in rank_grads.items()})
-        if r.stage == len(results) - 1:
-            losses = stats[0].losses
-        peaks[r.rank] = stats[0].cuda_max_memory_allocated
+        grads.update(r["grads"])
+        if r["stage"] == len(results) - 1:
+            losses = r["losses"]
+        peaks[r["rank"]] = r["cuda_max_memory_allocated"]
     differ = sorted(n for n in ref_grads if n not in grads or not torch.equal(grads[n], ref_grads[n]))
     ok = losses == ref_losses and not differ and set(grads) == set(ref_grads)
     figure = {"ranks": len(results), "seconds": seconds, "losses": losses, "losses_equal": losses == ref_losses,

@@ -54,7 +54,7 @@ LAUNCH_BOUND_BAR = 1.25
 
 
 def _step(stage: Any, batch: dict) -> Any:
-    from lynx.runtime import backward_step, forward_step
+    from lynx.runtime.step import backward_step, forward_step
 
     def run() -> None:
         flight = forward_step(stage, 0, batch, [])

@@ -63,8 +63,6 @@ from overlap_setup import (
     token_batches,
 )
 
-from lynx.rewrite.stage import StageModule
-
 VARIANTS = ("none", "checkpoint", "on-demand", "lynx")
 
 
@@ -72,11 +70,10 @@ VARIANTS = ("none", "checkpoint", "on-demand", "lynx")
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from lynx.frontend.capture import capture
+    import lynx
     from lynx.plan import StageSchedule
     from lynx.rewrite.build import split_cached
-    from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig
-    from lynx.runtime.topology import make_topology
+    from lynx.testing import with_stages
 
     torch.set_num_threads(1)
     spec = json.loads(Path(args.spec).read_text())
@@ -90,67 +87,72 @@ def worker(args: argparse.Namespace) -> None:
         0, {cores[rank % len(cores)] if world <= len(cores) else cores[rank // spec["dp"] % len(cores)]}
     )
     renice_session(spec["nice"])
-    dist.init_process_group("gloo")
-    topo = make_topology(spec["pp"], spec["dp"])
+    dist.init_process_group("gloo")   # the script's: four Pipelines share it
     model, inputs = build_model()
     model.train()
-    captured = capture(model, inputs)
-    parts = split_cached(captured.gm, spec["nodes"])
-    s = topo.stage
-    sched = spec["schedules"][s]
-    schedule = StageSchedule(
-        dropped=frozenset(sched["dropped"]),
-        prefetch={int(j): [(w, n) for w, n in v] for j, v in sched["prefetch"].items()},
-    )
-    stages = {
-        "none": StageModule(parts[s]),
-        "checkpoint": CheckpointStage(parts[s], schedule.dropped) if schedule.dropped else StageModule(parts[s]),
-        "on-demand": StageModule(parts[s], schedule.dropped),
-        "lynx": StageModule(parts[s], schedule.dropped),
-    }
-    m = spec["microbatches"]
-    base = {
-        "schedule": spec["schedule"],
-        "microbatches": m,
-        "timeout_s": 300,
-        "bucket_bytes": 256 << 10,
-        "trace": spec.get("trace", False),
-    }
+    # every variant runs the same split through lynx.runtime.Pipeline; the plans differ
+    base = lynx.compile(model, inputs, pp=spec["pp"], dp=spec["dp"], microbatches=spec["microbatches"],
+                        solver="none", hardware="cpu-local", memory_budget=1 << 40)
+    schedules = [
+        StageSchedule(dropped=frozenset(sch["dropped"]),
+                      prefetch={int(j): [(w, n) for w, n in v] for j, v in sch["prefetch"].items()})
+        for sch in spec["schedules"]
+    ]
+    keep = [StageSchedule(dropped=frozenset()) for _ in schedules]
+    hand = with_stages(base, schedules, stage_nodes=spec["nodes"], schedule=spec["schedule"])
+    plain = with_stages(base, keep, stage_nodes=spec["nodes"], schedule=spec["schedule"])
+    parts = split_cached(base.analysis.captured.gm, spec["nodes"])
     optimizer = None
+    common = {"timeout_s": 300, "bucket_bytes": 256 << 10, "trace": spec.get("trace", False), "exit_on_error": False}
+    none = lynx.runtime.Pipeline(plain, **common)
+    topo = none.topology
+    s = topo.stage
+    # torch.utils.checkpoint around the same drops, as this rank's stage
+    baseline = CheckpointStage(parts[s], schedules[s].dropped) if schedules[s].dropped else None
+    pipes = {
+        "none": none,
+        "checkpoint": lynx.runtime.Pipeline(hand, prefetch=False, stage=baseline, **common),
+        "on-demand": lynx.runtime.Pipeline(hand, prefetch=False, **common),
+        "lynx": lynx.runtime.Pipeline(hand, **common),
+    }
     if spec["optimizer"] == "lion" and topo.dp > 1:
         from lynx.optim import DistributedLion
 
         optimizer = DistributedLion(
             list(parts[s].gm.parameters()), lr=1e-5, process_group=topo.dp_group, bucket_bytes=256 << 10
         )
-    runners = {
-        v: PipelineRunner(
-            stages[v],
-            topo,
-            RuntimeConfig(**base, prefetch=v == "lynx"),
-            schedule=schedule if v != "none" else None,
-            optimizer=optimizer,
-        )
-        for v in VARIANTS
-    }
+        for pipe in pipes.values():
+            pipe.use_optimizer(optimizer)   # buckets sent during the last backward; step() finishes them
     torch.manual_seed(1009 * topo.dp_rank + s)  # each rank its own dropout stream
     rows = []
     block = spec.get("block", 0)
+    m = spec["microbatches"]
     for rep in range(spec["reps"] + 1):  # rep 0 warms up
         order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]  # rotate: no fixed order
-        batches = token_batches(captured.input_names, rep, topo.dp_rank, m)
+        parts_of_step = [mb for d in range(topo.dp) for mb in token_batches(base.analysis.captured.input_names,
+                                                                             rep, d, m)]
+        batch = [torch.cat([mb[n] for mb in parts_of_step]) for n in base.analysis.captured.input_names]
         for variant in order:
             # with blocks, a variant's first step (after another variant's) is not timed: what a
             # step leaves behind (allocator, caches) then comes from the same variant, as in training
             for i in range(block + 1):
                 dist.barrier()
-                stats = runners[variant].step(batches)
+                pipes[variant].step(*batch)
+                stats = pipes[variant].last_stats
+                if optimizer is not None:   # the step as before: the compressed optimizer's update included
+                    t0 = time.perf_counter()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    stats.step_s += time.perf_counter() - t0
+                    stats.wait_sync_s += time.perf_counter() - t0
                 if rep > 0 and (block == 0 or i > 0):
                     rows.append({"variant": variant, "rep": rep, "i": i, **stats.as_dict()})
     gathered: list = [None] * topo.world
     dist.all_gather_object(gathered, rows)
     if topo.rank == 0:
         print("LYNX_RESULT " + json.dumps([r for rank_rows in gathered for r in rank_rows]))
+    for pipe in pipes.values():
+        pipe.close()
     dist.destroy_process_group()
 
 

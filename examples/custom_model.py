@@ -119,7 +119,7 @@ def budget_forcing_recompute(graph, config: lynx.CompileConfig) -> int:
 
 def plan_and_check(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> lynx.Plan:
     """Steps 4–5: plan for 2 stages, run the rewritten stages, compare gradients bitwise."""
-    from lynx.runtime.local import run_local
+    from lynx.testing import run_local
 
     config = lynx.CompileConfig(pp=2, microbatches=MICROBATCHES, hardware="cpu-local", solver="heu")
     probe = lynx.compile(model, inputs, config.replace(solver="none"))

@@ -271,7 +271,7 @@ def setup(args: argparse.Namespace) -> Setup:
     saved_config = Plan.load(args.plan).config if args.plan is not None else None
     pp, dp = mesh_from_env(args, saved_config)
     if "MASTER_ADDR" not in os.environ:  # plain `python train_gpt.py --pp 1`: a world of one
-        from lynx.runtime.launch import free_port
+        from lynx.runtime.topology import free_port
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     cuda = torch.cuda.is_available()
@@ -309,7 +309,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from lynx.data import StdlibBatches
     from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
     from lynx.runtime.rank_state import pipeline_state
-    from lynx.runtime.worker import rank_seed
+    from lynx.runtime.topology import rank_seed
 
     run = setup(args)
     m, rank = run.settings["microbatches"], dist.get_rank()

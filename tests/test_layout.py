@@ -115,3 +115,21 @@ def test_every_package_says_what_it_holds() -> None:
         assert doc and len(doc) > 80, (
             f"{init.relative_to(ROOT.parent)} needs a docstring: what it holds, what it imports"
         )
+
+
+def test_only_the_harness_imports_the_harness() -> None:
+    """The test harness (spawned worlds, token batches, hand plans, the reference executor) lives
+    in ``lynx.testing``; the library itself never depends on it."""
+    inside = {m for m in GRAPH if m == "lynx.testing" or m.startswith("lynx.testing.")}
+    offenders = sorted(m for m in GRAPH if m not in inside and set(GRAPH.successors(m)) & inside)
+    assert not offenders, f"modules outside lynx/testing import the harness: {offenders}"
+
+
+def test_runtime_exports_what_a_training_script_calls() -> None:
+    """One driver (``Pipeline``) and what a training loop around it uses; no harness, no runner."""
+    import lynx.runtime
+
+    assert "Pipeline" in lynx.runtime.__all__ and len(lynx.runtime.__all__) <= 12, lynx.runtime.__all__
+    assert not {"StageRunner", "spawn", "run_local", "WorkerSpec"} & set(lynx.runtime.__all__)
+    for name in lynx.runtime.__all__:
+        assert getattr(lynx.runtime, name) is not None

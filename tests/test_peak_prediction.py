@@ -27,7 +27,7 @@ import torch
 
 import lynx
 from lynx.rewrite import StageModule, build_stage_module, split_graph
-from lynx.runtime.local import run_local
+from lynx.testing import run_local
 
 SOLVERS = ["none", "full", "selective", "checkmate", "heu", "opt"]
 M = 4

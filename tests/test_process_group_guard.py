@@ -6,7 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-from lynx.runtime.launch import free_port
+from lynx.runtime.topology import free_port
 
 SCRIPT = textwrap.dedent("""
     import sys

@@ -12,7 +12,7 @@ from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.models import build_preset
 from lynx.rewrite import build_stage_module, build_stages
 from lynx.rewrite.split import op_nodes
-from lynx.runtime.local import run_local
+from lynx.testing import run_local
 
 MICROBATCHES = 2
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lynx
-from lynx.runtime.local import run_local
+from lynx.testing import run_local
 
 SOLVERS = ["none", "full", "selective", "checkmate", "heu", "opt"]
 M = 2

@@ -11,7 +11,7 @@ from lynx.planner.problems import build_pipeline, build_problems, static_bytes
 from lynx.planner.synthetic import synthetic_graph
 from lynx.planner.simulator import simulate_assignments
 from lynx.solvers.problem import Assignment
-from lynx.planner.timeline import Loads, Pipeline, run_timeline
+from lynx.planner.timeline import Loads, PipelineCosts, run_timeline
 
 
 def _setup(pp: int = 2, m: int = 4, layers: int = 4, schedule: str = "1f1b", comm: CommModel | None = None):
@@ -28,8 +28,8 @@ def _layer_nodes(problem):
 
 def test_full_recompute_adds_one_forward_per_layer_closed_form() -> None:
     p, m, F, B = 4, 8, 1.0, 2.0
-    base = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=F, backward_s=B))
-    full = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=F, backward_s=B),
+    base = run_timeline(PipelineCosts.uniform(pp=p, microbatches=m, forward_s=F, backward_s=B))
+    full = run_timeline(PipelineCosts.uniform(pp=p, microbatches=m, forward_s=F, backward_s=B),
                         Loads(on_demand={(c, j, c): F for c in range(p) for j in range(m)}))
     assert base.step_time_s == pytest.approx((m + p - 1) * (F + B))
     assert full.step_time_s == pytest.approx((m + p - 1) * (F + F + B))
@@ -69,7 +69,7 @@ def test_recompute_in_a_large_enough_window_is_hidden() -> None:
 
 
 def test_window_overflow_extends_the_backward_and_shifts_downstream() -> None:
-    pipe = Pipeline.uniform(pp=2, microbatches=4, forward_s=1.0, backward_s=2.0)
+    pipe = PipelineCosts.uniform(pp=2, microbatches=4, forward_s=1.0, backward_s=2.0)
     base = run_timeline(pipe)
     cap = base.window("s0.recv_grad.mb0").capacity_s
     over = run_timeline(pipe, Loads(window={"s0.recv_grad.mb0": cap + 0.5}))
@@ -82,7 +82,7 @@ def test_window_overflow_extends_the_backward_and_shifts_downstream() -> None:
 
 
 def test_unknown_window_is_refused() -> None:
-    pipe = Pipeline.uniform(pp=2, microbatches=4, forward_s=1.0, backward_s=2.0)
+    pipe = PipelineCosts.uniform(pp=2, microbatches=4, forward_s=1.0, backward_s=2.0)
     with pytest.raises(LynxPlanError, match="does not have"):
         run_timeline(pipe, Loads(window={"s7.recv_grad.mb99": 1.0}))
 

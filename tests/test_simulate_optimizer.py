@@ -1,4 +1,4 @@
-"""The simulated step ends each device's step with its optimizer step (``Pipeline.optimizer_s``),
+"""The simulated step ends each device's step with its optimizer step (``PipelineCosts.optimizer_s``),
 after its last gradient and data-parallel exchange; ``build_pipeline`` fills it from the
 hardware (``lynx.planner.cost.optimizer_step_s`` over the device's parameters)."""
 
@@ -14,11 +14,11 @@ from lynx.planner.comm import CommModel
 from lynx.units import dtype_bytes
 from lynx.planner.problems import build_pipeline
 from lynx.planner.synthetic import synthetic_graph
-from lynx.planner.timeline import Pipeline, run_timeline
+from lynx.planner.timeline import PipelineCosts, run_timeline
 
 
 def test_optimizer_step_closes_every_device_step() -> None:
-    base = Pipeline.uniform(pp=2, microbatches=4, forward_s=1.0, backward_s=2.0)
+    base = PipelineCosts.uniform(pp=2, microbatches=4, forward_s=1.0, backward_s=2.0)
     with_opt = dataclasses.replace(base, optimizer_s=(0.5, 0.25))
     t0, t1 = run_timeline(base), run_timeline(with_opt)
     assert t1.device_end_s == pytest.approx([t0.device_end_s[0] + 0.5, t0.device_end_s[1] + 0.25])

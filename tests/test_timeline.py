@@ -10,12 +10,12 @@ from lynx.planner.partition import balanced_boundaries, partition_graph
 from lynx.planner.problems import build_pipeline
 from lynx.planner.synthetic import synthetic_graph
 from lynx.planner.schedule import schedule_order
-from lynx.planner.timeline import Pipeline, run_timeline
+from lynx.planner.timeline import PipelineCosts, run_timeline
 
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (4, 16), (8, 8), (8, 32), (3, 7)])
 def test_1f1b_bubble_fraction_closed_form(p: int, m: int) -> None:
-    t = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0))
+    t = run_timeline(PipelineCosts.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0))
     assert t.step_time_s == pytest.approx((m + p - 1) * 3.0)
     for s in range(p):
         assert t.bubble_fraction(s) == pytest.approx((p - 1) / (m + p - 1))
@@ -23,21 +23,21 @@ def test_1f1b_bubble_fraction_closed_form(p: int, m: int) -> None:
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 2), (8, 3), (2, 5)])
 def test_in_flight_gpipe_holds_m_and_1f1b_min_p_minus_s_m(p: int, m: int) -> None:
-    gpipe = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0, schedule="gpipe"))
-    one_f_one_b = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0))
+    gpipe = run_timeline(PipelineCosts.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0, schedule="gpipe"))
+    one_f_one_b = run_timeline(PipelineCosts.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0))
     assert gpipe.in_flight == [m] * p
     assert one_f_one_b.in_flight == [min(p - s, m) for s in range(p)]
 
 
 def test_gpipe_step_time_closed_form() -> None:
-    t = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, schedule="gpipe"))
+    t = run_timeline(PipelineCosts.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, schedule="gpipe"))
     # forwards fill in (m + p - 1)·F, backwards drain in (m + p - 1)·B
     assert t.step_time_s == pytest.approx((8 + 3) * 1.0 + (8 + 3) * 2.0)
 
 
 def test_every_action_runs_once_after_its_dependencies() -> None:
     for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved1f1b", 2), ("interleaved1f1b", 3)):
-        pipe = Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, schedule=schedule,
+        pipe = PipelineCosts.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, schedule=schedule,
                                 virtual=v, p2p_s=0.25)
         t = run_timeline(pipe)
         ends = {(a.kind, a.chunk, a.microbatch): a for acts in t.actions for a in acts}
@@ -53,8 +53,8 @@ def test_every_action_runs_once_after_its_dependencies() -> None:
 
 def test_interleaved_has_smaller_bubble_than_1f1b() -> None:
     # same total work per device: 2 chunks of half the cost each
-    plain = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0))
-    inter = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=0.5, backward_s=1.0,
+    plain = run_timeline(PipelineCosts.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0))
+    inter = run_timeline(PipelineCosts.uniform(pp=4, microbatches=8, forward_s=0.5, backward_s=1.0,
                                           schedule="interleaved1f1b", virtual=2))
     assert inter.step_time_s < plain.step_time_s
     assert inter.bubble_s[0] == pytest.approx(plain.bubble_s[0] / 2)
@@ -62,7 +62,7 @@ def test_interleaved_has_smaller_bubble_than_1f1b() -> None:
 
 def test_balanced_1f1b_fast_links_windows_are_exactly_the_bubble() -> None:
     p, m, F = 4, 8, 1.0
-    t = run_timeline(Pipeline.uniform(pp=p, microbatches=m, forward_s=F, backward_s=2.0))
+    t = run_timeline(PipelineCosts.uniform(pp=p, microbatches=m, forward_s=F, backward_s=2.0))
     for s in range(p):
         mine = [w for w in t.windows if w.device == s]
         # idle time no recomputation can use: the wait for microbatch 0's activation (s·F)
@@ -76,8 +76,8 @@ def test_balanced_1f1b_fast_links_windows_are_exactly_the_bubble() -> None:
 
 
 def test_slow_links_add_a_wait_before_steady_state_backwards() -> None:
-    fast = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0))
-    slow = run_timeline(Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, p2p_s=0.5))
+    fast = run_timeline(PipelineCosts.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0))
+    slow = run_timeline(PipelineCosts.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0, p2p_s=0.5))
     steady = range(2, 5)  # after the first backward, before the cool-down
     fast_waits = {w.microbatch for w in fast.windows if w.device == 0 and w.kind == "recv_grad"}
     slow_waits = {w.microbatch: w.capacity_s for w in slow.windows if w.device == 0 and w.kind == "recv_grad"}

@@ -38,7 +38,7 @@ from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.graph_schema import check_graph
 from lynx.planner.problems import build_pipeline, build_problems, decisions_from_assignment, static_breakdown
 from lynx.planner.simulator import SimResult, simulate_assignments
-from lynx.planner.timeline import Pipeline, run_timeline
+from lynx.planner.timeline import PipelineCosts, run_timeline
 from lynx.solvers.problem import StageProblem, exposed_recompute_s
 from lynx.solvers.setup import REGISTRY, prepare, setup_seconds
 from lynx.solvers.validate import validate
@@ -63,7 +63,7 @@ class PlanOutcome:
 
     plan: Optional[Plan]
     sim: SimResult
-    pipeline: Pipeline
+    pipeline: PipelineCosts
     problems: list[StageProblem]
     results: list[Any]
     search_time_s: float
@@ -85,7 +85,7 @@ def plan_graph(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommM
 
 def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommModel] = None,
                        solve: Optional[Callable[..., Any]] = None, progress: Optional[Callable[[str], None]] = None,
-                       check_budget: bool = True, pipeline: Optional[Pipeline] = None,
+                       check_budget: bool = True, pipeline: Optional[PipelineCosts] = None,
                        assemble: bool = True) -> PlanOutcome:
     """:func:`plan_graph` returning the pipeline, problems, simulation and phase times as well
     (``assemble=False``: no Plan object, for benchmarks that only need the figures)."""
@@ -173,7 +173,7 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
                        search_time_s=search_time, iterations=iterations, phases=phases)
 
 
-def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: Pipeline, problems: list[StageProblem],
+def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, problems: list[StageProblem],
               results: list[Any], sim: SimResult, search_time: float, iterations: int) -> Plan:
     blocks = graph.graph["blocks"]
     record = config.record()
@@ -253,7 +253,7 @@ def _static_message(config: CompileConfig, budget: int, breakdown: list[dict[str
             f"memory_budget above {format_size(need)}, raise pp or tp, or use optimizer='demo' or 'lion'.")
 
 
-def _budget_message(graph: nx.DiGraph, pipe: Pipeline, config: CompileConfig, problems: list[StageProblem],
+def _budget_message(graph: nx.DiGraph, pipe: PipelineCosts, config: CompileConfig, problems: list[StageProblem],
                     sim: SimResult, breakdown: list[dict[str, int]], solve: Callable[..., Any]) -> str:
     """Say what the leanest plan needs per stage and what dominates it."""
     peaks = list(sim.peak_memory_bytes)

@@ -1,4 +1,4 @@
-"""From a contract graph and a config to the planning inputs: the :class:`~lynx.planner.timeline.Pipeline`,
+"""From a contract graph and a config to the planning inputs: the :class:`~lynx.planner.timeline.PipelineCosts`,
 static memory per stage, and one :class:`~lynx.solvers.problem.StageProblem` per stage built
 from a replayed timeline; and back from solver assignments to plan decisions.
 
@@ -27,7 +27,7 @@ from lynx.planner.partition import block_costs, partition_graph, static_bytes_pe
 from lynx.units import dtype_bytes
 from lynx.plan import Decision
 from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem
-from lynx.planner.timeline import Loads, Pipeline, Timeline
+from lynx.planner.timeline import Loads, PipelineCosts, Timeline
 
 __all__ = [
     "build_pipeline",
@@ -43,7 +43,7 @@ __all__ = [
 
 def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: str = "1f1b",
                    virtual: int = 1, tp: int = 1, optimizer: str = "adamw",
-                   comm: Optional[CommModel] = None, hardware: Any = None, dp: int = 1) -> Pipeline:
+                   comm: Optional[CommModel] = None, hardware: Any = None, dp: int = 1) -> PipelineCosts:
     """Partition ``graph`` into balanced chunks and cost every block and boundary."""
     if comm is None:
         if hardware is None:
@@ -70,11 +70,11 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
         optimizer_s = tuple(optimizer_step_s(sum(costs[b].param_bytes for c in chunks if c.device == s
                                                  for b in c.blocks) // size, optimizer, hardware)
                             for s in range(pp))
-    return Pipeline(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
+    return PipelineCosts(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
                     costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s)
 
 
-def static_breakdown(graph: nx.DiGraph, pipe: Pipeline, *, optimizer: str) -> list[dict[str, int]]:
+def static_breakdown(graph: nx.DiGraph, pipe: PipelineCosts, *, optimizer: str) -> list[dict[str, int]]:
     """Per device: bytes of weights, gradients and optimizer state (mixed precision, ÷ tp)."""
     size = dtype_bytes(graph.graph.get("dims", {}).get("dtype"))
     per_param = static_bytes_per_param(optimizer, size)
@@ -87,18 +87,18 @@ def static_breakdown(graph: nx.DiGraph, pipe: Pipeline, *, optimizer: str) -> li
     return out
 
 
-def static_bytes(graph: nx.DiGraph, pipe: Pipeline, *, optimizer: str) -> list[int]:
+def static_bytes(graph: nx.DiGraph, pipe: PipelineCosts, *, optimizer: str) -> list[int]:
     """Per device: static memory (weights + gradients + optimizer state)."""
     return [sum(parts.values()) for parts in static_breakdown(graph, pipe, optimizer=optimizer)]
 
 
-def stage_nodes(graph: nx.DiGraph, pipe: Pipeline, device: int) -> list[str]:
+def stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, device: int) -> list[str]:
     """The device's nodes in forward order (its chunks in pipeline order)."""
     blocks = graph.graph["blocks"]
     return [n for c in pipe.device_chunks(device) for b in c.blocks for n in blocks[b]["nodes"]]
 
 
-def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, budget_bytes: int,
+def build_problems(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, *, budget_bytes: int,
                    static: list[int], tp: int = 1, previous: Optional[list[StageProblem]] = None) -> list[StageProblem]:
     """One StageProblem per device from the graph and a replayed timeline's windows.
 
@@ -120,7 +120,7 @@ def build_problems(graph: nx.DiGraph, pipe: Pipeline, timeline: Timeline, *, bud
     return problems
 
 
-def _stage_nodes(graph: nx.DiGraph, pipe: Pipeline, s: int, tp: int) -> tuple[tuple[ProblemNode, ...], int]:
+def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tuple[tuple[ProblemNode, ...], int]:
     """Stage ``s``'s nodes as the solvers see them (bytes per tp rank), and what its sends hold
     that no stage saves (per microbatch)."""
     names = stage_nodes(graph, pipe, s)
@@ -184,7 +184,7 @@ def _windows(timeline: Timeline, stage: int) -> tuple[ProblemWindow, ...]:
                  for w in timeline.windows if w.device == stage and w.capacity_s > 1e-12 and w.eligible_layers != ())
 
 
-def loads_from_assignments(graph: nx.DiGraph, pipe: Pipeline, problems: list[StageProblem],
+def loads_from_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: list[StageProblem],
                            assignments: list[Assignment]) -> Loads:
     """The recomputation seconds each assignment places in windows and on demand."""
     chunk_of_block = {b: c.index for c in pipe.chunks for b in c.blocks}

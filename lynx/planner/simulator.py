@@ -44,7 +44,7 @@ from lynx.planner.problems import (
 from lynx.solvers.problem import Assignment, StageProblem
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.validate import validate
-from lynx.planner.timeline import Pipeline, Timeline, run_timeline
+from lynx.planner.timeline import PipelineCosts, Timeline, run_timeline
 
 __all__ = ["SimResult", "simulate_assignments", "simulate", "config_from_record"]
 
@@ -79,7 +79,7 @@ class SimResult:
         return self.hidden_recompute_s / self.recompute_s if self.recompute_s > 0 else 1.0
 
 
-def simulate_assignments(graph: nx.DiGraph, pipe: Pipeline, problems: list[StageProblem],
+def simulate_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: list[StageProblem],
                          assignments: list[Assignment], *, static: list[int], budget_bytes: int,
                          check: bool = True, record: bool = True) -> SimResult:
     """Replay per-stage assignments on ``pipe``; ``check`` validates each against its problem;

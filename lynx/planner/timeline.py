@@ -8,14 +8,14 @@ interval a device waits: ``recv_grad`` before a backward, ``recv_act`` before a 
 serves the next backward whose forward is done), the ``tp_allreduce`` of each layer's
 backward (serving layers not yet backpropagated) and the ``dp_collective`` tail after a
 device's last backward. Each device's step ends with its optimizer step
-(``Pipeline.optimizer_s``), after its last gradient and data-parallel exchange. Windows are
+(``PipelineCosts.optimizer_s``), after its last gradient and data-parallel exchange. Windows are
 named by their place in the schedule, not their time, so the same ids exist in every replay
 and a plan made on one replay can be scored on another.
 
 Example::
 
-    >>> from lynx.planner.timeline import Pipeline, run_timeline
-    >>> pipe = Pipeline.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0)
+    >>> from lynx.planner.timeline import PipelineCosts, run_timeline
+    >>> pipe = PipelineCosts.uniform(pp=4, microbatches=8, forward_s=1.0, backward_s=2.0)
     >>> t = run_timeline(pipe)
     >>> t.step_time_s == (8 + 4 - 1) * 3.0
     True
@@ -32,13 +32,13 @@ from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.partition import BlockCost, Chunk
 from lynx.planner.schedule import dp_window_id, recv_window_id, schedule_order, tp_window_id
 
-__all__ = ["Pipeline", "Loads", "TimedAction", "Window", "Segment", "Timeline", "run_timeline"]
+__all__ = ["PipelineCosts", "Loads", "TimedAction", "Window", "Segment", "Timeline", "run_timeline"]
 
 _EPS = 1e-12
 
 
 @dataclass(frozen=True)
-class Pipeline:
+class PipelineCosts:
     """Everything the timeline needs: chunks, per-block costs, p2p times, schedule."""
 
     pp: int
@@ -52,13 +52,13 @@ class Pipeline:
 
     @staticmethod
     def uniform(*, pp: int, microbatches: int, forward_s: float, backward_s: float,
-                schedule: str = "1f1b", p2p_s: float = 0.0, tp_s: float = 0.0, virtual: int = 1) -> "Pipeline":
+                schedule: str = "1f1b", p2p_s: float = 0.0, tp_s: float = 0.0, virtual: int = 1) -> "PipelineCosts":
         """``pp × virtual`` chunks of one layer each with the given costs (closed-form checks)."""
         n = pp * virtual
         chunks = tuple(Chunk(index=c, device=c % pp, blocks=(c,), layers=(c,)) for c in range(n))
         costs = tuple(BlockCost(block=c, name=f"layer{c}", layer=c, forward_s=forward_s, backward_s=backward_s,
                                 tp_forward_s=tp_s, tp_backward_s=tp_s, param_bytes=0, dp_s=0.0) for c in range(n))
-        return Pipeline(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks, costs=costs,
+        return PipelineCosts(pp=pp, microbatches=microbatches, schedule=schedule, chunks=chunks, costs=costs,
                         boundary_s=tuple([p2p_s] * max(0, n - 1)), virtual=virtual)
 
     def device_chunks(self, device: int) -> list[Chunk]:
@@ -111,7 +111,7 @@ class Segment:
 
 @dataclass
 class Timeline:
-    pipeline: Pipeline
+    pipeline: PipelineCosts
     actions: list[list[TimedAction]]
     windows: list[Window]
     segments: list[Segment]
@@ -137,7 +137,7 @@ class Timeline:
         raise KeyError(window_id)
 
 
-def run_timeline(pipe: Pipeline, loads: Optional[Loads] = None, *, record: bool = True) -> Timeline:
+def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: bool = True) -> Timeline:
     """Replay one training step; ``loads`` places recomputation (see :class:`Loads`);
     ``record=False`` skips the drawing segments (faster, for planning loops)."""
     replay = _Replay(pipe, loads or Loads(), record)
@@ -157,7 +157,7 @@ class _Replay:
     """The state of one replay: each device runs its actions in order as soon as their input
     (activation or gradient) has arrived; every wait before an action is a window."""
 
-    def __init__(self, pipe: Pipeline, loads: Loads, record: bool) -> None:
+    def __init__(self, pipe: PipelineCosts, loads: Loads, record: bool) -> None:
         self.pipe, self.loads, self.record = pipe, loads, record
         order = schedule_order(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
         self.actions = [[TimedAction(device=s, kind=k, chunk=c, microbatch=j) for k, c, j in acts]
@@ -347,7 +347,7 @@ def _account(segments: Optional[list[Segment]], busy: list[float], exposed: list
     exposed[s] += max(0.0, load - capacity)
 
 
-def _chunk_of_block(pipe: Pipeline, block: int) -> int:
+def _chunk_of_block(pipe: PipelineCosts, block: int) -> int:
     return next(c.index for c in pipe.chunks if block in c.blocks)
 
 
@@ -367,7 +367,7 @@ def _in_flight(actions: list[list[TimedAction]], virtual: int) -> list[int]:
     return result
 
 
-def _eligible_layers(pipe: Pipeline, s: int, upto_chunk: int, below_block: Optional[int]) -> tuple[int, ...]:
+def _eligible_layers(pipe: PipelineCosts, s: int, upto_chunk: int, below_block: Optional[int]) -> tuple[int, ...]:
     """Layers of device s not yet backpropagated: chunks up to ``upto_chunk``, and within it
     the blocks before ``below_block``."""
     layers: list[int] = []

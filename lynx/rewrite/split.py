@@ -56,6 +56,11 @@ class StageGraph:
     spec: StageSpec
     out_spec: Any = None      # the captured module's output pytree (last stage returns it unflattened)
 
+    @property
+    def attr_names(self) -> set[str]:
+        """The parameters and buffers the stage reads (its ``get_attr`` targets), by the model's names."""
+        return {str(n.target) for n in self.gm.graph.nodes if n.op == "get_attr"}
+
 
 def split_graph(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> list[StageGraph]:
     """Split ``gm`` into ``len(stage_nodes)`` stages; ``stage_nodes[s]`` names stage s's op nodes.

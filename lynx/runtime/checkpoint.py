@@ -1,6 +1,6 @@
 """Checkpoints of a pipeline × data-parallel run through ``torch.distributed.checkpoint``.
 
-Every rank writes its :meth:`~lynx.runtime.trainer.RankTrainer.state_dict` under keys of its
+Every rank writes its :meth:`~lynx.runtime.rank_state.RankState.state_dict` under keys of its
 own, ``s{stage}d{dp_rank}/...`` (replicas' optimizer states differ, so nothing is
 de-duplicated): the stage's parameters and buffers and the optimizer's state tensors as
 tensors, the rest (step, param groups, RNG states) as one small object. Rank 0 adds

@@ -2,10 +2,9 @@
 
 :class:`RankState` gathers a rank's stage tensors (parameters and buffers by name, live), its
 optimizer, the next step and, on save, the RNG states (CPU, and CUDA when present);
-:func:`lynx.runtime.checkpoint.save_checkpoint` / ``load_checkpoint`` take it (or a
-:class:`~lynx.runtime.trainer.RankTrainer`, which keeps one). A training script over
-:class:`lynx.runtime.Pipeline` builds one from its pipe and optimizer
-(``examples/train_gpt.py``).
+:func:`lynx.runtime.checkpoint.save_checkpoint` / ``load_checkpoint`` take it. A training
+script over :class:`lynx.runtime.Pipeline` builds one from its pipe and optimizer with
+:func:`pipeline_state` (``examples/train_gpt.py``).
 
 Example::
 
@@ -74,5 +73,4 @@ class RankState:
 
 def pipeline_state(pipe: Any, optimizer: Any) -> RankState:
     """The :class:`RankState` of a :class:`lynx.runtime.Pipeline`'s stage and ``optimizer``."""
-    names = {str(n.target) for n in pipe.stage.gm.graph.nodes if n.op == "get_attr"}
-    return RankState(stage_tensors(pipe.stage, names), optimizer, pipe.topology)
+    return RankState(stage_tensors(pipe.stage, pipe.attr_names), optimizer, pipe.topology)

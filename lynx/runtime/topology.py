@@ -7,7 +7,9 @@ those stages, so their gradient contributions can be summed.
 
 :func:`select_backend` picks the process-group backend and this rank's device: NCCL and
 ``cuda:<local rank>`` where CUDA is available, gloo and the CPU otherwise (one code path for
-both; :func:`lynx.runtime.launch.run_rank` uses it).
+both; :class:`lynx.runtime.Pipeline` uses it). :func:`rank_seed` is the seed each (stage,
+replica) draws its dropout masks from; :func:`free_port` a free TCP port on 127.0.0.1 for a
+job started on this machine.
 
 Example (inside an initialised process group)::
 
@@ -15,6 +17,8 @@ Example (inside an initialised process group)::
     topo.stage, topo.dp_rank, topo.prev_rank, topo.next_rank
     >>> select_backend(0, cuda=False)
     ('gloo', device(type='cpu'))
+    >>> rank_seed(0, stage=1, dp_rank=0), rank_seed(0, stage=0, dp_rank=1)
+    (1, 1009)
 """
 
 from __future__ import annotations
@@ -23,12 +27,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import socket
+
 import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["Topology", "make_topology", "select_backend", "rank_device", "tied_groups"]
+__all__ = ["Topology", "make_topology", "select_backend", "rank_device", "tied_groups", "rank_seed", "free_port"]
+
+
+def rank_seed(seed: int, stage: int, dp_rank: int) -> int:
+    """The RNG seed of the rank running ``stage`` of replica ``dp_rank`` (its dropout draws)."""
+    return seed + 1009 * dp_rank + stage
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a job's store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def select_backend(local_rank: int = 0, *, cuda: bool | None = None) -> tuple[str, torch.device]:
@@ -76,7 +94,7 @@ class Topology:
 def make_topology(pp: int, dp: int = 1, device_type: str = "cpu") -> Topology:
     """This rank's place on a ``(pp, dp)`` mesh over the default process group."""
     if not dist.is_initialized():
-        raise LynxConfigError("torch.distributed is not initialised; launch with torchrun or lynx.runtime.launch")
+        raise LynxConfigError("torch.distributed is not initialised; launch with torchrun")
     world, rank = dist.get_world_size(), dist.get_rank()
     if pp < 1 or dp < 1 or pp * dp != world:
         raise LynxConfigError(f"pp={pp} × dp={dp} must equal the world size {world}")

@@ -1,9 +1,11 @@
-"""``torchrun`` entry: run a planned model across machines (gloo or the env's backend via env://).
+"""``torchrun`` entry: run a saved plan across machines through :class:`lynx.runtime.Pipeline`.
 
-Every rank loads the same plan, builds the same model, checks the plan's fingerprint against
-it (and against rank 0's) before anything runs, then trains ``--steps`` steps of its stage and
-prints its measured statistics beside the plan's predictions (rank 0 prints the table). No
-optimizer, data or checkpoints: for training with those see ``examples/train_gpt.py``.
+Every rank builds the same model (seed 0), compiles it with the plan — refused if the plan
+was made for another model or settings, and checked against rank 0's before anything runs —
+joins the job through :class:`~lynx.runtime.Pipeline`, trains ``--steps`` steps on the model's
+example inputs (no optimizer: the measured step is forward, backward and the gradient sync)
+and rank 0 prints every rank's measured statistics beside the plan's predictions. For
+training with an optimizer, data and checkpoints see ``examples/train_gpt.py``.
 
 Usage::
 
@@ -14,24 +16,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import functools
-import os
 
 import torch
 import torch.distributed as dist
 
-from lynx.runtime.launch import WorkerSpec, run_rank
-from lynx.runtime.pipeline import RuntimeConfig
-from lynx.runtime.stats import format_stats
-
 __all__ = ["main"]
-
-
-def _build(model: str, seq: int | None, microbatch: int | None) -> tuple[torch.nn.Module, tuple]:
-    from lynx.models import resolve_model
-
-    resolved = resolve_model(model, seq=seq, microbatch=microbatch, device="cpu")
-    return resolved.model, resolved.example_inputs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,23 +33,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout-s", type=float, default=120.0)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    import lynx
+    from lynx.config import FINGERPRINT_FIELDS
+    from lynx.models import resolve_model
     from lynx.plan import Plan
+    from lynx.runtime.stats import format_stats
 
+    torch.set_num_threads(args.threads)
     plan = Plan.load(args.plan)
-    cfg = plan.config
-    build = functools.partial(_build, args.model, args.seq, args.microbatch)
-    spec = WorkerSpec(
-        build=build, pp=int(cfg.get("pp", 1)), dp=int(cfg.get("dp", 1)), plan=plan, steps=args.steps,
-        threads=args.threads,
-        runtime=RuntimeConfig(schedule=cfg.get("schedule", "1f1b"), microbatches=int(cfg.get("microbatches", 1)),
-                              timeout_s=args.timeout_s))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result = run_rank(spec, rank, world, init="env://")
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, result.stats[-1])
-    if rank == 0:
-        print(format_stats(gathered, plan))
-    dist.destroy_process_group()
+    torch.manual_seed(0)   # the same weights on every rank
+    resolved = resolve_model(args.model, seq=args.seq, microbatch=args.microbatch, device="cpu")
+    settings = {k: plan.config[k] for k in FINGERPRINT_FIELDS if k in plan.config}
+    compiled = lynx.compile(resolved.model, resolved.example_inputs, plan=plan, **settings)
+    with lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s) as pipe:
+        # the example inputs as every microbatch of every replica
+        repeat = pipe.topology.dp * pipe.microbatches
+        example = resolved.example_inputs
+        named = example if isinstance(example, dict) else {}
+        batch = {k: torch.cat([x] * repeat) if isinstance(x, torch.Tensor) else x for k, x in named.items()}
+        rows = [torch.cat([x] * repeat) if isinstance(x, torch.Tensor) else x for x in ([] if named else example)]
+        for _ in range(args.steps):
+            pipe.step(*rows, **batch)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, pipe.last_stats)
+        if pipe.rank == 0:
+            print(format_stats(gathered, plan))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from lynx.errors import LynxConfigError, LynxFingerprintError
 from lynx.runtime.batching import bind_inputs, check_microbatch, match_layout, split_rows
-from lynx.runtime.pipeline import PipelineRunner, RuntimeConfig
+from lynx.runtime.runner import StageRunner, RuntimeConfig
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import make_topology, select_backend, tied_groups
 
@@ -79,10 +79,16 @@ class Pipeline:
         timeout_s: how long a rank waits for a peer before naming it.
         prefetch: run the plan's window recomputation (False: everything on demand).
         exit_on_error: install :mod:`lynx.runtime.failure_exit` (torchrun scripts).
+        trace: record every action's start and end in ``last_stats.events`` (see ``docs/runtime.md``).
+        bucket_bytes: size of a data-parallel gradient bucket.
+        stage: a module to run as this rank's stage instead of ``compiled.stage(i)``, with the
+            same boundary (``spec``) and :class:`~lynx.rewrite.stage.StageModule`'s methods —
+            e.g. a baseline to measure against (``benchmarks/overlap_cpu.py``).
     """
 
     def __init__(self, compiled: Any, loss_fn: Callable[..., Any] | None = None, *, timeout_s: float = 60.0,
-                 prefetch: bool = True, exit_on_error: bool = True) -> None:
+                 prefetch: bool = True, exit_on_error: bool = True, trace: bool = False,
+                 bucket_bytes: int = 1 << 20, stage: torch.nn.Module | None = None) -> None:
         from lynx.rewrite.build import split_cached, stage_node_lists
         from lynx.runtime.loss import LossSpec
 
@@ -100,17 +106,18 @@ class Pipeline:
         captured = compiled.analysis.captured
         self.input_names = list(captured.input_names)
         self._examples = dict(zip(self.input_names, captured.example_inputs))
-        stage = compiled.stage(topo.stage)
+        stage = compiled.stage(topo.stage) if stage is None else stage
         self.device = _rank_device()
         if any(p.device != self.device for p in stage.parameters()):
             stage.to(self.device)   # the user's parameters: the stage shares them
         self.stage = stage
         self._driven = _LossStage(stage, self.loss) if stage.spec.is_last else stage
         parts = split_cached(captured.gm, stage_node_lists(plan, compiled.analysis.graph))
-        names = [{str(n.target) for n in part.gm.graph.nodes if n.op == "get_attr"} for part in parts]
-        self.tied = tied_groups(topo, names)
+        self.attr_names = parts[topo.stage].attr_names
+        self.tied = tied_groups(topo, [part.attr_names for part in parts])
         self.runtime = RuntimeConfig(schedule=plan.config.get("schedule", "1f1b"), microbatches=m,
-                                     timeout_s=timeout_s, loss_scale=1.0 / m, prefetch=prefetch)
+                                     timeout_s=timeout_s, loss_scale=1.0 / m, prefetch=prefetch, trace=trace,
+                                     bucket_bytes=bucket_bytes)
         self._schedule = plan.stage_schedule(topo.stage)
         self.optimizer: Any = None
         self.runner = self._make_runner()
@@ -123,9 +130,9 @@ class Pipeline:
         self.losses: list[float] = []   # the last step's microbatch losses, every replica's
 
     # ------------------------------------------------------------------ parts
-    def _make_runner(self) -> PipelineRunner:
-        return PipelineRunner(self._driven, self.topology, self.runtime, schedule=self._schedule,
-                              optimizer=self.optimizer, tied=self.tied)
+    def _make_runner(self) -> StageRunner:
+        return StageRunner(self._driven, self.topology, self.runtime, schedule=self._schedule,
+                           optimizer=self.optimizer, tied=self.tied)
 
     @property
     def rank(self) -> int:
@@ -310,7 +317,7 @@ def _join_job(world: int, timeout_s: float) -> bool:
         if world != 1:
             raise LynxConfigError(f"this plan runs on pp × dp = {world} processes: launch the script with "
                                   f"`torchrun --nproc_per_node {world} SCRIPT.py` (no torchrun environment found)")
-        from lynx.runtime.launch import free_port
+        from lynx.runtime.topology import free_port
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     elif int(env_world) != world:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from lynx.runtime.launch import free_port
+from lynx.runtime.topology import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 STEPS, EVERY = 6, 4           # one checkpoint, at step 4; the run goes on to step 6

@@ -1,64 +1,59 @@
-"""Multi-process pipeline (× data parallel) on gloo equals the single-process reference bitwise."""
+"""Multi-process Pipeline (× data parallel) on gloo equals the single-process reference bitwise.
+
+Two spawned worlds (pp 2; pp 2 × dp 2) run a hand-made plan with windows of both kinds under
+1F1B and GPipe through :class:`lynx.runtime.Pipeline` (``pipeline_ranks.py``); the pp 2 world
+then checks that ranks holding different plans are refused before anything runs, and that a
+rank raising is named by the others quickly.
+"""
 
 from __future__ import annotations
 
 import functools
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import lynx
+from lynx.errors import LynxRuntimeError
 from lynx.frontend.capture import capture
-from lynx.errors import LynxFingerprintError, LynxRuntimeError
-from lynx.models import build_preset
-from lynx.plan import StageSchedule
 from lynx.rewrite import build_stages
 from lynx.rewrite.split import op_nodes
-from lynx.runtime.launch import TokenBatches, WorkerSpec, rank_seed, spawn
-from lynx.runtime.local import run_local
-from lynx.runtime.pipeline import RuntimeConfig
+from lynx.runtime.topology import rank_seed
+from lynx.testing import run_local, spawn_world
 
-M = 4
-SEED = 7
-BUILD = functools.partial(build_preset, "gpt-tiny", device="cpu", dropout=0.1, seq=16, microbatch=2)
+sys.path.insert(0, str(Path(__file__).parent))
+import pipeline_ranks as pr  # noqa: E402
 
 
-@functools.lru_cache(maxsize=1)
-def _split() -> tuple[list[list[str]], list[StageSchedule], TokenBatches]:
-    torch.manual_seed(SEED)
-    model, inputs = BUILD()
-    captured = capture(model, inputs)
-    names = [n.name for n in op_nodes(captured.gm)]
-    half = len(names) // 2
-    nodes = [names[:half], names[half:]]
-    schedules = []
-    for s, stage_nodes in enumerate(nodes):
-        dropped = [n for i, n in enumerate(stage_nodes) if i % 3 != 0 and i < len(stage_nodes) - 3]
-        prefetch = {
-            0: [(f"s{s}.recv_grad.mb0", dropped[: len(dropped) // 2])],     # part prefetched, part on demand
-            1: [(f"s{s}.recv_act.mb2", dropped)],                            # a forward's wait (GPipe stage 1)
-            2: [(f"s{s}.recv_grad.mb2", dropped)],
-        }
-        schedules.append(StageSchedule(dropped=frozenset(dropped), prefetch=prefetch))
-    vocab = model.config.vocab_size
-    batches = TokenBatches(tuple(captured.input_names), vocab, batch=2, seq=16, seed=SEED)
-    return nodes, schedules, batches
+@functools.lru_cache(maxsize=None)
+def _setup(dp: int):
+    torch.manual_seed(pr.SEED)
+    model, inputs = pr.BUILD()
+    compiled = lynx.compile(model, inputs, pr.config(dp))
+    names = [n.name for n in op_nodes(compiled.analysis.captured.gm)]
+    nodes, schedules = pr.hand_split(names)
+    return compiled.plan, nodes, schedules
 
 
 def _reference(schedule: str, dp: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
-    nodes, schedules, batches = _split()
+    _plan, nodes, schedules = _setup(dp)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: identical kernels, identical rounding
     try:
-        torch.manual_seed(SEED)
-        model, inputs = BUILD()
+        torch.manual_seed(pr.SEED)
+        model, inputs = pr.BUILD()
         model.train()
-        stages = build_stages(capture(model, inputs).gm, nodes, [s.dropped for s in schedules])
+        captured = capture(model, inputs)
+        stages = build_stages(captured.gm, nodes, [s.dropped for s in schedules])
         losses, grads = [], []
         for d in range(dp):
             model.zero_grad(set_to_none=True)
-            seeds = [rank_seed(SEED, s, d) for s in range(len(nodes))]
-            out = run_local(stages, batches(0, d, M), schedule=schedule, stage_seeds=seeds)
+            seeds = [rank_seed(pr.SEED, s, d) for s in range(len(nodes))]
+            mbs = [dict(zip(captured.input_names, pr.batches().microbatch(0, d, j))) for j in range(pr.M)]
+            out = run_local(stages, mbs, schedule=schedule, stage_seeds=seeds, loss_scale=1.0 / pr.M)
             losses.append([float(x) for x in out])
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     finally:
@@ -68,35 +63,24 @@ def _reference(schedule: str, dp: int) -> tuple[list[list[float]], dict[str, tor
     return losses, {n: (grads[0][n] + grads[1][n]).div_(dp) for n in grads[0]}
 
 
-def _spec(dp: int, **kw) -> WorkerSpec:
-    nodes, schedules, batches = _split()
-    runtimes = [RuntimeConfig(schedule="1f1b", microbatches=M, timeout_s=60, bucket_bytes=64 << 10, trace=True),
-                RuntimeConfig(schedule="gpipe", microbatches=M, timeout_s=60, bucket_bytes=64 << 10)]
-    return WorkerSpec(build=BUILD, pp=2, dp=dp, runtime=runtimes, stage_nodes=nodes, schedules=schedules,
-                      batches=batches, seed=SEED, return_grads=True, **kw)
-
-
-@pytest.mark.parametrize("dp", [1, 2])
-def test_pipeline_equals_single_process_reference(dp: int) -> None:
-    results = spawn(_spec(dp), timeout_s=240)
-    for k, schedule in enumerate(["1f1b", "gpipe"]):
+def _check_equal(results: list[dict], dp: int) -> None:
+    for schedule in pr.SCHEDULES:
         ref_losses, ref_grads = _reference(schedule, dp)
         grads: dict[str, torch.Tensor] = {}
-        for r in results:
-            stats, rank_grads = r.runs[k]
-            if r.stage == 1:
-                assert stats[0].losses == ref_losses[r.dp_rank], f"{schedule} dp{r.dp_rank} losses"
-            grads.update(rank_grads)
-            if r.stage == 0:
-                assert stats[0].recompute_hidden_s + stats[0].recompute_window_exposed_s > 0, "no window recompute ran"
-            assert stats[0].peak_saved_bytes > 0
+        for r in (res[schedule] for res in results):
+            if r["stage"] == 1:
+                assert r["losses"] == ref_losses[r["dp_rank"]], f"{schedule} dp{r['dp_rank']} losses"
+            grads.update(r["grads"])
+            if r["stage"] == 0:
+                assert r["window_recompute_s"] > 0, "no window recompute ran"
+            assert r["peak_saved_bytes"] > 0
             if schedule == "1f1b":
-                _check_trace(stats[0].events, r.stage)
+                _check_trace(r["events"], r["stage"])
         assert set(grads) == set(ref_grads)
         differ = [n for n in ref_grads if not torch.equal(grads[n], ref_grads[n])]
         assert not differ, f"{schedule} pp2×dp{dp}: gradients differ for {differ[:4]}"
         if dp == 2:  # replicas hold the same averaged gradients
-            by_rank = {(r.stage, r.dp_rank): r.runs[k][1] for r in results}
+            by_rank = {(r["stage"], r["dp_rank"]): r["grads"] for r in (res[schedule] for res in results)}
             for s in range(2):
                 for n, g in by_rank[(s, 0)].items():
                     assert torch.equal(g, by_rank[(s, 1)][n])
@@ -108,7 +92,7 @@ def _check_trace(events: list, stage: int) -> None:
     from lynx.planner.schedule import stage_actions
 
     actions = [f"{w}{j}" for w, j, _t0, _t1 in events if w in ("F", "B")]
-    assert actions == [str(a) for a in stage_actions("1f1b", stage=stage, stages=2, microbatches=M)]
+    assert actions == [str(a) for a in stage_actions("1f1b", stage=stage, stages=2, microbatches=pr.M)]
     start = {(w, j): t0 for w, j, t0, _t1 in events}
     end = {(w, j): t1 for w, j, _t0, t1 in events}
     for w, j, t0, t1 in events:
@@ -120,38 +104,25 @@ def _check_trace(events: list, stage: int) -> None:
         assert any(w in ("R", "Rx") for w, *_ in events), "no window recompute traced"
 
 
-def _small_gpt():
-    from lynx.models import GPT, GPTConfig
-
-    cfg = GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=2, layers=2, dropout=0.1)
-    idx = torch.randint(0, 64, (1, 8))  # (B, T)
-    return GPT(cfg), (idx, idx.roll(-1, dims=1))
+def _load(out: Path, world: int) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def test_failed_rank_is_named_quickly() -> None:
-    torch.manual_seed(SEED)
-    model, inputs = _small_gpt()
-    names = [n.name for n in op_nodes(capture(model, inputs).gm)]
-    spec = WorkerSpec(build=_small_gpt, pp=2, stage_nodes=[names[:30], names[30:]], seed=SEED, fail_rank=1,
-                      runtime=RuntimeConfig(schedule="1f1b", microbatches=2, timeout_s=20))
+def test_pp2_equals_reference_refuses_other_plans_and_names_a_failed_rank(tmp_path: Path) -> None:
     start = time.monotonic()
-    with pytest.raises(LynxRuntimeError, match="rank 1 failed: RuntimeError: injected failure") as info:
-        spawn(spec, timeout_s=120)
-    errors = info.value.rank_errors
-    assert "RankFailedError: rank 1 failed" in errors[0]  # the survivor names who failed, it does not hang
-    assert time.monotonic() - start < 90
+    with pytest.raises(LynxRuntimeError, match="rank 1 failed: InjectedFailure: injected failure on rank 1") as info:
+        spawn_world(pr.train_then_fail, 2, str(tmp_path), 1, *_setup(1), timeout_s=240)
+    assert time.monotonic() - start < 200
+    assert "RankFailedError: rank 1 failed" in info.value.rank_errors[0]  # the survivor names who failed
+    _check_equal(_load(tmp_path, 2), dp=1)
+    for r in range(2):
+        refused = (tmp_path / f"refused{r}.txt").read_text()
+        assert "compiled another plan than rank 0" in refused, f"rank {r} ran a plan rank 0 does not have"
 
 
-def test_plan_fingerprint_mismatch_refused_before_running() -> None:
-    import torch.distributed as dist
-
-    from lynx.runtime.launch import _check_fingerprints
-
-    store = dist.HashStore()
-    _check_fingerprints(WorkerSpec(build=_small_gpt, pp=2, fingerprint="aaaa"), store, 0, 2)
-    _check_fingerprints(WorkerSpec(build=_small_gpt, pp=2, fingerprint="aaaa"), store, 1, 2)
-    with pytest.raises(LynxFingerprintError, match="rank 1 has plan fingerprint bbbb but rank 0 has aaaa"):
-        _check_fingerprints(WorkerSpec(build=_small_gpt, pp=2, fingerprint="bbbb"), store, 1, 2)
+def test_pp2_dp2_equals_reference(tmp_path: Path) -> None:
+    spawn_world(pr.train, 4, str(tmp_path), 2, *_setup(2), timeout_s=240)
+    _check_equal(_load(tmp_path, 4), dp=2)
 
 
 class _NeverDone:
@@ -173,7 +144,7 @@ def test_receive_wait_is_bounded_and_names_a_failed_peer() -> None:
 
     from lynx.runtime.faults import FaultMonitor, PeerTimeoutError, RankFailedError
     from lynx.runtime.p2p import Pollable
-    from lynx.runtime.pipeline import PipelineRunner
+    from lynx.runtime.runner import StageRunner
 
     store = dist.HashStore()
     runner = types.SimpleNamespace(monitor=FaultMonitor(store, rank=0, world_size=2, timeout_s=0.3),
@@ -182,12 +153,12 @@ def test_receive_wait_is_bounded_and_names_a_failed_peer() -> None:
     try:
         start = time.monotonic()
         with pytest.raises(PeerTimeoutError, match="gradient receive of microbatch 3 from rank 1 did not complete"):
-            PipelineRunner._wait(runner, Pollable(never), "gradient receive of microbatch 3", 1)
+            StageRunner._wait(runner, Pollable(never), "gradient receive of microbatch 3", 1)
         assert time.monotonic() - start < 2.0
         FaultMonitor(store, rank=1, world_size=2).report(RuntimeError("boom"))
         start = time.monotonic()
         with pytest.raises(RankFailedError, match="rank 1 failed: RuntimeError: boom"):
-            PipelineRunner._wait(runner, Pollable(never), "gradient receive of microbatch 3", 1)
+            StageRunner._wait(runner, Pollable(never), "gradient receive of microbatch 3", 1)
         assert time.monotonic() - start < 0.25  # seen at the next slice, not after the timeout
     finally:
         never.release.set()

@@ -9,7 +9,7 @@ import torch
 
 import lynx
 from lynx.rewrite import build_stage_module
-from lynx.runtime.local import run_local
+from lynx.testing import run_local
 
 SOLVERS = ["none", "full", "selective", "checkmate", "heu", "opt"]
 M = 4
@@ -102,9 +102,7 @@ def test_measured_memory_matches_plan(solver: str) -> None:
 
 
 def test_plan_for_another_model_is_refused_before_running() -> None:
-    from lynx.runtime.worker import WorkerSpec, stage_setup
-
     _, _, compiled = _compiled("full")
     other, other_inputs = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.0)
     with pytest.raises(lynx.LynxFingerprintError, match="does not match this model"):
-        stage_setup(WorkerSpec(build=None, pp=2, plan=compiled.plan), other, other_inputs, 0)
+        lynx.compile(other, other_inputs, compiled.config.replace(plan=compiled.plan))

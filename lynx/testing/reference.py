@@ -1,14 +1,15 @@
-"""Run all stages of a pipeline in one process, each in its own 1F1B / GPipe order.
+"""The single-process reference: all stages of a pipeline in one process, each in its schedule's order.
 
-This is the reference executor: the same stage modules, the same per-stage action order and
-the same window recompute as the distributed runtime, without communication. Tests compare
-its gradients with the original model's and its measured saved bytes with the plan's.
+The same stage modules, the same per-stage action order and the same window recompute as
+:class:`lynx.runtime.Pipeline`, without communication. Tests compare its gradients with the
+original model's and with the runtime's, and its measured saved bytes with the plan's.
 
 Example::
 
     >>> import lynx
     >>> from lynx.frontend.capture import capture
     >>> from lynx.rewrite import build_stages
+    >>> from lynx.testing import run_local
     >>> model, (idx, tgt) = lynx.models.build_preset("gpt-tiny", device="cpu")
     >>> gm = capture(model, (idx, tgt)).gm
     >>> ops = [n.name for n in gm.graph.nodes if n.op == "call_function"]

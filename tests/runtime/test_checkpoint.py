@@ -1,6 +1,6 @@
-"""RankTrainer and checkpoints: state round-trips exactly, checkpoints are atomic and never overwritten.
+"""Checkpoints of a Pipeline's rank: state round-trips exactly, checkpoints are atomic and never overwritten.
 
-The trainer tests run in this process as a world of one (gloo over 127.0.0.1, torn down after).
+The resume test runs in this process as a world of one (gloo over 127.0.0.1, torn down after).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import lynx
@@ -20,10 +21,10 @@ from lynx.runtime.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from lynx.runtime.launch import WorkerSpec, free_port
-from lynx.runtime.pipeline import RuntimeConfig
+from lynx.runtime.rank_state import pipeline_state
 from lynx.runtime.report import format_summary, run_summary
 from lynx.runtime.stats import StepStats
+from lynx.runtime.topology import free_port, rank_seed
 
 
 def _build():
@@ -34,57 +35,69 @@ def _lr(step: int) -> float:
     return 3e-3 / (step + 1)     # changes every step: a resumed optimizer must follow it
 
 
-def _demo(params, group):
-    from lynx.optim import DeMo
-
-    return DeMo(params, lr=3e-3, process_group=group)
-
-
 @pytest.fixture(scope="module")
 def world_of_one():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        from lynx.data import StdlibBatches
-        from lynx.runtime.topology import make_topology
-
+        torch.manual_seed(3)
         model, inputs = _build()
-        plan = lynx.compile(model, inputs, pp=1, microbatches=2, hardware="cpu-local", solver="full",
-                            memory_budget="64MiB").plan
-        spec = WorkerSpec(build=_build, pp=1, plan=plan, seed=3, optimizer=_demo,
-                          runtime=RuntimeConfig(microbatches=2), lr_schedule=_lr,
-                          batches=StdlibBatches(("idx", "targets"), batch=2, seq=16, max_bytes=1 << 16))
-        yield spec, make_topology(1, 1)
+        compiled = lynx.compile(model, inputs, pp=1, microbatches=2, hardware="cpu-local", solver="full",
+                                memory_budget="64MiB")
+        yield compiled, {k: v.clone() for k, v in model.state_dict().items()}
     finally:
         dist.destroy_process_group()
 
 
-def _losses(trainer, steps) -> list[list[float]]:
-    return [trainer.step().losses for _ in range(steps)]
+class _Run:
+    """A training loop over Pipeline with DeMo and a learning-rate schedule, as examples/train_gpt.py."""
+
+    def __init__(self, compiled, initial: dict) -> None:
+        from lynx.data import StdlibBatches
+        from lynx.optim import DeMo
+
+        compiled.analysis.captured.gm.load_state_dict(initial, strict=False)  # fresh weights
+        self.pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False)
+        self.opt = DeMo(list(self.pipe.parameters()), lr=3e-3, process_group=self.pipe.dp_group)
+        self.pipe.use_optimizer(self.opt)
+        torch.manual_seed(rank_seed(3, 0, 0))
+        self.state = pipeline_state(self.pipe, self.opt)
+        self.data = StdlibBatches(("idx", "targets"), batch=2, seq=16, max_bytes=1 << 16)
+
+    def steps(self, n: int) -> list[list[float]]:
+        out = []
+        for _ in range(n):
+            step = self.state.next_step
+            for group in self.opt.param_groups:
+                group["lr"] = _lr(step)
+            mbs = self.data(step, 0, 2)
+            self.pipe.step(torch.cat([mb["idx"] for mb in mbs]), torch.cat([mb["targets"] for mb in mbs]))
+            self.opt.step()
+            self.opt.zero_grad()
+            self.state.next_step = step + 1
+            out.append(list(self.pipe.losses))
+        return out
 
 
 def test_checkpoint_resume_is_bitwise(world_of_one, tmp_path: Path) -> None:
-    from lynx.runtime.trainer import RankTrainer
-
-    spec, topo = world_of_one
-    a = RankTrainer(spec, topo)
-    _losses(a, 2)
-    path = save_checkpoint(a, tmp_path, meta={"model": "gpt-tiny"})
+    a = _Run(*world_of_one)
+    a.steps(2)
+    path = save_checkpoint(a.state, tmp_path, meta={"model": "gpt-tiny"})
     assert path == tmp_path / "step_2" and json.loads((path / META_FILE).read_text())["step"] == 2
-    expected = _losses(a, 2)
-    a.close()
-    b = RankTrainer(spec, topo)          # fresh weights, optimizer and RNG: all come from the checkpoint
-    assert load_checkpoint(b, path) == 2
-    assert _losses(b, 2) == expected     # dropout draws, DeMo momenta and data position all restored
-    assert b.next_step == 4
+    expected = a.steps(2)
+    a.pipe.close()
+    b = _Run(*world_of_one)           # fresh weights, optimizer and RNG: all come from the checkpoint
+    assert load_checkpoint(b.state, path) == 2
+    assert b.steps(2) == expected     # dropout draws, DeMo momenta and data position all restored
+    assert b.state.next_step == 4
     # the same step again is never overwritten
     before = {f.name: f.read_bytes() for f in path.iterdir()}
-    assert save_checkpoint(b, tmp_path, meta={"model": "other"}) is not None       # step_4: new
-    b.next_step = 2
-    assert save_checkpoint(b, tmp_path, meta={"model": "other"}) is None           # step_2 exists
+    assert save_checkpoint(b.state, tmp_path, meta={"model": "other"}) is not None       # step_4: new
+    b.state.next_step = 2
+    assert save_checkpoint(b.state, tmp_path, meta={"model": "other"}) is None           # step_2 exists
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before
     assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
-    b.close()
+    b.pipe.close()
 
 
 def test_latest_checkpoint_sees_only_complete_ones(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""One pipeline stage per rank: 1F1B / GPipe over ``torch.distributed`` with window recompute.
+"""One pipeline stage per rank: the loop :class:`lynx.runtime.Pipeline` drives, with window recompute.
 
 For every backward B(j) the gradient receive is posted as soon as F(j)'s activations are sent;
 when B(j) comes up the runner first runs the recomputation the plan put in that window
@@ -11,16 +11,13 @@ recomputation in the last backward, which runs while the per-bucket collectives 
 :class:`~lynx.runtime.faults.FaultMonitor`, so a failed peer is named instead of hanging.
 
 This is a loop of its own over ``isend``/``irecv`` rather than
-``torch.distributed.pipelining``'s ``_PipelineScheduleRuntime``: that runtime waits for the
-gradient inside its ``B`` handler, drives its own ``PipelineStage`` objects (own buffers, own
-backward), and has no step between posting ``RECV_B`` and waiting on it where a per-node
-recompute that polls the receive could run (see ``docs/runtime.md``). The action orders are
-those of its ``Schedule1F1B`` / ``ScheduleGPipe`` (:mod:`lynx.runtime.schedule`).
+``torch.distributed.pipelining``'s schedule runtime (why: ``docs/runtime.md``). The action
+orders are those of its ``Schedule1F1B`` / ``ScheduleGPipe`` (:mod:`lynx.planner.schedule`).
 
-Example (two ranks; see ``tests/runtime/test_runtime_pipeline.py``)::
+Example (what ``Pipeline`` builds on each rank; see ``lynx/runtime/user_pipeline.py``)::
 
-    runner = PipelineRunner(stage, topology, RuntimeConfig(schedule="1f1b", microbatches=4),
-                            schedule=plan.stage_schedule(topology.stage))
+    runner = StageRunner(stage, topology, RuntimeConfig(schedule="1f1b", microbatches=4),
+                         schedule=plan.stage_schedule(topology.stage))
     stats = runner.step(microbatches)     # grads are in the stage's parameters' .grad
 """
 
@@ -43,7 +40,7 @@ from lynx.runtime.stats import StepStats
 from lynx.runtime.step import InFlight, as_received, backward_step, forward_step, needs_grad
 from lynx.runtime.topology import Topology
 
-__all__ = ["RuntimeConfig", "PipelineRunner"]
+__all__ = ["RuntimeConfig", "StageRunner"]
 
 
 class RuntimeConfig(BaseModel):
@@ -78,7 +75,7 @@ class _StepState:
     flag_recv: Any = None  # (buffer, works) of the boundary flags, until they arrive
 
 
-class PipelineRunner:
+class StageRunner:
     """Runs one stage of the pipeline on this rank (see module docstring)."""
 
     def __init__(self, stage: Any, topology: Topology, config: RuntimeConfig, *, schedule: Any = None,
