@@ -49,7 +49,7 @@ sys.path.insert(1, str(HERE.parent))  # the checkout's lynx, without installing 
 
 import torch  # noqa: E402
 
-import lynx  # noqa: E402,F401  (before any process group: lynx.process_group_guard)
+import lynx.runtime  # noqa: E402,F401  (before any process group: lynx.process_group_guard)
 from gpu_check_common import SIZES, CheckResult, Env, free_memory, verdict_of  # noqa: E402
 
 __all__ = ["CHECKS", "main", "run_checks", "render_markdown"]

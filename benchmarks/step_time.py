@@ -92,6 +92,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    import lynx.optim  # noqa: F401  (before the process group: lynx.process_group_guard)
     from lynx.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)

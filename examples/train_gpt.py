@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from lynx.units import format_size
 from lynx.errors import LynxConfigError, LynxError
+from lynx.process_group_guard import bind_before_init
 
 DEFAULT_LR = {"adamw": 6e-3, "demo": 6e-3, "lion": 2e-3}   # benchmarks/convergence.py's tuned peaks
 WARMUP_STEPS = 5
@@ -279,6 +280,7 @@ def setup(args: argparse.Namespace) -> Setup:
     if cuda:
         torch.cuda.set_device(device)
     torch.set_num_threads(args.threads)
+    bind_before_init()  # while no group exists: see lynx/process_group_guard.py
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=max(60.0, args.timeout_s)))
     settings = plan_settings(args, pp, dp, saved_config, device)
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]

@@ -27,11 +27,6 @@ from lynx.errors import (
 
 __version__ = "0.1.0"
 
-# Before any process group exists: see lynx.process_group_guard (a SIGABRT at process exit).
-from lynx.process_group_guard import bind_before_init as _bind_before_init  # noqa: E402
-
-_bind_before_init()
-
 # Public names resolved on first use, so `import lynx` stays fast and each stage of the
 # data flow (capture → profile → graph → timeline → solve → plan → simulate → rewrite →
 # runtime) is imported only when needed.

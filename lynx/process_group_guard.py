@@ -10,8 +10,11 @@ the work's tensors; Python ends such a thread inside a ``noexcept`` destructor a
 dies with SIGABRT ("terminate called without an active exception") after all its work is
 done — about one exit in six for three gloo ranks running DistributedLion (torch 2.13).
 
-Importing the module while no group exists binds ``None`` instead, so ``import lynx`` runs
-:func:`bind_before_init`: scripts import lynx before they create a group.
+Importing the module while no group exists binds ``None`` instead, so the packages that work
+with process groups run :func:`bind_before_init` when they are imported (:mod:`lynx.runtime`,
+which makes the groups of its launchers and pipelines, and :mod:`lynx.optim`): a script that
+imports either at the top, then creates its group, is safe. ``import lynx`` and the planning
+core do not run it: planning needs no process group.
 
 Example::
 

@@ -27,6 +27,7 @@ SLOW = (
     "tests/test_peak_prediction.py",
     "tests/test_testbed.py",
     "tests/test_process_group_guard.py",
+    "tests/test_planning_imports.py",
     "tests/test_train_your_model_doc.py",
     "tests/optim/test_lion.py::test_world_",
     "tests/optim/test_demo.py::test_world_",

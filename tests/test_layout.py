@@ -2,7 +2,9 @@
 
 The import graph is read statically (``ast``) from every module under ``lynx/``: an import
 inside a function counts as much as one at the top (a lazy import hides a cycle, it does not
-remove it); imports under ``if TYPE_CHECKING:`` do not count.
+remove it); imports under ``if TYPE_CHECKING:`` do not count. Importing ``lynx.a.b`` first runs
+``lynx/__init__.py`` and ``lynx/a/__init__.py``: what a module reaches includes what its parent
+packages import (:func:`_with_parents`).
 """
 
 from __future__ import annotations
@@ -90,9 +92,30 @@ def _without_package_inits(graph: nx.DiGraph) -> nx.DiGraph:
     return kept
 
 
+def _parents(module: str) -> list[str]:
+    """The packages Python initialises before ``module``: ``lynx.a.b`` → ``lynx``, ``lynx.a``."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _with_parents(graph: nx.DiGraph) -> nx.DiGraph:
+    """The import graph plus an edge from each module to its parent packages (their ``__init__``
+    runs first), with the packages' own imports of their submodules kept: what importing a
+    module really executes."""
+    full = graph.copy()
+    full.add_edges_from((m, p) for m in graph for p in _parents(m) if p in graph)
+    return full
+
+
 def test_no_import_cycles() -> None:
     cycles = list(nx.simple_cycles(_without_package_inits(GRAPH)))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join([*c, c[0]]) for c in cycles[:5])
+
+
+def _torch_reached(graph: nx.DiGraph, module: str) -> list[str]:
+    """The modules importing ``module`` executes (parent packages included) that import torch."""
+    reach = {module, *nx.descendants(_with_parents(graph), module)}
+    return sorted(m for m in reach if "torch" in EXTERNAL[m])
 
 
 @pytest.mark.parametrize("prefix", TORCH_FREE)
@@ -100,9 +123,15 @@ def test_planning_core_imports_no_torch(prefix: str) -> None:
     core = [m for m in GRAPH if m == prefix or m.startswith(prefix + ".")]
     assert core, f"no module under {prefix}"
     for module in core:
-        reach = {module, *nx.descendants(_without_package_inits(GRAPH), module)}
-        offenders = sorted(m for m in reach if "torch" in EXTERNAL[m])
+        offenders = _torch_reached(GRAPH, module)
         assert not offenders, f"{module} reaches torch through {offenders}"
+
+
+def test_parent_packages_are_modelled() -> None:
+    # what lynx/__init__.py once did (the process-group guard): the planner would load torch
+    graph = GRAPH.copy()
+    graph.add_edge("lynx", "lynx.process_group_guard")
+    assert "lynx.process_group_guard" in _torch_reached(graph, "lynx.planner.schedule")
 
 
 def test_no_private_names_imported_across_modules() -> None:

@@ -1,4 +1,7 @@
-"""``import lynx`` keeps destroy_process_group able to free the default group (see the module)."""
+"""Importing lynx.runtime or lynx.optim keeps destroy_process_group able to free the default group.
+
+(See lynx/process_group_guard.py.) ``import lynx`` alone does not: planning needs no group.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,14 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from lynx.runtime.topology import free_port
 
 SCRIPT = textwrap.dedent("""
     import sys
 
-    import lynx  # noqa: F401 — before the group: what the test is about
+    import {package}  # noqa: F401 — before the group: what the test is about
     import torch
     import torch.distributed as dist
 
@@ -24,9 +29,10 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_default_group_is_freed_by_destroy_after_import_lynx():
-    # (without `import lynx` the script prints 11 on torch 2.13: the group outlives destroy)
-    done = subprocess.run([sys.executable, "-c", SCRIPT.format(port=free_port())], capture_output=True,
+@pytest.mark.parametrize("package", ["lynx.runtime", "lynx.optim"])
+def test_default_group_is_freed_by_destroy_after_importing(package: str) -> None:
+    # (with `import lynx` alone the script prints 11 on torch 2.13: the group outlives destroy)
+    done = subprocess.run([sys.executable, "-c", SCRIPT.format(port=free_port(), package=package)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[-1]) == 1

@@ -18,5 +18,8 @@ Example::
 from lynx.optim.demo import DeMo
 from lynx.optim.demo_payload import demo_wire_bytes
 from lynx.optim.lion import DistributedLion, lion_wire_bytes
+from lynx.process_group_guard import bind_before_init
+
+bind_before_init()  # before the script's process group exists: see lynx.process_group_guard
 
 __all__ = ["DeMo", "DistributedLion", "demo_wire_bytes", "lion_wire_bytes"]

@@ -21,6 +21,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from lynx.process_group_guard import bind_before_init
+
+bind_before_init()  # before the script's process group exists: see lynx.process_group_guard
+
 _LAZY = {
     "Pipeline": "lynx.runtime.user_pipeline",
     "StepStats": "lynx.runtime.stats",

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import lynx
+import lynx.runtime  # noqa: F401  (before the script's process group: lynx.process_group_guard)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import user_models as um  # noqa: E402
