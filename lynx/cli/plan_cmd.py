@@ -60,8 +60,9 @@ def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None
 
     phases = Phases()
     with phases.timed("import"):  # capture needs it, and building a model on meta would import it unnamed
-        import torch._dynamo  # noqa: F401
+        from lynx.torch_private import import_tracer
 
+        import_tracer()
         gc.freeze()  # what the imports made lives to the end: later collections need not scan it (~0.2 s)
     with phases.timed("model"):
         resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)

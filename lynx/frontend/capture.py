@@ -234,10 +234,6 @@ def _share_original_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
         owner = gm
         for part in path:
             owner = getattr(owner, part)
-        tensor = originals[node.target]
-        if isinstance(tensor, nn.Parameter):
-            owner._parameters[leaf] = tensor
-        elif leaf in owner._buffers:
-            owner._buffers[leaf] = tensor
-        else:
-            setattr(owner, leaf, tensor)
+        # nn.Module.__setattr__ puts a Parameter among the parameters, a tensor under a
+        # buffer's name among the buffers (persistence kept), anything else as an attribute
+        setattr(owner, leaf, originals[node.target])

@@ -39,6 +39,8 @@ import torch
 from torch import fx
 
 from lynx.errors import LynxRuntimeError
+from lynx.torch_private import (aot_export_joint, all_op_names, has_kernel, is_forward_node, is_op_overload, kept_whole,
+                                op_schema, output_aliases_input, tree_flatten, tree_map)
 
 __all__ = ["JointGraph", "trace_joint", "signature_of", "is_view_op", "fetch_attr", "classify", "owners_of",
            "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved", "input_saver",
@@ -66,9 +68,9 @@ def signature_of(args: Any) -> tuple:
 
 def is_view_op(target: Any) -> bool:
     """Whether ``target`` returns a view of its first input (the result shares its storage)."""
-    if not isinstance(target, torch._ops.OpOverload):
+    if not is_op_overload(target):
         return False
-    returns = target._schema.returns
+    returns = op_schema(target).returns
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
@@ -91,11 +93,11 @@ class _Runner(fx.Interpreter):
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if self.meta_to_cpu:  # profiled on fake CPU tensors: factory ops follow
-            args, kwargs = torch.utils._pytree.tree_map(on_profile_device, (args, kwargs))
+            args, kwargs = tree_map(on_profile_device, (args, kwargs))
         return super().call_function(target, args, kwargs)
 
     def output(self, target: Any, args: Any, kwargs: Any) -> Any:
-        flat, _ = torch.utils._pytree.tree_flatten(args[0])
+        flat, _ = tree_flatten(args[0])
         return tuple(v.clone() if i in self.clone else v for i, v in enumerate(flat))
 
 
@@ -131,9 +133,6 @@ def trace_joint(stage_gm: fx.GraphModule, args: list[Any], attrs: dict[str, torc
 
 
 def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.Tensor] | None = None) -> JointGraph:
-    from torch._functorch.aot_autograd import _aot_export_function
-    from torch._functorch._aot_autograd.schemas import OutputType
-
     for node in stage_gm.graph.nodes:
         node.meta.setdefault("custom", {})["lynx_node"] = node.meta.get("lynx_name", node.name)
     attr_names = list(dict.fromkeys(n.target for n in stage_gm.graph.nodes if n.op == "get_attr"
@@ -148,13 +147,11 @@ def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.
                 return _Runner(stage_gm, env, clone, override is not None).run(*primals[len(attr_names):])
 
         with _quiet(), _eager_kernels():
-            gm, meta, _in, _out = _aot_export_function(stage_fn, tuple(flat), trace_joint=True,
-                                                       num_params_buffers=len(attr_names))
-        return gm, meta
+            return aot_export_joint(stage_fn, tuple(flat), num_params_buffers=len(attr_names))
 
     try:
         gm, meta = export(frozenset())
-        aliased = frozenset(i for i, o in enumerate(meta.output_info) if o.output_type != OutputType.non_alias)
+        aliased = frozenset(i for i, o in enumerate(meta.output_info) if output_aliases_input(o))
         if aliased:  # a value sent as well as viewed, or an input passed through: send a copy
             gm, meta = export(aliased)
     except LynxRuntimeError:
@@ -185,8 +182,7 @@ def classify(joint: JointGraph) -> tuple:
     tangents = [n for n in nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     outs = list(nodes[-1].args[0])
     fw_outs, grads = outs[:joint.n_outputs], outs[joint.n_outputs:]
-    last_forward = max(i for i, n in enumerate(nodes) if n.meta.get("partitioner_tag") == "is_forward"
-                       or n in primals or n in fw_outs)
+    last_forward = max(i for i, n in enumerate(nodes) if is_forward_node(n) or n in primals or n in fw_outs)
     forward = {n for n in nodes[:last_forward + 1] if n.op != "output" and n not in tangents}
     owner = owners_of(nodes, forward, joint, primals)
 
@@ -345,7 +341,7 @@ def keep_whole(name: str, has: Any = None) -> bool:
     """Whether the joint trace keeps op ``name`` (``"aten::silu_backward"``) whole: a backward
     formula with a device kernel beside its composite (see :func:`_kernel_and_composite_ops`).
     ``has(name, key)`` says whether the op has a kernel for a dispatch key (torch's, by default)."""
-    has = has or torch._C._dispatch_has_kernel_for_dispatch_key
+    has = has or has_kernel
     return (name.startswith("aten::") and "_backward" in name and has(name, "CompositeImplicitAutograd")
             and (has(name, "CPU") or has(name, "CUDA")))
 
@@ -365,7 +361,7 @@ def _kernel_and_composite_ops() -> tuple:
     gradient on the H200.
     """
     ops = []
-    for name in torch._C._dispatch_get_all_op_names():
+    for name in all_op_names():
         if keep_whole(name):
             packet = getattr(torch.ops.aten, name.split("::", 1)[1].split(".")[0], None)
             overload = getattr(packet, "default", None)
@@ -376,10 +372,7 @@ def _kernel_and_composite_ops() -> tuple:
 
 @contextlib.contextmanager
 def _eager_kernels():
-    from torch._export.utils import _special_op_to_preserve_cia
-    from torch.export.exported_program import _override_composite_implicit_decomp
-
-    with _override_composite_implicit_decomp({op: _special_op_to_preserve_cia for op in _kernel_and_composite_ops()}):
+    with kept_whole(_kernel_and_composite_ops()):
         yield
 
 

@@ -26,10 +26,10 @@ from typing import Any
 import networkx as nx
 import torch
 from torch import fx
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lynx.errors import LynxConfigError, LynxProfileError
 from lynx.frontend.capture import Captured, is_op_node
+from lynx.torch_private import tree_flatten, tree_map
 
 __all__ = ["measure_times"]
 

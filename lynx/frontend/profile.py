@@ -29,19 +29,19 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lynx.frontend.capture import Captured, is_op_node, quiet_torch
 from lynx.frontend.joint import on_profile_device
 from lynx.errors import LynxConfigError, LynxProfileError
+from lynx.torch_private import fake_tensor_mode, tree_flatten, tree_map
 
 __all__ = [
     "NodeProfile",
@@ -305,7 +305,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         return out
 
 
-def _fake_like(mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _fake_like(mode: contextlib.AbstractContextManager, t: torch.Tensor, device: torch.device) -> torch.Tensor:
     with mode:
         fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     if isinstance(t, torch.nn.Parameter) or t.requires_grad:
@@ -329,7 +329,8 @@ def _named_attrs(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
     return attrs
 
 
-def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp: Any, mode: FakeTensorMode) -> None:
+def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp: Any,
+                          mode: contextlib.AbstractContextManager) -> None:
     """On a CPU target, count what the compiled stages keep (:func:`lynx.rewrite.lower.saved_by_node`)
     and the ops they run per node (:func:`lynx.frontend.joint.generated_ops`).
 
@@ -362,7 +363,7 @@ def profile(captured: Captured, target: str = "cuda") -> Profile:
     if target not in TARGETS:
         raise LynxConfigError(f"unknown profile target {target!r}; use one of {TARGETS}")
     gm = captured.gm
-    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    mode = fake_tensor_mode()
     cpu = torch.device("cpu")
     attrs = {name: _fake_like(mode, t, cpu) for name, t in _named_attrs(gm).items()}
     inputs = [_fake_like(mode, t, cpu) for t in captured.example_inputs]

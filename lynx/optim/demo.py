@@ -42,6 +42,7 @@ from lynx.optim.buckets import DEFAULT_BUCKET_BYTES, BucketedOptimizer
 from lynx.optim.dct import chunk_view, encode
 from lynx.optim.demo_batch import BucketKernel, from_grid
 from lynx.optim.demo_payload import BucketPlan, plan_bucket
+from lynx.torch_private import foreach_add_
 
 __all__ = ["DeMo"]
 
@@ -234,6 +235,6 @@ class DeMo(BucketedOptimizer):
                     update = averaged[tp.dense_offset : tp.dense_offset + tp.numel].view(p.shape).to(p.dtype).sign()
                     p.add_(update, alpha=-lr)
             for lr, (params, updates) in batched.items():  # p.add_(sign, alpha=-lr) for each, in one call
-                torch._foreach_add_(params, updates, alpha=-lr)
+                foreach_add_(params, updates, alpha=-lr)
 
         return complete

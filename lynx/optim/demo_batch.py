@@ -43,6 +43,7 @@ import torch
 from lynx.optim.dct import chunk_view, decode_chunks, encode_chunks
 from lynx.optim.demo_payload import BucketPlan
 from lynx.optim.topk import topk_rows
+from lynx.torch_private import foreach_copy_
 
 __all__ = ["ChunkGroup", "BucketKernel", "from_grid"]
 
@@ -196,7 +197,7 @@ class BucketKernel:
         words = torch.zeros(hi - lo, dtype=torch.int32, device=self.device)  # (index bytes,) OR-ed bits
         for g, spans, block_views in zip(self.groups, self._spans, self._block_views):
             blocks, mom = g.blocks, g.momentum
-            torch._foreach_copy_(
+            foreach_copy_(
                 block_views, [chunk_view(grads[j].contiguous(), layout) for j, _, _, _, layout in spans]
             )
             coeffs = encode_chunks(blocks, mid=g.mid, out=g.coeffs)  # (N, E) DCT of the gradient

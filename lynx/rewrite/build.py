@@ -27,6 +27,7 @@ from torch import fx
 from lynx.errors import LynxConfigError
 from lynx.rewrite.split import StageGraph, split_graph
 from lynx.rewrite.stage import StageModule
+from lynx.torch_private import out_spec_of
 
 __all__ = ["build_stage_module", "build_stages", "stage_node_lists", "split_cached"]
 
@@ -60,7 +61,7 @@ def build_stages(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]],
     ``compile``: pass the generated graphs through ``torch.compile`` (Inductor)."""
     parts = split_cached(gm, stage_nodes)
     dropped = dropped if dropped is not None else [frozenset()] * len(parts)
-    out_spec = getattr(gm, "_out_spec", None)
+    out_spec = out_spec_of(gm)
     return [StageModule(part, drop, out_spec=out_spec, compile=compile) for part, drop in zip(parts, dropped)]
 
 
@@ -74,6 +75,6 @@ def build_stage_module(compiled: Any, index: int) -> StageModule:
     gm = compiled.analysis.captured.gm
     parts = split_cached(gm, stage_node_lists(plan, getattr(compiled.analysis, "graph", None)))
     schedule = plan.stage_schedule(index)
-    return StageModule(parts[index], schedule.dropped, out_spec=getattr(gm, "_out_spec", None),
+    return StageModule(parts[index], schedule.dropped, out_spec=out_spec_of(gm),
                        compile=bool(getattr(compiled.config, "compile", False)))
 

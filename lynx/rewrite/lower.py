@@ -46,6 +46,7 @@ from torch import fx
 
 from lynx.frontend.joint import (JointGraph, classify, fetch_attr, input_saver, storage_nbytes,
                                  storage_root)
+from lynx.torch_private import boxed_codegen, is_op_overload
 
 __all__ = ["LoweredStage", "RecomputeGraph", "BackwardGraph", "lower", "save_rng_state", "replay_rng",
            "accumulate_grad", "GradSink", "Clock", "clock_start", "clock_stop"]
@@ -56,7 +57,7 @@ _RANDOM_NAMES = ("dropout", "bernoulli", "rand", "rrelu", "multinomial")
 
 def _is_random(node: fx.Node) -> bool:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if is_op_overload(target):
         if torch.Tag.nondeterministic_seeded in target.tags:
             return True
         return any(k in target.name() for k in _RANDOM_NAMES)
@@ -285,7 +286,7 @@ def _extract(root: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]
             env[n] = graph.node_copy(n, lambda a: env[a])
     graph.output(tuple(env[o] for o in outputs))
     if boxed:
-        graph.set_codegen(fx.graph._BoxedCodeGen())
+        graph.set_codegen(boxed_codegen())
     return fx.GraphModule(root, graph)
 
 
@@ -512,7 +513,7 @@ def _build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool
             graph.call_function(accumulate_grad, (sink_node, i, env[g]))
     graph.output(tuple(None if k in sunk else env[g] for k, g in enumerate(lowered._grads)))
     if not lowered.compile:
-        graph.set_codegen(fx.graph._BoxedCodeGen())
+        graph.set_codegen(boxed_codegen())
     attrs: dict[str, Any] = {"lynx_clock": Clock(), "lynx_sink": GradSink()}
     for n in graph.nodes:
         if n.op == "get_attr" and n.target not in attrs:

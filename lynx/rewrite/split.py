@@ -27,6 +27,7 @@ from typing import Any
 from torch import fx
 
 from lynx.errors import LynxPlanError
+from lynx.torch_private import out_spec_of
 
 __all__ = ["StageSpec", "StageGraph", "split_graph", "op_nodes"]
 
@@ -111,7 +112,7 @@ def split_graph(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> lis
         is_last = s == n_stages - 1
         send = [] if is_last else boundary[s + 1]
         part = _build_stage(gm, s, members, boundary[s], send, is_last, output_node)
-        part.out_spec = getattr(gm, "_out_spec", None)
+        part.out_spec = out_spec_of(gm)
         result.append(part)
     return result
 

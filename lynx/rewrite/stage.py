@@ -48,6 +48,7 @@ from lynx.frontend.joint import signature_of, trace_joint
 from lynx.rewrite.lower import LoweredStage, lower
 from lynx.rewrite.saved import SavedBytesMeter
 from lynx.rewrite.split import StageGraph
+from lynx.torch_private import tree_unflatten
 
 __all__ = ["StageModule", "MicrobatchStats"]
 
@@ -204,7 +205,7 @@ class StageModule(nn.Module):
         out = tuple(out)
         if self.spec.is_last:
             if self._out_spec is not None:
-                return torch.utils._pytree.tree_unflatten(list(out), self._out_spec)
+                return tree_unflatten(list(out), self._out_spec)
             return out[0] if len(out) == 1 else out
         return out
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lynx.errors import LynxConfigError, LynxRuntimeError
+from lynx.torch_private import out_spec_of, tree_flatten, tree_leaves, tree_unflatten
 
 __all__ = ["LossSpec", "find_loss", "describe_output", "output_structure"]
 
@@ -120,15 +121,15 @@ def output_structure(gm: Any) -> Any:
     output = next((n for n in gm.graph.nodes if n.op == "output"), None)
     if output is None:
         return None
-    leaves, spec = torch.utils._pytree.tree_flatten(output.args[0])
+    leaves, spec = tree_flatten(output.args[0])
     values = []
     for leaf in leaves:
         val = getattr(leaf, "meta", {}).get("val") if hasattr(leaf, "meta") else leaf
         if hasattr(leaf, "meta") and val is None:
             return None
         values.append(val)
-    structure = torch.utils._pytree.tree_unflatten(values, spec)
-    out_spec = getattr(gm, "_out_spec", None)
+    structure = tree_unflatten(values, spec)
+    out_spec = out_spec_of(gm)
     if out_spec is not None:
-        structure = torch.utils._pytree.tree_unflatten(torch.utils._pytree.tree_leaves(structure), out_spec)
+        structure = tree_unflatten(tree_leaves(structure), out_spec)
     return structure

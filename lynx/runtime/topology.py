@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxConfigError
+from lynx.torch_private import default_store
 
 __all__ = ["Topology", "make_topology", "select_backend", "rank_device", "tied_groups", "rank_seed", "free_port"]
 
@@ -104,7 +105,7 @@ def make_topology(pp: int, dp: int = 1, device_type: str = "cpu") -> Topology:
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     if rank != stage * dp + dp_rank:  # the layout the peers below assume
         raise LynxConfigError(f"unexpected device-mesh layout: rank {rank} at (pp {stage}, dp {dp_rank})")
-    store = dist.distributed_c10d._get_default_store()
+    store = default_store()
     return Topology(rank=rank, world=world, pp=pp, dp=dp, stage=stage, dp_rank=dp_rank,
                     prev_rank=(stage - 1) * dp + dp_rank if stage > 0 else None,
                     next_rank=(stage + 1) * dp + dp_rank if stage < pp - 1 else None,
