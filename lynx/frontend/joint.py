@@ -227,7 +227,7 @@ def saved_by_node(joint: JointGraph, order: dict[str, int]) -> dict[str, tuple[i
     them is the node's output (a consumer saved it), the captured nodes whose backward reads
     that output, in ``order`` (captured node name -> position), and the bytes of the output's
     storages among the first figure. This is the profile's record for the compiled executor:
-    what :func:`lower` keeps and drops is exactly what it counted.
+    what :func:`lynx.rewrite.lower.lower` keeps and drops is exactly what it counted.
     """
     nodes, primals, _tangents, fw_outs, _grads, forward, owner, saved = classify(joint)
     origin = joint.origin

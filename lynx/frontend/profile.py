@@ -331,7 +331,7 @@ def _named_attrs(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp: Any,
                           mode: contextlib.AbstractContextManager) -> None:
-    """On a CPU target, count what the compiled stages keep (:func:`lynx.rewrite.lower.saved_by_node`)
+    """On a CPU target, count what the compiled stages keep (:func:`lynx.frontend.joint.saved_by_node`)
     and the ops they run per node (:func:`lynx.frontend.joint.generated_ops`).
 
     Stages run graphs lowered from AOTAutograd's joint graph, whose CPU dropout keeps a 1-byte

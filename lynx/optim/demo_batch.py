@@ -226,7 +226,7 @@ class BucketKernel:
     def decompress(self, gathered: torch.Tensor) -> dict[int, torch.Tensor]:
         """Every rank's rows ``(W, P)`` → ``sign(IDCT(mean))`` per compressed member.
 
-        Each coefficient is the mean over the ranks that sent it. Returns :attr:`signs`: per
+        Each coefficient is the mean over the ranks that sent it. Returns ``signs``: per
         member position, the sign of its update seen as chunks (:func:`~lynx.optim.dct.chunk_view`'s
         shape) — views of a buffer the next call overwrites.
         """

@@ -4,7 +4,7 @@ Recomputation placed in a window runs in that window's idle time; what does not 
 on-demand recomputation, lengthens the backward it belongs to and — through the pipeline's
 send/receive dependencies — shifts everything downstream. The replay gives the step time,
 exposed and hidden recomputation, bubble time and peak memory per stage (static memory plus
-:func:`lynx.solvers.problem.peak_activation_bytes`). Every solver and baseline is scored here;
+:func:`lynx.solvers.memory.peak_activation_bytes`). Every solver and baseline is scored here;
 no solver's own objective is trusted.
 
 Example::

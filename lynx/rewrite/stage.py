@@ -1,7 +1,7 @@
 """An executable pipeline stage running the generated graphs its plan lowers to.
 
 :class:`StageModule` traces its stage's joint forward/backward graph with AOTAutograd on the
-first call (:mod:`lynx.rewrite.joint`; cached per input signature) and partitions it along
+first call (:mod:`lynx.frontend.joint`; cached per input signature) and partitions it along
 the plan (:mod:`lynx.rewrite.lower`): a forward graph that returns the stage's outputs and
 exactly the values the plan keeps, recompute graphs that bring back the dropped ones, and a
 backward graph. One ``torch.autograd.Function`` call per microbatch runs them, so the stage

@@ -31,7 +31,7 @@ Conventions (see ``docs/train_your_model.md``):
   batch's loss when the loss is a mean over equal microbatches. ``step`` replaces ``.grad``.
 - **Returned loss**: the mean of the ``dp × m`` microbatch losses (float32, microbatch order),
   the same value on every rank.
-- **Checkpoints**: :meth:`state_dict` / :meth:`load_state_dict` hold this rank's stage under
+- **Checkpoints**: :meth:`Pipeline.state_dict` / :meth:`Pipeline.load_state_dict` hold this rank's stage under
   the model's own parameter names, for ``torch.distributed.checkpoint``.
 - **Failures**: an uncaught exception on any rank ends every rank with exit status 1 and a
   message naming the failed rank (:mod:`lynx.runtime.failure_exit`).

@@ -12,7 +12,7 @@
 ``progress``, when given, is called as ``progress(elapsed_s, objective_s, bound_s)`` on each
 improving solution of the CP-SAT based solvers. A solver's module is imported on its first use
 (:mod:`lynx.solvers.setup`: OPT's imports OR-tools, HEU's does not). Every result is validated
-(:func:`~lynx.solvers.problem.validate`): an invalid plan raises ``LynxPlanError`` naming the
+(:func:`~lynx.solvers.validate.validate`): an invalid plan raises ``LynxPlanError`` naming the
 solver instead of being returned.
 
 Example::

@@ -7,8 +7,8 @@ activation budget. A solver returns an :class:`Assignment` (which nodes to drop 
 and for each recomputed node and microbatch the window it is recomputed in — absent means on
 demand, on the critical path) inside a :class:`SolveResult`.
 
-The accounting functions (:func:`peak_activation_bytes` in :mod:`lynx.solvers.memory`,
-:func:`exposed_recompute_s` here, :func:`validate` in :mod:`lynx.solvers.validate`)
+The accounting functions (:func:`~lynx.solvers.memory.peak_activation_bytes`,
+:func:`exposed_recompute_s` here, :func:`~lynx.solvers.validate.validate`)
 are the single definition of memory, exposed time and validity that the solvers optimise and
 the simulator reuses.
 

@@ -1,13 +1,13 @@
 """HEU's exact peak-memory and exposed-time bookkeeping over the items of a stage model.
 
-:class:`Layout` holds a :class:`~lynx.solvers.opt.StageModel`'s per-item figures as plain
+:class:`Layout` holds a :class:`~lynx.solvers.stage_model.StageModel`'s per-item figures as plain
 lists (bytes and seconds already multiplied by the item's ``mult``, inputs, consumers), so the
 greedy loops index lists instead of reading dataclass attributes. :class:`Books` is one
 partial plan on it: which items are recomputed, where each is placed per microbatch class,
 and the running totals the memory model needs —
 ``peak = in_flight · kept + max_c P_c + max_{c,g} T_{c,g}`` with ``P_c`` the bytes prefetched
 for class c and ``T_{c,g}`` the bytes of group g regenerated on demand for class c (the same
-accounting as :func:`lynx.solvers.problem.peak_activation_bytes`, in item terms).
+accounting as :func:`lynx.solvers.memory.peak_activation_bytes`, in item terms).
 
 The helpers here answer "what would the peak be if ..." without copying the books, and
 move items between kept, prefetched and on demand.

@@ -1,7 +1,7 @@
 """HEU's layer classes: find the repeated layers of a stage and reduce them to one.
 
 :func:`families` finds the family of structurally identical layers (same contracted items,
-bytes, costs and internal wiring) in a :class:`~lynx.solvers.opt.StageModel`;
+bytes, costs and internal wiring) in a :class:`~lynx.solvers.stage_model.StageModel`;
 :func:`reduced` builds the model HEU's greedy policies solve: one item stands for the same
 node in every family layer (``mult`` = family size, so its bytes and window time count once
 per layer, its on-demand transient once), edge blocks and odd layers are items of their own,
