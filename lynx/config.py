@@ -111,11 +111,9 @@ plan's path or a :class:`lynx.Plan`) is used
     @classmethod
     def _hardware(cls, value: Any) -> Any:
         if isinstance(value, str):
-            try:
-                from lynx.planner.hardware import HARDWARE_PRESETS
-                from lynx.planner.hardware_ref import resolve_hardware
-            except ImportError:  # foundation not installed: the name is checked when used
-                return value
+            from lynx.planner.hardware import HARDWARE_PRESETS
+            from lynx.planner.hardware_ref import resolve_hardware
+
             if value in HARDWARE_PRESETS:
                 return value  # a preset is recorded by its name
             try:  # a hardware file or "auto": recorded as the spec it resolves to

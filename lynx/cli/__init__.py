@@ -35,13 +35,7 @@ def table_console() -> Console:
 
 
 # Sub-command modules: importing one registers its commands on `app`.
-from lynx.cli import calibrate_cmd, inspect_cmd  # noqa: E402,F401
-
-try:  # the planner's commands (plan, show, compare, bench)
-    from lynx.cli import plan_cmd  # noqa: E402,F401
-except ImportError as _err:  # pragma: no cover - only while the planner is not installed
-    if getattr(_err, "name", None) != "lynx.cli.plan_cmd":
-        raise
+from lynx.cli import calibrate_cmd, inspect_cmd, plan_cmd  # noqa: E402,F401
 
 
 def main() -> None:
@@ -53,5 +47,5 @@ def main() -> None:
         sys.exit(2)
     finally:
         # The process is about to exit: spare the interpreter's last collections over the
-        # millions of objects torch and its tracer leave (~1 s of CPU at exit).
+        # millions of objects torch and its tracer leave.
         gc.freeze()

@@ -63,7 +63,7 @@ def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None
         from lynx.torch_private import import_tracer
 
         import_tracer()
-        gc.freeze()  # what the imports made lives to the end: later collections need not scan it (~0.2 s)
+        gc.freeze()  # what the imports made lives to the end: later collections need not scan it
     with phases.timed("model"):
         resolved = resolve_model(model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
     analysis = analyze(resolved.model, resolved.example_inputs, target=config.target, hardware=config.hardware_spec())

@@ -132,8 +132,9 @@ class _CudaFlashAttention(torch.autograd.Function):
     The output takes q's layout, as cuDNN attention (the H200's choice) does: a (B, S, H, D)
     storage where q's heads are inner to its sequence (q viewed out of one projection, whose
     ``transpose(1, 2).reshape`` back is then free), else contiguous (B, H, S, D), whose reshape
-    back to (B, S, C) copies. Both measured on an H200, to 0.006%: a GPT (q split from the qkv
-    projection) and a Llama (q made contiguous by the rotary embedding)."""
+    back to (B, S, C) copies. Both checked on an H200 against what the compiled stage holds, for
+    a GPT (q split from the qkv projection) and a Llama (q made contiguous by the rotary
+    embedding): ``benchmarks/results/gpu_check_rerun.md``."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from lynx.errors import LynxConfigError
 
@@ -112,15 +112,6 @@ class HardwareSpec(BaseModel):
     source: Optional[str] = Field(default=None, exclude=True)
     calibration: Optional[Calibration] = Field(default=None, exclude=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_interpreter_term(cls, data: Any) -> Any:
-        # Plans saved before stages were compiled (issue 12) record a per-node interpreter cost;
-        # nothing runs a node through an interpreter any more, so it is read and ignored.
-        if isinstance(data, dict) and "interpreter_node_s" in data:
-            data = {k: v for k, v in data.items() if k != "interpreter_node_s"}
-        return data
-
     @field_validator("links")
     @classmethod
     def _has_all_links(cls, links: dict[str, LinkSpec]) -> dict[str, LinkSpec]:
@@ -204,12 +195,11 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     # covers 200 km per ms) and across a region (100 Mbit/s, ~10 ms); both assumed, not measured.
     "a100-dp-1gbit": _gpu("a100-dp-1gbit", **_A100_SXM, pp=_IB_HDR_PP, tp=_NVLINK3, dp=_ethernet(1, 1e-3)),
     "a100-dp-100mbit": _gpu("a100-dp-100mbit", **_A100_SXM, pp=_IB_HDR_PP, tp=_NVLINK3, dp=_ethernet(0.1, 10e-3)),
-    # This machine's CPU cores, one thread per rank, gloo over loopback; measured by
-    # `benchmarks/calibrate_cpu.py` (2026-12-03, fastest of many runs at load 4-7 on 2 cores):
-    # matmul 114-119 GFLOP/s and elementwise 14-15 GB/s fitted to gpt-tiny's own nodes, 1.9 µs
-    # per eager op, 4.7 ns per random number, an optimizer step of 6.0 (AdamW), 13 (DeMo) and
-    # 5.4 (Lion) ns per parameter; gloo p2p
-    # 3.0 GB/s and 150 µs latency on a quiet machine (86 µs quiet, 1.2-1.6 ms under load).
+    # This machine's CPU cores, one thread per rank, gloo over loopback, as
+    # `benchmarks/calibrate_cpu.py` measured them (the fastest of many runs on a loaded machine):
+    # matmul and elementwise rates fitted to gpt-tiny's own nodes, the cost of an eager op, of a
+    # random number and of an optimizer step per parameter, gloo's point-to-point link on a quiet
+    # machine. `lynx calibrate` (`--hardware auto`) measures the machine at hand instead.
     "cpu-local": HardwareSpec(
         name="cpu-local",
         device="cpu",

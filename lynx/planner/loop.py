@@ -224,7 +224,7 @@ def _still_hidden(problem: StageProblem, result: Any) -> Any:
 def _converged(best: tuple, score: tuple) -> bool:
     """A later round that fits, after a fitting best, and improves the step time by less than
     ``CONVERGED_REL``: the fixed point has settled (a further round moves windows by the
-    same small amounts; over the default grid a third round gained at most 0.03%)."""
+    same small amounts; what a third round gains over the default grid: ``docs/planner.md``)."""
     return not best[0] and not score[0] and score[1] > best[1] * (1 - CONVERGED_REL)
 
 
@@ -232,8 +232,8 @@ def _replay_agrees(results: list[Any], sim: SimResult) -> bool:
     """Whether the replay exposes, stage by stage, what the solvers predicted on the windows
     they were given (within ``CONVERGED_REL`` of the step time): the windows no longer move
     under the plan. A small gain alone does not settle it — a round can gain little while
-    its windows are still far from the plan's and the next round gains more (gpt-6.7b h100
-    pp4 tp4 m32 at level 0.3: 635.0, 634.8, 632.2, 629.6 ms)."""
+    its windows are still far from the plan's and the next round gains more (with 32
+    microbatches, neighbouring stages' windows take several rounds: ``docs/planner.md``)."""
     tolerance = CONVERGED_REL * sim.step_time_s
     return all(abs(exposed - result.objective_s) <= tolerance
                for exposed, result in zip(sim.exposed_per_stage, results))

@@ -6,8 +6,8 @@ prefetching recompute that was on demand (the trade the greedy policies do not m
 either drop to fit or keep while it fits). :func:`trade` tries the bulkiest, cheapest kept
 tensors that every class's windows can take, refills the windows and keeps a trial only when
 it exposes less within the budget. The first trial is the plan itself refilled: keeping more
-after the fill can leave memory a second fill spends. (gpt-20b a100 pp4 tp4, level 0.3,
-stage 0: 8.35 -> 7.40 ms exposed; simulated hidden share 88.9% -> 90.8%.)
+after the fill can leave memory a second fill spends. What HEU hides over the default grid,
+point by point: ``benchmarks/results/grid.md``.
 
 Example::
 
@@ -33,7 +33,7 @@ __all__ = ["trade", "CANDIDATES", "SHARE"]
 CANDIDATES = 21  # kept tensors tried (bulkiest per window second first)
 # A drop, and the refill after it, fill each window to at most this share of its capacity: a
 # plan loaded to the brim exposed more in simulation once the planner's fixed point re-derived
-# the windows (gpt-13b a100 pp4 tp4 at level 0.3: 92.3% -> 89.4% hidden at 1.0).
+# the windows (the hidden share per point: benchmarks/results/grid.md).
 SHARE = 0.9
 
 
