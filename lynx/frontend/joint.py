@@ -42,9 +42,9 @@ from lynx.errors import LynxRuntimeError
 from lynx.torch_private import (aot_export_joint, all_op_names, has_kernel, is_forward_node, is_op_overload, kept_whole,
                                 op_schema, output_aliases_input, tree_flatten, tree_map)
 
-__all__ = ["JointGraph", "trace_joint", "signature_of", "is_view_op", "fetch_attr", "classify", "owners_of",
-           "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved", "input_saver",
-           "on_profile_device", "keep_whole"]
+__all__ = ["JointGraph", "JointParts", "trace_joint", "signature_of", "is_view_op", "fetch_attr", "classify",
+           "owners_of", "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved",
+           "input_saver", "on_profile_device", "keep_whole"]
 
 
 @dataclass
@@ -174,7 +174,21 @@ def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.
                       cloned_outputs=sorted(aliased), origin=origin)
 
 
-def classify(joint: JointGraph) -> tuple:
+@dataclass(frozen=True)
+class JointParts:
+    """A joint graph's nodes by role, as ``default_partition`` sees them (see :func:`classify`)."""
+
+    nodes: list[fx.Node]               # every node, in graph order
+    primals: list[fx.Node]             # parameters and buffers, then the stage's inputs
+    tangents: list[fx.Node]            # incoming gradients of the forward outputs
+    fw_outs: list[fx.Node]             # forward outputs (the stage's flattened outputs)
+    grads: list[fx.Node | None]        # one gradient per primal (None: it needs none)
+    forward: set[fx.Node]              # the forward nodes
+    owner: dict[fx.Node, str | None]   # captured node owning each forward value's storage
+    saved: list[fx.Node]               # forward values a backward node reads
+
+
+def classify(joint: JointGraph) -> JointParts:
     """The joint graph's nodes, primals, tangents, forward outputs, gradients, forward nodes,
     the owner of each forward value and the saved values (``default_partition``'s choice)."""
     nodes = list(joint.gm.graph.nodes)
@@ -191,7 +205,8 @@ def classify(joint: JointGraph) -> tuple:
 
     saved = [n for n in nodes if n in forward and not is_multi(n)
              and any(u not in forward and u.op != "output" for u in n.users)]
-    return nodes, primals, tangents, fw_outs, grads, forward, owner, saved
+    return JointParts(nodes=nodes, primals=primals, tangents=tangents, fw_outs=fw_outs, grads=grads, forward=forward,
+                      owner=owner, saved=saved)
 
 
 def input_saver(joint: JointGraph, root: fx.Node, forward: set[fx.Node]) -> str | None:
@@ -229,7 +244,9 @@ def saved_by_node(joint: JointGraph, order: dict[str, int]) -> dict[str, tuple[i
     storages among the first figure. This is the profile's record for the compiled executor:
     what :func:`lynx.rewrite.lower.lower` keeps and drops is exactly what it counted.
     """
-    nodes, primals, _tangents, fw_outs, _grads, forward, owner, saved = classify(joint)
+    parts = classify(joint)
+    nodes, primals, fw_outs, forward, owner, saved = (parts.nodes, parts.primals, parts.fw_outs, parts.forward,
+                                                      parts.owner, parts.saved)
     origin = joint.origin
     attrs = set(primals[:len(joint.attr_names)])
     # storages each captured node hands on: values read by another node's forward, or returned
@@ -267,7 +284,7 @@ def generated_ops(joint: JointGraph) -> dict[str, tuple[int, int]]:
     Every ``call_function`` of the joint graph the node owns counts once, views included (each
     is a dispatched call in the generated code); ``getitem`` unpacking does not. A captured node
     absent from the result runs nothing (e.g. a ``detach`` AOTAutograd folded away)."""
-    _nodes, _primals, _tangents, _fw_outs, _grads, forward, _owner, _saved = classify(joint)
+    forward = classify(joint).forward
     counts: dict[str, tuple[int, int]] = {}
     for n in joint.gm.graph.nodes:
         name = joint.origin.get(n.name)
