@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from lynx.config import CompileConfig
 from lynx.errors import LynxConfigError
@@ -28,6 +28,11 @@ from lynx.plan import Plan, check_fingerprint
 from lynx.planner.loop import plan_graph_outcome
 from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.simulator import SimResult
+
+if TYPE_CHECKING:  # torch-side types: importing lynx.compiler stays light
+    from lynx.frontend.analyze import Analysis
+    from lynx.rewrite.stage import StageModule
+    from lynx.runtime.loss import LossSpec
 
 __all__ = ["compile", "Compiled", "resolve_config"]
 
@@ -38,12 +43,12 @@ class Compiled:
 
     plan: Plan
     config: CompileConfig
-    analysis: Any
+    analysis: Analysis
     # wall seconds per phase: capture, profile, graph, setup, plan, search, simulate (lynx.phases)
     phases: Phases = field(default_factory=Phases)
-    loss: Any = None    # lynx.runtime.loss.LossSpec: which part of the output is the loss
+    loss: Optional[LossSpec] = None    # which part of the output is the loss
 
-    def stage(self, index: int) -> Any:
+    def stage(self, index: int) -> StageModule:
         """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.config.pp:
             raise LynxConfigError(
@@ -117,6 +122,7 @@ def compile(
         check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
         return Compiled(plan=plan, config=config, analysis=analysis, phases=phases, loss=loss)
     outcome = plan_graph_outcome(analysis.graph, config)
+    assert outcome.plan is not None  # assembled (plan_graph_outcome's default)
     return Compiled(
         plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases), loss=loss
     )

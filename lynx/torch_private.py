@@ -35,12 +35,15 @@ import contextlib
 import functools
 import importlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import fx
 
 from lynx.errors import LynxRuntimeError
+
+if TYPE_CHECKING:  # for the type checker only; at run time the class is looked up by _api
+    from torch._ops import OpOverload
 
 __all__ = ["VERIFIED_TORCH", "private", "check", "is_op_overload", "op_schema", "tree_flatten", "tree_unflatten",
            "tree_map", "tree_leaves", "boxed_codegen", "out_spec_of", "fake_tensor_mode", "aot_export_joint",
@@ -111,12 +114,12 @@ def check() -> list[str]:
     return problems
 
 
-def is_op_overload(target: Any) -> bool:
+def is_op_overload(target: Any) -> TypeGuard[OpOverload]:
     """Whether a graph node's target is an aten (or other registered) operator overload."""
     return isinstance(target, _api("OpOverload"))
 
 
-def op_schema(target: Any) -> Any:
+def op_schema(target: OpOverload) -> Any:
     """The ``torch._C.FunctionSchema`` of an operator overload (its arguments, returns, aliasing)."""
     return target._schema
 

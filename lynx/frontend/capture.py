@@ -225,7 +225,7 @@ def _capture(model: nn.Module, example_inputs: tuple | list | Mapping | torch.Te
 
 def _share_original_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
     """Point the unlifted module's parameters and buffers at the original module's tensors."""
-    originals = dict(model.named_parameters(remove_duplicate=False))
+    originals: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     originals.update(dict(model.named_buffers(remove_duplicate=False)))
     for node in gm.graph.nodes:
         if node.op != "get_attr" or node.target not in originals:

@@ -79,8 +79,10 @@ def plan_graph(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommM
                solve: Optional[Callable[..., Any]] = None, progress: Optional[Callable[[str], None]] = None,
                check_budget: bool = True) -> Plan:
     """Plan an analysed contract graph under ``config`` (see module docstring)."""
-    return plan_graph_outcome(graph, config, comm=comm, solve=solve, progress=progress,
+    plan = plan_graph_outcome(graph, config, comm=comm, solve=solve, progress=progress,
                               check_budget=check_budget).plan
+    assert plan is not None  # assembled (plan_graph_outcome's default)
+    return plan
 
 
 def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Optional[CommModel] = None,

@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
@@ -28,6 +28,9 @@ from lynx.errors import LynxConfigError
 from lynx.rewrite.split import StageGraph, split_graph
 from lynx.rewrite.stage import StageModule
 from lynx.torch_private import out_spec_of
+
+if TYPE_CHECKING:
+    from lynx.compiler import Compiled
 
 __all__ = ["build_stage_module", "build_stages", "stage_node_lists", "split_cached"]
 
@@ -65,7 +68,7 @@ def build_stages(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]],
     return [StageModule(part, drop, out_spec=out_spec, compile=compile) for part, drop in zip(parts, dropped)]
 
 
-def build_stage_module(compiled: Any, index: int) -> StageModule:
+def build_stage_module(compiled: Compiled, index: int) -> StageModule:
     """Stage ``index`` of ``compiled`` (a :class:`lynx.Compiled`) with its plan applied."""
     plan = compiled.plan
     n_stages = len(plan.stages)

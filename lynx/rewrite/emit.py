@@ -108,7 +108,8 @@ def _copy(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node], state_of: di
     if n in state_of:
         args = fx.map_arg(n.args, lambda a: env[a])
         kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
-        env[n] = graph.call_function(replay_rng, (state_of[n], _device_of(n), n.target, *args), kwargs)
+        op: Any = n.target  # an operator: fx passes it through as a plain argument
+        env[n] = graph.call_function(replay_rng, (state_of[n], _device_of(n), op, *args), kwargs)
         env[n].meta = dict(n.meta)
     else:
         env[n] = graph.node_copy(n, lambda a: env[a])

@@ -170,7 +170,9 @@ def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, m
     slot_of = {name: i for i, name in enumerate(slots)}
     dropped_by_node: dict[str, list[int]] = {}
     for n in dropped_values:
-        dropped_by_node.setdefault(owner[n], []).append(slot_of[n.name])
+        name = owner[n]
+        assert name is not None, n  # dropped: owned by a captured node the plan names
+        dropped_by_node.setdefault(name, []).append(slot_of[n.name])
     n_attrs = len(joint.attr_names)
 
     def input_category(root: fx.Node) -> str:
@@ -197,7 +199,7 @@ def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, m
                         origin={n.name: o for n, o in owner.items() if o}, dropped_by_node=dropped_by_node,
                         bytes_of_slot=sizes, send_bytes=send_bytes, category_of_slot=categories,
                         stage_roots=stage_roots, graph_nodes={n.name: n for n in nodes}, forward_nodes=forward,
-                        tangents=parts.tangents, grads=[grads[i] for i in grad_of])
+                        tangents=parts.tangents, grads=[g for g in grads if g is not None])
 
 
 def _slot_bytes(fw_saved: list[fx.Node], rng_names: list[str], dropped_values: list[fx.Node], primals: list[fx.Node],

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -63,7 +64,7 @@ class SavedBytesMeter:
         if entry is not None and entry[0]() is storage:
             return
         nbytes = storage.nbytes()
-        self._watched[key] = (weakref.ref(storage, lambda ref, k=key: self._expire(k, ref)), nbytes, category)
+        self._watched[key] = (weakref.ref(storage, functools.partial(self._expire, key)), nbytes, category)
         self.hold(category, nbytes)
 
     def _expire(self, key: int, ref: weakref.ref) -> None:

@@ -147,7 +147,7 @@ class StageModule(nn.Module):
         if unknown:
             raise LynxPlanError(f"stage {self.index}: plan drops nodes that are not in this stage: {unknown[:5]}")
         self._out_spec = out_spec if out_spec is not None else part.out_spec
-        self.compile = compile
+        self.compile_graphs = compile  # (not `compile`: nn.Module.compile is a method)
         self._lowered: dict[tuple, LoweredStage] = {}
         self._attrs: dict[tuple, list] = {}
         self._forward_bytes: dict[tuple, dict[str, int]] = {}
@@ -162,8 +162,8 @@ class StageModule(nn.Module):
         key = signature_of(args)
         found = self._lowered.get(key)
         if found is None:
-            found = self._lowered[key] = lower(trace_joint(self.gm, list(args)), self.dropped, compile=self.compile,
-                                               model_inputs=len(self.spec.inputs))
+            found = self._lowered[key] = lower(trace_joint(self.gm, list(args)), self.dropped,
+                                               compile=self.compile_graphs, model_inputs=len(self.spec.inputs))
         return found
 
     # ----------------------------------------------------------------- forward

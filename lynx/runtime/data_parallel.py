@@ -6,21 +6,22 @@ asynchronously, so the backward of earlier layers — and the on-demand recomput
 triggers — overlaps the communication. The sync object is either :class:`AllReduceSync`
 (mean of gradients over the data-parallel group, for AdamW or any local optimizer) or one of
 Lynx's compressed optimizers (:class:`lynx.optim.DeMo`, :class:`lynx.optim.DistributedLion`),
-which expose the same ``buckets`` / ``bucket_of`` / ``launch`` / ``finish`` interface.
+which expose the same ``bucket_of`` / ``launch`` / ``finish`` interface: :class:`BucketedSync`;
+:func:`syncs_own_buckets` is the one test of whether an object has it.
 
 Example::
 
     >>> import torch
     >>> lin = torch.nn.Linear(4, 4)
     >>> sync = AllReduceSync(list(lin.parameters()), group=None, bucket_bytes=64)
-    >>> len(sync.buckets)
-    2
+    >>> len(sync.buckets), syncs_own_buckets(sync), syncs_own_buckets(torch.optim.SGD(lin.parameters()))
+    (2, True, False)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import time
 
@@ -29,7 +30,30 @@ import torch.distributed as dist
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["AllReduceSync", "BucketLauncher"]
+__all__ = ["BucketedSync", "syncs_own_buckets", "AllReduceSync", "BucketLauncher"]
+
+
+class BucketedSync(Protocol):
+    """What syncs gradients over the data-parallel group bucket by bucket: :class:`AllReduceSync`,
+    and the optimizers that sync their own buckets (``lynx.optim.DeMo``, ``DistributedLion``)."""
+
+    def bucket_of(self, param: torch.Tensor) -> int:
+        """The bucket ``param``'s gradient belongs to."""
+        ...
+
+    def launch(self, bucket: int) -> Any:
+        """Start bucket ``bucket``'s collective (its gradients are final); idempotent."""
+        ...
+
+    def finish(self) -> None:
+        """Launch what is left, wait for every bucket and apply the result."""
+        ...
+
+
+def syncs_own_buckets(x: object) -> TypeGuard[BucketedSync]:
+    """Whether ``x`` has :class:`BucketedSync`'s methods, looked up as attribute access does:
+    duck typing is the contract, and a wrapper that forwards them (``__getattr__``) counts."""
+    return all(hasattr(x, name) for name in ("bucket_of", "launch", "finish"))
 
 
 class AllReduceSync:
@@ -96,7 +120,8 @@ class AllReduceSync:
 class BucketLauncher:
     """Launches ``sync``'s buckets as their gradients become final in the last backward."""
 
-    def __init__(self, sync: Any, params: Sequence[torch.Tensor], hold_buckets: set[int] = frozenset()) -> None:
+    def __init__(self, sync: BucketedSync, params: Sequence[torch.Tensor],
+                 hold_buckets: frozenset[int] | set[int] = frozenset()) -> None:
         self.sync = sync
         self.armed = False
         members: dict[int, int] = {}

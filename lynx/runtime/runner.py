@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from lynx.errors import LynxConfigError, LynxError, LynxRuntimeError
-from lynx.runtime.data_parallel import AllReduceSync, BucketLauncher
+from lynx.runtime.data_parallel import AllReduceSync, BucketedSync, BucketLauncher, syncs_own_buckets
 from lynx.runtime.faults import FaultMonitor, PeerTimeoutError
 from lynx.runtime.p2p import ACT, FLAGS, GRAD, Pollable, boundary_meta, post_recv, post_send
 from lynx.planner.schedule import recv_window_id, stage_actions, window_place
@@ -98,13 +98,11 @@ class StageRunner:
         self.params = list(reversed(params))
         self.tied = dict(tied or {})  # param name -> process group of the stages sharing it
         tied_ids = {id(p) for n, p in stage.gm.named_parameters() if n in self.tied}
-        self.sync = None
-        self.launcher = None
+        self.sync: BucketedSync | None = None
+        self.launcher: BucketLauncher | None = None
         if topology.dp > 1:
-            hooks = ("launch", "finish", "bucket_of")
-            is_bucketed = optimizer is not None and all(hasattr(optimizer, a) for a in hooks)
-            self.sync = optimizer if is_bucketed else AllReduceSync(self.params, topology.dp_group,
-                                                                      config.bucket_bytes)
+            self.sync = optimizer if syncs_own_buckets(optimizer) else AllReduceSync(
+                self.params, topology.dp_group, config.bucket_bytes)
             # buckets holding tied weights wait for the tied sum at the end (launched by finish)
             held = {self.sync.bucket_of(p) for p in self.params if id(p) in tied_ids}
             self.launcher = BucketLauncher(self.sync, self.params, hold_buckets=held)

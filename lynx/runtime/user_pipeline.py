@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from lynx.errors import LynxConfigError, LynxFingerprintError
 from lynx.runtime.batching import bind_inputs, check_microbatch, match_layout, split_rows
+from lynx.runtime.data_parallel import syncs_own_buckets
 from lynx.runtime.runner import StageRunner, RuntimeConfig
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import make_topology, select_backend, tied_groups
@@ -164,7 +165,7 @@ class Pipeline:
         """Let a Lynx data-parallel optimizer (``lynx.optim.DeMo``, ``DistributedLion``) send its
         buckets while the last backward runs, instead of all-reducing gradients first; its
         ``step()`` (yours to call) finishes them. Other optimizers need no call."""
-        if not all(hasattr(optimizer, a) for a in ("launch", "finish", "bucket_of")):
+        if not syncs_own_buckets(optimizer):
             raise LynxConfigError(f"use_optimizer takes lynx.optim.DeMo or DistributedLion (optimizers that sync "
                                   f"their own buckets), got {type(optimizer).__name__}; other optimizers need no call")
         self.runner.close()
@@ -234,7 +235,7 @@ class Pipeline:
             options = StateDictOptions(flatten_optimizer_state_dict=True)
             osd = get_optimizer_state_dict(self.stage.gm, opt, options=options)
             # compressed optimizers keep a momentum per replica: one entry each (not de-duplicated)
-            state["optimizer"] = {f"replica{self.topology.dp_rank}": osd} if _per_replica(opt) else osd
+            state["optimizer"] = {f"replica{self.topology.dp_rank}": osd} if syncs_own_buckets(opt) else osd
         return state
 
     def load_state_dict(self, state: dict[str, Any], optimizer: Any = None) -> None:
@@ -252,7 +253,7 @@ class Pipeline:
                                       "save with pipe.state_dict(optimizer)")
             opt = getattr(optimizer, "inner", optimizer)
             osd = state["optimizer"]
-            osd = osd[f"replica{self.topology.dp_rank}"] if _per_replica(opt) else osd
+            osd = osd[f"replica{self.topology.dp_rank}"] if syncs_own_buckets(opt) else osd
             set_optimizer_state_dict(self.stage.gm, opt, osd,
                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
 
@@ -289,10 +290,6 @@ class _StepByUser:
 
     def step(self) -> None:
         pass
-
-
-def _per_replica(optimizer: Any) -> bool:
-    return all(hasattr(optimizer, a) for a in ("launch", "finish", "bucket_of"))
 
 
 def _device_type() -> str:
