@@ -111,7 +111,8 @@ def _walk(command: Any, path: str) -> Iterator[tuple[str, Any]]:
 
 
 def _render_command(path: str, command: Any) -> list[str]:
-    lines = [f"## `{path}`", "", _one_line(command.help).replace("\\|", "|"), "", "```", _usage(path, command), "```", ""]
+    lines = [f"## `{path}`", "", _one_line(command.help).replace("\\|", "|"), "",
+             "```", _usage(path, command), "```", ""]
     if hasattr(command, "commands"):
         subs = [n for n, c in command.commands.items() if not getattr(c, "hidden", False)]
         lines += ["Sub-commands: " + ", ".join(f"`{path} {n}`" for n in subs) + ".", ""]
