@@ -160,12 +160,13 @@ def _sent_storages(graph: nx.DiGraph, names: list[str]) -> tuple[set[str], int]:
     storage; a view of a value the stage did not produce (a model input, a received value)
     is not the stage's."""
     members = set(names)
-    saved, owners = set(), set()
+    saved: set[str] = set()
+    owners: set[str] = set()
     for n in names:
         if all(v in members for v in graph.successors(n)):
             continue
-        base = n
-        while graph.nodes[base].get("is_view"):
+        base: str | None = n
+        while base is not None and graph.nodes[base].get("is_view"):
             inputs = list(graph.predecessors(base))
             if not inputs or inputs[0] not in members:
                 base = None

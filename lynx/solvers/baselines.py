@@ -101,7 +101,7 @@ def solve_full(problem: StageProblem, **_: object) -> SolveResult:
 def solve_full_block(problem: StageProblem, **_: object) -> SolveResult:
     start = time.perf_counter()
     layers = sorted({n.layer for n in problem.nodes if n.layer is not None})
-    recompute = frozenset()
+    recompute: frozenset[str] = frozenset()
     for count in range(len(layers) + 1):
         recompute = layer_recompute_set(problem, set(layers[:count])) if count else frozenset()
         if peak_activation_bytes(problem, Assignment(recompute, {})) <= problem.activation_budget_bytes:

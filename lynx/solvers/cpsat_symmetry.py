@@ -109,7 +109,7 @@ def identical_layer_pairs(
 
 def break_layer_symmetry(m: cp_model.CpModel, model: StageModel, free: list[bool], r: list, x: list[dict]) -> int:
     """Add the ordering constraints (see module docstring); returns how many pairs got one."""
-    distinct_x = []
+    distinct_x: list[dict] = []
     for xc in x:
         if all(xc is not seen for seen in distinct_x):
             distinct_x.append(xc)
