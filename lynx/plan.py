@@ -34,6 +34,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Decision",
     "StagePlan",
+    "ChunkRecord",
     "WindowRecord",
     "Predicted",
     "Plan",
@@ -69,6 +70,16 @@ class Decision(BaseModel):
         return self.window
 
 
+class ChunkRecord(BaseModel):
+    """One model chunk a device runs: its place in the pipeline, its blocks, its nodes."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int                   # pipeline position (0 .. pp·virtual − 1); device = index mod pp
+    blocks: list[str]
+    nodes: int                   # how many of the stage's decisions (in order) are this chunk's
+
+
 class StagePlan(BaseModel):
     """One pipeline stage (device): its layers, budget, predicted peak and decisions."""
 
@@ -84,6 +95,7 @@ class StagePlan(BaseModel):
     in_flight: int = 1
     exposed_recompute_s: float = 0.0
     hidden_recompute_s: float = 0.0
+    chunks: list[ChunkRecord] = []   # the device's model chunks in order (several: interleaved)
     decisions: list[Decision]
 
 
@@ -199,18 +211,22 @@ class Plan(BaseModel):
 
     def stage_schedule(self, stage: int) -> "StageSchedule":
         """What the runtime does on ``stage``: the dropped nodes and, per microbatch j, the
-        ordered ``(window id, [nodes in forward order])`` to recompute before ``B(j)``."""
+        ordered ``(window id, [nodes in forward order])`` to recompute before ``B(j)`` — the
+        window ids typed (:class:`~lynx.planner.windows.WindowId`), the plan's strings parsed."""
+        from lynx.planner.windows import WindowId
+
         stage_plan = self.stage(stage)
         order = {w.id: i for i, w in enumerate(self.windows)}
         dropped = frozenset(d.node for d in stage_plan.decisions if d.action == "recompute")
-        prefetch: dict[int, list[tuple[str, list[str]]]] = {}
+        prefetch: dict[int, list[tuple[Any, list[str]]]] = {}
         for j in range(self.microbatches):
             per_window: dict[str, list[str]] = {}
             for decision in stage_plan.decisions:  # decisions are in forward order
                 window = decision.window_for(j)
                 if window is not None:
                     per_window.setdefault(window, []).append(decision.node)
-            prefetch[j] = sorted(per_window.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+            ordered = sorted(per_window.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+            prefetch[j] = [(WindowId.parse(w), nodes) for w, nodes in ordered]
         return StageSchedule(dropped=dropped, prefetch=prefetch)
 
     def recompute_fraction(self) -> float:
@@ -225,7 +241,7 @@ class StageSchedule:
     """The runtime's view of one stage's plan (see :meth:`Plan.stage_schedule`)."""
 
     dropped: frozenset[str]
-    prefetch: dict[int, list[tuple[str, list[str]]]] = field(default_factory=dict)
+    prefetch: dict[int, list[tuple[Any, list[str]]]] = field(default_factory=dict)   # (WindowId, nodes)
 
     def on_demand(self, microbatch: int) -> frozenset[str]:
         """Dropped nodes not prefetched for ``microbatch``: recomputed when backward needs them."""

@@ -163,7 +163,7 @@ def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
     (a transfer or collective the stage waits for) or ``optimizer``; the label names the
     microbatch (``F3``, ``B3``, ``R3``). Consecutive bars of one kind and label are merged.
     """
-    windows = {(w.device, w.id): w for w in timeline.windows}
+    windows = {(w.device, str(w.id)): w for w in timeline.windows}
     sends = [g for g in timeline.segments if g.kind == "send"]
     ordered = sorted(timeline.segments, key=lambda g: (g.device, g.start, g.end))
     out: list[tuple[int, str, float, float, str]] = []

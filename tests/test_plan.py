@@ -7,6 +7,7 @@ import json
 import pytest
 
 from lynx.errors import LynxFingerprintError, LynxPlanError
+from lynx.planner.windows import WindowId
 from lynx.plan import (
     SCHEMA_VERSION, Decision, Plan, Predicted, StagePlan, WindowRecord, check_fingerprint, fingerprint_of,
 )
@@ -46,8 +47,10 @@ def test_stage_schedule_orders_windows_in_time_and_nodes_in_forward_order() -> N
     sched = _plan().stage_schedule(0)
     assert sched.dropped == frozenset({"b", "c", "d"})
     # mb0: recv_grad.mb0 comes before the tp window in time; b precedes c in forward order
-    assert sched.prefetch[0] == [("s0.recv_grad.mb0", ["c"]), ("s0.tp.l1.b.mb0", ["b"])]
-    assert sched.prefetch[1] == [("s0.recv_grad.mb1", ["b"])]
+    # window ids come back typed, parsed from the plan's strings
+    assert sched.prefetch[0] == [(WindowId.recv(0, "recv_grad", 0), ["c"]),
+                                 (WindowId.tp(0, layer=1, microbatch=0), ["b"])]
+    assert sched.prefetch[1] == [(WindowId.parse("s0.recv_grad.mb1"), ["b"])]
     assert sched.prefetch[2] == []
     assert sched.on_demand(2) == frozenset({"b", "c", "d"})
     assert sched.on_demand(0) == frozenset({"d"})

@@ -8,7 +8,7 @@ from pathlib import Path
 import lynx
 from lynx.planner.loop import plan_graph
 from lynx.planner.comm import CommModel
-from lynx.plan import Decision, Predicted, StagePlan, WindowRecord
+from lynx.plan import ChunkRecord, Decision, Predicted, StagePlan, WindowRecord
 from lynx.planner.synthetic import synthetic_graph
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "plan_format.md"
@@ -29,7 +29,7 @@ def test_every_top_level_key_of_a_fresh_plan_is_documented() -> None:
 
 def test_every_nested_field_is_documented() -> None:
     text = DOC.read_text()
-    for model in (StagePlan, Decision, WindowRecord, Predicted):
+    for model in (StagePlan, ChunkRecord, Decision, WindowRecord, Predicted):
         missing = [name for name in model.model_fields if not _documented(text, name)]
         assert not missing, f"docs/plan_format.md does not document {model.__name__} field(s) {missing}"
     for name in lynx.CompileConfig.model_fields:

@@ -37,6 +37,7 @@ __all__ = [
     "random_elements",
     "node_forward_s",
     "node_backward_s",
+    "weight_grad_share",
     "optimizer_step_s",
     "annotate_times",
     "p2p_time",
@@ -82,6 +83,18 @@ def node_backward_s(attrs: dict[str, Any], hw: HardwareSpec, dtype: str) -> floa
     compute = 2 * attrs["flops"] / hw.achievable_flops(dtype)
     memory = 2 * (attrs["input_bytes"] + attrs["output_bytes"]) / hw.memory_bandwidth
     return max(compute, memory) + _ops(attrs, "backward_ops", 1) * hw.op_overhead_s
+
+
+# share of a node's backward that computes its parameters' gradients (zero bubble's W): a
+# linear's weight gradient costs what its input gradient does; an embedding's backward is all
+# weight gradient (indices have none); a norm computes both in one kernel, which stays with
+# the input gradient
+_WEIGHT_SHARE = {"aten.linear.default": 0.5, "aten.embedding.default": 1.0}
+
+
+def weight_grad_share(op: str) -> float:
+    """The part of ``op``'s backward time that computes weight gradients (0 for most ops)."""
+    return _WEIGHT_SHARE.get(op, 0.0)
 
 
 def optimizer_step_s(params: int, optimizer: str, hw: HardwareSpec) -> float:

@@ -32,7 +32,7 @@ import networkx as nx
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.phases import Phases
-from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, fingerprint_of
+from lynx.plan import ChunkRecord, Plan, Predicted, StagePlan, WindowRecord, fingerprint_of
 from lynx.planner.comm import CommModel
 from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.graph_schema import check_graph
@@ -192,8 +192,10 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, pro
             static_bytes=sim.static_bytes[s], activation_bytes=sim.activation_bytes[s],
             in_flight=problem.in_flight, exposed_recompute_s=sim.exposed_per_stage[s],
             hidden_recompute_s=sim.hidden_per_stage[s],
+            chunks=[ChunkRecord(index=c.index, blocks=[blocks[b]["name"] for b in c.blocks],
+                                nodes=sum(len(blocks[b]["nodes"]) for b in c.blocks)) for c in chunks],
             decisions=decisions_from_assignment(problem, result.assignment)))
-    windows = [WindowRecord(id=w.id, stage=p.stage, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
+    windows = [WindowRecord(id=str(w.id), stage=p.stage, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
                             eligible_layers=None if w.eligible_layers is None else list(w.eligible_layers))
                for p in problems for w in p.windows]
     status = max((r.status for r in results), key=lambda st: _STATUS_RANK.get(st, 1))

@@ -25,6 +25,7 @@ import networkx as nx
 
 from lynx.errors import LynxConfigError
 from lynx.planner.comm import CommModel
+from lynx.planner.cost import weight_grad_share
 from lynx.units import dtype_bytes
 
 __all__ = [
@@ -55,11 +56,12 @@ class BlockCost:
     name: str
     layer: Optional[int]
     forward_s: float           # compute of the forward
-    backward_s: float          # compute of the backward
+    backward_s: float          # compute of the backward (input and weight gradients)
     tp_forward_s: float        # tensor-parallel collectives in the forward (on the critical path)
     tp_backward_s: float       # ... in the backward: an idle window recomputation can fill
     param_bytes: int           # parameter bytes held by one device (÷ tp)
     dp_s: float                # data-parallel collective time of this block's gradients
+    backward_weight_s: float = 0.0   # the weight-gradient part of backward_s (zero bubble's W)
 
 
 def static_bytes_per_param(optimizer: str, dtype_size: int) -> int:
@@ -149,6 +151,8 @@ def block_costs(graph: nx.DiGraph, comm: CommModel, *, tp: int, optimizer: str) 
         nodes = block["nodes"]
         forward = sum(graph.nodes[n].get("forward_s", 0.0) for n in nodes) / tp
         backward = sum(graph.nodes[n].get("backward_s", 0.0) for n in nodes) / tp
+        weight = sum(weight_grad_share(graph.nodes[n].get("op", "")) * graph.nodes[n].get("backward_s", 0.0)
+                     for n in nodes) / tp
         tp_s = 0.0
         if tp > 1 and block["kind"] == "layer" and nodes:
             activation = int(graph.nodes[nodes[-1]].get("output_bytes", 0))  # the layer's output (s, b, h)
@@ -157,5 +161,5 @@ def block_costs(graph: nx.DiGraph, comm: CommModel, *, tp: int, optimizer: str) 
         costs.append(BlockCost(
             block=block["index"], name=block["name"], layer=block.get("layer"),
             forward_s=forward, backward_s=backward, tp_forward_s=tp_s, tp_backward_s=tp_s,
-            param_bytes=device_params, dp_s=comm.dp_gradients(device_params // size)))
+            param_bytes=device_params, dp_s=comm.dp_gradients(device_params // size), backward_weight_s=weight))
     return costs

@@ -28,6 +28,7 @@ from lynx.units import dtype_bytes
 from lynx.plan import Decision
 from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem
 from lynx.planner.timeline import Loads, PipelineCosts, Timeline
+from lynx.planner.windows import WindowId
 
 __all__ = [
     "build_pipeline",
@@ -189,7 +190,7 @@ def loads_from_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: lis
                            assignments: list[Assignment]) -> Loads:
     """The recomputation seconds each assignment places in windows and on demand."""
     chunk_of_block = {b: c.index for c in pipe.chunks for b in c.blocks}
-    window: dict[str, float] = {}
+    window: dict[WindowId, float] = {}
     on_demand: dict[tuple[int, int, int], float] = {}
     for problem, assignment in zip(problems, assignments):
         for node in problem.nodes:
@@ -215,11 +216,12 @@ def decisions_from_assignment(problem: StageProblem, assignment: Assignment) -> 
             continue
         per_mb = {j: assignment.window_of[(node.name, j)] for j in range(problem.microbatches)
                   if (node.name, j) in assignment.window_of}
-        ids = set(per_mb.values())
+        ids = {str(w) for w in per_mb.values()}   # the plan's JSON holds window ids as strings
         if len(per_mb) == problem.microbatches and len(ids) == 1:
             decisions.append(Decision(node=node.name, action="recompute", window=ids.pop()))
         else:
-            decisions.append(Decision(node=node.name, action="recompute", windows=per_mb or None))
+            decisions.append(Decision(node=node.name, action="recompute",
+                                      windows={j: str(w) for j, w in per_mb.items()} or None))
     return decisions
 
 
@@ -231,5 +233,5 @@ def assignment_from_decisions(decisions: list[Decision], microbatches: int) -> A
         for j in range(microbatches):
             wid = d.window_for(j)
             if wid is not None:
-                window_of[(d.node, j)] = wid
+                window_of[(d.node, j)] = WindowId.parse(wid)
     return Assignment(recompute=recompute, window_of=window_of)

@@ -1,13 +1,16 @@
 """The pipeline timeline: schedule × cost model → timed actions per stage and the idle windows.
 
-:func:`~lynx.planner.schedule.schedule_order` gives each device's ordered forward/backward actions for ``1f1b``,
-``gpipe`` and ``interleaved1f1b`` (Megatron's order). :func:`run_timeline` replays that order
-with per-block costs and p2p times (a forward waits for its activation, a backward for its
-gradient), optionally with recomputation placed in windows or on demand, and records every
-interval a device waits: ``recv_grad`` before a backward, ``recv_act`` before a forward (it
-serves the next backward whose forward is done), the ``tp_allreduce`` of each layer's
-backward (serving layers not yet backpropagated) and the ``dp_collective`` tail after a
-device's last backward. Each device's step ends with its optimizer step
+:func:`run_timeline` replays each device's action list (:func:`~lynx.planner.schedule.rank_actions`,
+the list the runtime executes: ``1f1b``, ``gpipe``, ``interleaved1f1b``, ``zbh1``) with
+per-block costs and p2p times — a forward waits for its activation, a backward (or a zero-bubble
+input-gradient ``I``) for its gradient, a deferred weight-gradient ``W`` for nothing — optionally
+with recomputation placed in windows or on demand, and records every interval a device waits:
+``recv_grad`` before a backward, ``recv_act`` before a forward (it serves the next backward whose
+forward is done) — each named by the ``R`` action the list puts before the wait —, the
+``tp_allreduce`` of each layer's backward (serving layers not yet backpropagated) and the
+``dp_collective`` tail after a device's last backward. A ``W`` runs where the list puts it, so
+it takes from the idle time after it the seconds it costs: what is left is what recomputation
+can fill (``docs/planner.md``). Each device's step ends with its optimizer step
 (``PipelineCosts.optimizer_s``), after its last gradient and data-parallel exchange. Windows are
 named by their place in the schedule, not their time, so the same ids exist in every replay
 and a plan made on one replay can be scored on another.
@@ -30,7 +33,8 @@ from typing import Optional
 
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.partition import BlockCost, Chunk
-from lynx.planner.schedule import dp_window_id, recv_window_id, schedule_order, tp_window_id
+from lynx.planner.schedule import Op, rank_actions
+from lynx.planner.windows import WindowId, as_window_id
 
 __all__ = ["PipelineCosts", "Loads", "TimedAction", "Window", "Segment", "Timeline", "run_timeline"]
 
@@ -70,8 +74,12 @@ class Loads:
     """Recomputation to replay: seconds per window id and seconds on demand per
     (chunk, microbatch, block) — the latter run inside that block's backward."""
 
-    window: dict[str, float] = field(default_factory=dict)
+    window: dict[WindowId, float] = field(default_factory=dict)
     on_demand: dict[tuple[int, int, int], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:   # a plan's strings become window ids
+        if any(not isinstance(k, WindowId) for k in self.window):
+            object.__setattr__(self, "window", {as_window_id(k): v for k, v in self.window.items()})
 
 
 @dataclass
@@ -79,9 +87,10 @@ class TimedAction:
     """A scheduled action as the replay ran it."""
 
     device: int
-    kind: str            # "F" | "B"
+    kind: str            # "F" | "B" | "I" | "W"
     chunk: int
     microbatch: int
+    window: Optional[WindowId] = None   # the window of its wait (the R action before it), if any
     ready: float = 0.0   # when the device was free to start it
     arrival: float = 0.0  # when its input (activation or gradient) was available
     start: float = 0.0
@@ -90,7 +99,7 @@ class TimedAction:
 
 @dataclass(frozen=True)
 class Window:
-    id: str
+    id: WindowId
     device: int
     kind: str                     # recv_grad | recv_act | tp_allreduce | dp_collective
     microbatch: int               # the backward it serves
@@ -130,7 +139,8 @@ class Timeline:
     def bubble_fraction(self, device: int = 0) -> float:
         return self.bubble_s[device] / self.step_time_s if self.step_time_s else 0.0
 
-    def window(self, window_id: str) -> Window:
+    def window(self, window_id: WindowId | str) -> Window:
+        window_id = as_window_id(window_id)
         for w in self.windows:
             if w.id == window_id:
                 return w
@@ -143,7 +153,7 @@ def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: 
     replay = _Replay(pipe, loads or Loads(), record)
     replay.run_actions()
     device_end = replay.data_parallel_and_optimizer()
-    unknown = sorted(set(replay.loads.window) - replay.used)
+    unknown = sorted(str(w) for w in set(replay.loads.window) - replay.used)
     if unknown:
         raise LynxPlanError(f"plan places recomputation in windows this schedule does not have: {unknown[:5]}")
     replay.windows.sort(key=lambda w: (w.device, w.start, w.id))
@@ -159,14 +169,14 @@ class _Replay:
 
     def __init__(self, pipe: PipelineCosts, loads: Loads, record: bool) -> None:
         self.pipe, self.loads, self.record = pipe, loads, record
-        order = schedule_order(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
-        self.actions = [[TimedAction(device=s, kind=k, chunk=c, microbatch=j) for k, c, j in acts]
-                        for s, acts in enumerate(order)]
+        self.actions = [_timed(s, acts) for s, acts in
+                        enumerate(rank_actions(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual))]
         self.n_chunks = len(pipe.chunks)
         self.chunk_of = {c.index: c for c in pipe.chunks}
-        self.last_bwd_mb = {c.index: max(j for k, cc, j in order[c.device] if k == "B" and cc == c.index)
-                            for c in pipe.chunks}
-        self.used: set[str] = set()
+        # the action after which a chunk's weight gradients are final: its last B, or W
+        self.last_bwd_mb = {c.index: max(a.microbatch for a in self.actions[c.device]
+                                         if a.kind in ("B", "W") and a.chunk == c.index) for c in pipe.chunks}
+        self.used: set[WindowId] = set()
         self.done: dict[tuple[str, int, int], float] = {}
         self.free = [0.0] * pipe.pp
         self.busy, self.exposed, self.hidden = [0.0] * pipe.pp, [0.0] * pipe.pp, [0.0] * pipe.pp
@@ -181,14 +191,14 @@ class _Replay:
         for acts in self.actions:
             nxt: list[Optional[int]] = [None] * (len(acts) + 1)
             for i in range(len(acts) - 1, -1, -1):
-                nxt[i] = i if acts[i].kind == "B" else nxt[i + 1]
+                nxt[i] = i if acts[i].kind in ("B", "I") else nxt[i + 1]
             self.next_bwd.append(nxt)
 
     def segment(self, s: int, kind: str, start: float, end: float, label: str) -> None:
         if self.record:
             self.segments.append(Segment(s, kind, start, end, label))
 
-    def window_load(self, wid: str) -> float:
+    def window_load(self, wid: WindowId) -> float:
         self.used.add(wid)
         return self.loads.window.get(wid, 0.0)
 
@@ -200,9 +210,11 @@ class _Replay:
                 return 0.0
             t = self.done.get(("F", a.chunk - 1, a.microbatch))
             return None if t is None else t + pipe.boundary_s[a.chunk - 1]
+        if a.kind == "W":   # after its own I, earlier on the same device
+            return self.done.get(("I", a.chunk, a.microbatch))
         if a.chunk == self.n_chunks - 1:
             return self.done.get(("F", a.chunk, a.microbatch))
-        t = self.done.get(("B", a.chunk + 1, a.microbatch))
+        t = self.done.get((a.kind, a.chunk + 1, a.microbatch))
         return None if t is None else t + pipe.boundary_s[a.chunk]
 
     def served_by_recv_act(self, s: int, index: int) -> Optional[tuple[int, int]]:
@@ -237,7 +249,8 @@ class _Replay:
                     if arrival is None:
                         break
                     self.wait_before(s, pointer[s], a, arrival)
-                    end = self.forward(s, a) if a.kind == "F" else self.backward(s, a)
+                    end = (self.forward(s, a) if a.kind == "F" else self.weight(s, a) if a.kind == "W"
+                           else self.backward(s, a))
                     self.finish(s, a, end)
                     pointer[s] += 1
                     remaining -= 1
@@ -249,17 +262,22 @@ class _Replay:
     def wait_before(self, s: int, index: int, a: TimedAction, arrival: float) -> None:
         """The wait for the action's input: a window, filled with the recomputation placed in it."""
         a.ready, a.arrival = self.free[s], arrival
-        kind = "recv_act" if a.kind == "F" else "recv_grad"
-        wid = recv_window_id(s, kind, a.microbatch, a.chunk if self.pipe.virtual > 1 else None)
-        serves = (a.chunk, a.microbatch) if a.kind == "B" else self.served_by_recv_act(s, index)
+        wid = a.window
+        if wid is None:   # no receive to wait for: the device starts when it is free
+            a.start = max(arrival, a.ready)
+            if a.start > a.ready + _EPS:
+                self.segment(s, "wait", a.ready, a.start, f"{a.kind}{a.microbatch}")
+            return
+        kind = wid.kind
+        serves = (a.chunk, a.microbatch) if a.kind != "F" else self.served_by_recv_act(s, index)
         load = self.window_load(wid) if serves is not None else 0.0
         capacity = max(0.0, arrival - a.ready)
         if serves is not None and (capacity > _EPS or load > 0):
             self.windows.append(Window(wid, s, kind, serves[1], a.ready, capacity, self.eligible(s, serves[0]), load))
         a.start = max(arrival, a.ready + load)
-        self.account(s, a.ready, load, capacity, wid)
+        self.account(s, a.ready, load, capacity, str(wid))
         if a.start > a.ready + load + _EPS:
-            self.segment(s, "wait", a.ready + load, a.start, wid)
+            self.segment(s, "wait", a.ready + load, a.start, str(wid))
 
     def forward(self, s: int, a: TimedAction) -> float:
         t = a.start
@@ -273,30 +291,44 @@ class _Replay:
                 t += cost.tp_forward_s
         return t
 
-    def backward(self, s: int, a: TimedAction) -> float:
-        """Per block in reverse: on-demand recomputation, the backward, its tp all-reduces (a window)."""
+    def weight(self, s: int, a: TimedAction) -> float:
+        """A deferred weight-gradient ``W``: each block's weight part of its backward."""
         t = a.start
         for b in reversed(self.chunk_of[a.chunk].blocks):
             cost = self.pipe.costs[b]
+            self.segment(s, "weight", t, t + cost.backward_weight_s, f"W{a.microbatch} {cost.name}")
+            t += cost.backward_weight_s
+            self.busy[s] += cost.backward_weight_s
+            if a.microbatch == self.last_bwd_mb[a.chunk]:
+                self.block_done[(s, b)] = t
+        return t
+
+    def backward(self, s: int, a: TimedAction) -> float:
+        """Per block in reverse: on-demand recomputation, the backward (its input-gradient part
+        for ``I``), its tp all-reduces (a window)."""
+        t = a.start
+        for b in reversed(self.chunk_of[a.chunk].blocks):
+            cost = self.pipe.costs[b]
+            compute = cost.backward_s - (cost.backward_weight_s if a.kind == "I" else 0.0)
             od = self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
             if od > 0:
                 self.segment(s, "recompute", t, t + od, f"on demand {cost.name}")
                 t += od
                 self.busy[s] += od
                 self.exposed[s] += od
-            self.segment(s, "backward", t, t + cost.backward_s, f"B{a.microbatch} {cost.name}")
-            t += cost.backward_s
-            self.busy[s] += cost.backward_s
+            self.segment(s, "backward", t, t + compute, f"{a.kind}{a.microbatch} {cost.name}")
+            t += compute
+            self.busy[s] += compute
             if cost.tp_backward_s > 0 and cost.layer is not None:
-                tid = tp_window_id(s, cost.layer, a.microbatch)
+                tid = WindowId.tp(s, cost.layer, a.microbatch)
                 tload = self.window_load(tid)
                 self.windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
                                            self.eligible(s, a.chunk, below_block=b), tload))
-                self.account(s, t, tload, cost.tp_backward_s, tid)
+                self.account(s, t, tload, cost.tp_backward_s, str(tid))
                 if cost.tp_backward_s > tload:
-                    self.segment(s, "tp", t + tload, t + cost.tp_backward_s, tid)
+                    self.segment(s, "tp", t + tload, t + cost.tp_backward_s, str(tid))
                 t += max(cost.tp_backward_s, tload)
-            if a.microbatch == self.last_bwd_mb[a.chunk]:
+            if a.kind == "B" and a.microbatch == self.last_bwd_mb[a.chunk]:
                 self.block_done[(s, b)] = t
         return t
 
@@ -305,7 +337,7 @@ class _Replay:
         a.end = self.free[s] = self.done[(a.kind, a.chunk, a.microbatch)] = end
         if a.kind == "F" and a.chunk < self.n_chunks - 1 and boundary[a.chunk] > 0:
             self.segment(s, "send", end, end + boundary[a.chunk], f"act {a.microbatch}")
-        if a.kind == "B" and a.chunk > 0 and boundary[a.chunk - 1] > 0:
+        if a.kind in ("B", "I") and a.chunk > 0 and boundary[a.chunk - 1] > 0:
             self.segment(s, "send", end, end + boundary[a.chunk - 1], f"grad {a.microbatch}")
 
     def data_parallel_and_optimizer(self) -> list[float]:
@@ -323,7 +355,7 @@ class _Replay:
                 self.segment(s, "dp", start, link, f"dp {pipe.costs[b].name}")
                 idle_from = max(start, self.free[s])
                 if link > idle_from + _EPS:
-                    self.windows.append(Window(dp_window_id(s, b), s, "dp_collective",
+                    self.windows.append(Window(WindowId.dp(s, b), s, "dp_collective",
                                                self.last_bwd_mb[_chunk_of_block(pipe, b)],
                                                idle_from, link - idle_from, (), 0.0))
                 device_end[s] = max(device_end[s], link)
@@ -351,16 +383,32 @@ def _chunk_of_block(pipe: PipelineCosts, block: int) -> int:
     return next(c.index for c in pipe.chunks if block in c.blocks)
 
 
+def _timed(device: int, actions: list) -> list[TimedAction]:
+    """The compute actions of a device's list, each with the window its ``R`` action names."""
+    out, window = [], None
+    for a in actions:
+        if a.op is Op.RECOMPUTE:
+            window = a.window
+        elif a.is_compute:
+            out.append(TimedAction(device=device, kind=a.kind, chunk=a.chunk, microbatch=a.microbatch, window=window))
+            window = None
+    return out
+
+
 def _in_flight(actions: list[list[TimedAction]], virtual: int) -> list[int]:
     """Per device: most microbatches forwarded but not yet backpropagated, at a backward's start
-    (chunk-microbatch pairs ÷ chunks per device, rounded up, for the interleaved schedule)."""
+    (chunk-microbatch pairs ÷ chunks per device, rounded up, for the interleaved schedule); under
+    zero bubble a microbatch is in flight until its ``W``."""
     result = []
     for acts in actions:
+        split = any(a.kind == "W" for a in acts)
         live, peak = 0, 0
         for a in acts:
             if a.kind == "F":
                 live += 1
-            else:
+            elif a.kind == "I":
+                peak = max(peak, live)
+            elif a.kind == "W" or (a.kind == "B" and not split):
                 peak = max(peak, live)
                 live -= 1
         result.append(-(-peak // virtual))

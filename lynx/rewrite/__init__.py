@@ -10,7 +10,8 @@ Example::
     True
 """
 
-from lynx.rewrite.build import build_stage_module, build_stages, stage_node_lists
+from lynx.rewrite.build import (build_chunk_modules, build_stage_module, build_stages, chunk_node_lists,
+                                stage_node_lists)
 from lynx.frontend.joint import JointGraph, trace_joint
 from lynx.rewrite.lower import LoweredStage, lower
 from lynx.rewrite.saved import SavedBytesMeter
@@ -18,6 +19,7 @@ from lynx.rewrite.split import StageGraph, StageSpec, split_graph
 from lynx.rewrite.stage import MicrobatchStats, StageModule
 
 __all__ = [
-    "build_stage_module", "build_stages", "stage_node_lists", "split_graph", "StageGraph", "StageSpec",
+    "build_stage_module", "build_chunk_modules", "build_stages", "stage_node_lists", "chunk_node_lists",
+    "split_graph", "StageGraph", "StageSpec",
     "StageModule", "MicrobatchStats", "SavedBytesMeter", "JointGraph", "trace_joint", "LoweredStage", "lower",
 ]

@@ -3,8 +3,10 @@
 ``build_stage_module(compiled, i)`` is what ``Compiled.stage(i)`` calls: it splits the
 captured graph along the plan's stages (once per compiled model; the split is cached on the
 graph module) and returns stage ``i`` as a :class:`~lynx.rewrite.stage.StageModule` that
-drops ``plan.stage_schedule(i).dropped``. :func:`build_stages` does the same from plain data
-(a graph module, node lists, dropped sets) for callers without a plan.
+drops ``plan.stage_schedule(i).dropped``. Under interleaved schedules a device runs several
+model chunks: :func:`build_chunk_modules` returns them (one ``StageModule`` per chunk, cut where
+the plan's chunk records say, :func:`chunk_node_lists`). :func:`build_stages` does the same from
+plain data (a graph module, node lists, dropped sets) for callers without a plan.
 
 Example::
 
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import fx
 
-from lynx.errors import LynxConfigError
+from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.rewrite.split import StageGraph, split_graph
 from lynx.rewrite.stage import StageModule
 from lynx.torch_private import out_spec_of
@@ -32,7 +34,8 @@ from lynx.torch_private import out_spec_of
 if TYPE_CHECKING:
     from lynx.compiler import Compiled
 
-__all__ = ["build_stage_module", "build_stages", "stage_node_lists", "split_cached"]
+__all__ = ["build_stage_module", "build_chunk_modules", "build_stages", "stage_node_lists", "chunk_node_lists",
+           "split_cached"]
 
 
 def stage_node_lists(plan: Any, graph: Any = None) -> list[list[str]]:
@@ -45,6 +48,27 @@ def stage_node_lists(plan: Any, graph: Any = None) -> list[list[str]]:
             names = [n for b in stage.layers for n in blocks[b]["nodes"]]
         lists.append(names)
     return lists
+
+
+def chunk_node_lists(plan: Any, graph: Any = None) -> list[list[str]]:
+    """Each model chunk's nodes, in pipeline order: every device's nodes cut where its chunk
+    records say (a device without records runs one chunk)."""
+    chunks: dict[int, list[str]] = {}
+    ordered = sorted(plan.stages, key=lambda s: s.index)
+    for stage, names in zip(ordered, stage_node_lists(plan, graph)):
+        if len(stage.chunks) <= 1:
+            chunks[stage.index if not stage.chunks else stage.chunks[0].index] = names
+            continue
+        if sum(c.nodes for c in stage.chunks) != len(names):
+            raise LynxPlanError(f"plan stage {stage.index}: its chunks hold {sum(c.nodes for c in stage.chunks)} "
+                                f"nodes but it has {len(names)} decisions; re-create the plan (`lynx plan`)")
+        start = 0
+        for record in stage.chunks:
+            chunks[record.index] = names[start:start + record.nodes]
+            start += record.nodes
+    if sorted(chunks) != list(range(len(chunks))):
+        raise LynxPlanError(f"plan chunks {sorted(chunks)} are not 0..{len(chunks) - 1}; re-create the plan")
+    return [chunks[c] for c in range(len(chunks))]
 
 
 def split_cached(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> list[StageGraph]:
@@ -68,16 +92,37 @@ def build_stages(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]],
     return [StageModule(part, drop, out_spec=out_spec, compile=compile) for part, drop in zip(parts, dropped)]
 
 
+def build_chunk_modules(compiled: Compiled, device: int) -> dict[int, StageModule]:
+    """The model chunks device ``device`` runs, by chunk index, each dropping what the plan drops
+    among its nodes (one chunk, the device's stage, unless the schedule is interleaved)."""
+    plan = compiled.plan
+    _check_stage(plan, device)
+    gm = compiled.analysis.captured.gm
+    parts = split_cached(gm, chunk_node_lists(plan, getattr(compiled.analysis, "graph", None)))
+    dropped = plan.stage_schedule(device).dropped
+    mine = range(device, len(parts), len(plan.stages))
+    unknown = sorted(dropped - {n for c in mine for n in parts[c].spec.nodes})
+    if unknown:
+        raise LynxPlanError(f"stage {device}: plan drops nodes that are not in this stage: {unknown[:5]}")
+    use_compile = bool(getattr(compiled.config, "compile", False))
+    return {c: StageModule(parts[c], dropped & set(parts[c].spec.nodes), out_spec=out_spec_of(gm),
+                           compile=use_compile)
+            for c in mine}
+
+
 def build_stage_module(compiled: Compiled, index: int) -> StageModule:
     """Stage ``index`` of ``compiled`` (a :class:`lynx.Compiled`) with its plan applied."""
     plan = compiled.plan
+    _check_stage(plan, index)
+    if len(plan.stage(index).chunks) > 1:
+        raise LynxConfigError(f"stage {index} runs {len(plan.stage(index).chunks)} model chunks (interleaved "
+                              "schedule): build them with lynx.rewrite.build_chunk_modules(compiled, stage)")
+    (chunk,) = build_chunk_modules(compiled, index).values()
+    return chunk
+
+
+def _check_stage(plan: Any, index: Any) -> None:
     n_stages = len(plan.stages)
     if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < n_stages:
         raise LynxConfigError(
             f"stage index {index!r} is out of range: this plan has {n_stages} stage(s), 0..{n_stages - 1}")
-    gm = compiled.analysis.captured.gm
-    parts = split_cached(gm, stage_node_lists(plan, getattr(compiled.analysis, "graph", None)))
-    schedule = plan.stage_schedule(index)
-    return StageModule(parts[index], schedule.dropped, out_spec=out_spec_of(gm),
-                       compile=bool(getattr(compiled.config, "compile", False)))
-

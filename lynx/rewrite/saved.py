@@ -32,7 +32,8 @@ __all__ = ["SavedBytesMeter"]
 class SavedBytesMeter:
     """Live and peak bytes held for backward, per category (see module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parent: "SavedBytesMeter | None" = None) -> None:
+        self.parent = parent   # e.g. the rank's meter over its chunks' (interleaved schedules)
         self.live_by: dict[str, int] = {}
         self.peak_by: dict[str, int] = {}
         self.live_bytes = 0
@@ -47,11 +48,15 @@ class SavedBytesMeter:
             self.peak_bytes = self.live_bytes
         if live > self.peak_by.get(category, 0):
             self.peak_by[category] = live
+        if self.parent is not None:
+            self.parent.hold(category, nbytes)
 
     def free(self, category: str, nbytes: int) -> None:
         """``nbytes`` under ``category`` were released."""
         self.live_by[category] = self.live_by.get(category, 0) - nbytes
         self.live_bytes -= nbytes
+        if self.parent is not None:
+            self.parent.free(category, nbytes)
 
     def add(self, t: torch.Tensor, category: str) -> None:
         """Count ``t``'s storage (once) until it is freed: for executors the lowering does not

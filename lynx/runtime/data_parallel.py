@@ -139,10 +139,17 @@ class BucketLauncher:
         self.launch_times: list[float] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
 
-    def arm(self) -> None:
-        """The next backward is the last one of the step: launch buckets as they complete."""
+    def arm(self, reset: bool = True) -> None:
+        """The next backward is the last one of the step: launch buckets as they complete.
+        ``reset=False`` keeps the counts of an earlier arming in the same step (a rank whose
+        chunks' gradients become final in different actions)."""
         self.armed = True
-        self._remaining = dict(self._members)
+        if reset or not self._remaining:
+            self._remaining = dict(self._members)
+
+    def reset(self) -> None:
+        """A new step: no gradient is final yet."""
+        self._remaining = {}
 
     def param_ready(self, param: torch.Tensor) -> None:
         """``param.grad`` is final for this backward (a compiled stage's backward graph calls this)."""

@@ -2,42 +2,40 @@
 
 Shapes and dtypes of what crosses a boundary come from the captured graph (``meta["val"]`` of
 each boundary node, one microbatch), so receive buffers are allocated before anything
-arrives. Which boundary values need a gradient is learnt once: the sender's first activation
-message is preceded by a one-byte-per-value flag tensor. Every message carries a tag
-``(microbatch, direction)`` so out-of-order posting (receives posted early to open windows)
-cannot mismatch on gloo; NCCL matches in order, which this posting order also respects (each
-direction of each link carries one kind of message in microbatch order). Plain ``isend`` /
-``irecv`` per tensor are used rather than ``batch_isend_irecv``: each boundary carries one or
-a few tensors, and gloo runs them as separate operations either way.
+arrives. Which boundary values need a gradient is learnt once per boundary: the sender's first
+activation message is preceded by a one-byte-per-value flag tensor (tag :func:`flags_tag`).
+Every other message carries the tag of its kind, boundary and microbatch
+(:func:`lynx.planner.schedule.message_tag`), so receives posted early to open windows can
+never take another message's place on gloo. NCCL ignores tags and matches in posting order
+per pair of ranks; ``Pipeline`` refuses a schedule whose lists would break that order there
+(:func:`lynx.planner.schedule.link_order_problems`). Plain ``isend`` / ``irecv`` per tensor
+are used rather than ``batch_isend_irecv``: each boundary carries one or a few tensors, and
+gloo runs them as separate operations either way.
 
 Example::
 
-    >>> tag(3, GRAD)
-    7
+    >>> flags_tag(3)
+    1073741827
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import threading
 
 import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["ACT", "GRAD", "FLAGS", "tag", "BoundaryMeta", "boundary_meta", "post_recv", "post_send", "Pollable"]
-
-ACT, GRAD, FLAGS = 0, 1, 2
-_KINDS = 3
+__all__ = ["flags_tag", "BoundaryMeta", "boundary_meta", "post_recv", "post_send", "Pollable"]
 
 
-def tag(microbatch: int, kind: int) -> int:
-    """Message tag: microbatch and kind (ACT, GRAD or FLAGS)."""
-    return microbatch * 2 + kind if kind != FLAGS else (1 << 30)
+def flags_tag(boundary: int) -> int:
+    """The tag of the one-off requires-grad flags crossing ``boundary`` (above every message tag)."""
+    return (1 << 30) + boundary
 
 
 class Pollable:
@@ -98,8 +96,8 @@ def boundary_meta(stage_gm: Any, names: Sequence[str]) -> list[BoundaryMeta]:
     return [BoundaryMeta(n, tuple(int(d) for d in vals[n].shape), vals[n].dtype) for n in names]
 
 
-def post_recv(metas: Sequence[BoundaryMeta], peer: int, microbatch: int, kind: int,
-              device: torch.device, only: Sequence[bool] | None = None) -> tuple[list[torch.Tensor | None], list[Any]]:
+def post_recv(metas: Sequence[BoundaryMeta], peer: int, tag: int, device: torch.device,
+              only: Sequence[bool] | None = None) -> tuple[list[torch.Tensor | None], list[Any]]:
     """Post receives for ``metas`` from ``peer`` (``only`` selects which); returns buffers and works."""
     buffers: list[torch.Tensor | None] = []
     works = []
@@ -109,13 +107,12 @@ def post_recv(metas: Sequence[BoundaryMeta], peer: int, microbatch: int, kind: i
             continue
         buf = torch.empty(meta.shape, dtype=meta.dtype, device=device)
         buffers.append(buf)
-        works.append(Pollable(dist.irecv(buf, peer, tag=tag(microbatch, kind))))
+        works.append(Pollable(dist.irecv(buf, peer, tag=tag)))
     return buffers, works
 
 
-def post_send(tensors: Sequence[torch.Tensor | None], peer: int, microbatch: int,
-              kind: int) -> tuple[list[Any], list[torch.Tensor]]:
+def post_send(tensors: Sequence[torch.Tensor | None], peer: int, tag: int) -> tuple[list[Any], list[torch.Tensor]]:
     """Post sends of the non-None ``tensors`` to ``peer``; returns the works and the tensors to
     keep alive until they complete."""
     payload = [t.detach().contiguous() for t in tensors if t is not None]
-    return [Pollable(dist.isend(t, peer, tag=tag(microbatch, kind))) for t in payload], payload
+    return [Pollable(dist.isend(t, peer, tag=tag)) for t in payload], payload

@@ -1,22 +1,23 @@
-"""One pipeline stage per rank: the loop :class:`lynx.runtime.Pipeline` drives, with window recompute.
+"""One rank of the pipeline: executes its action list, recomputing inside the plan's windows.
 
-For every backward B(j) the gradient receive is posted as soon as F(j)'s activations are sent;
-when B(j) comes up the runner first runs the recomputation the plan put in that window
-(``s{stage}.recv_grad.mb{j}``) while the gradient is still in flight, then waits, then runs
-backward. Each window is one call of a generated recompute graph (:mod:`lynx.rewrite.lower`).
-Recomputation planned for a forward's wait (``s{stage}.recv_act.mb{k}``) runs before
-waiting for that activation. Windows of data-parallel collectives are served by on-demand
-recomputation in the last backward, which runs while the per-bucket collectives launched by
-:class:`~lynx.runtime.data_parallel.BucketLauncher` are in flight. Every wait goes through the
+:class:`StageRunner` is what :class:`lynx.runtime.Pipeline` drives on each rank. It executes
+the rank's list from :func:`lynx.planner.schedule.rank_actions` action by action — the same
+list the planner's timeline replays — over this rank's model chunks (one, or ``virtual`` under
+interleaved 1F1B): receives are posted where the list posts them, ``R`` runs the recompute
+graph of every microbatch the plan put in that window while the awaited message is still in
+flight (hidden if it had not arrived when the recompute started, else exposed), ``F`` / ``B``
+/ ``I`` wait for their input and run the chunk's generated graphs (whatever was not prefetched
+is recomputed on demand inside the backward graph), ``W`` runs a deferred weight-gradient
+graph, ``DP`` arms the data-parallel buckets for the next action (on-demand recompute then runs
+while they are in flight), ``OPT`` finishes the step. Every wait goes through the
 :class:`~lynx.runtime.faults.FaultMonitor`, so a failed peer is named instead of hanging.
 
-This is a loop of its own over ``isend``/``irecv`` rather than
-``torch.distributed.pipelining``'s schedule runtime (why: ``docs/runtime.md``). The action
-orders are those of its ``Schedule1F1B`` / ``ScheduleGPipe`` (:mod:`lynx.planner.schedule`).
+Why a loop of its own rather than ``torch.distributed.pipelining``'s schedule runtime:
+``docs/runtime.md``. Adding a schedule is adding a generator in :mod:`lynx.planner.schedule`.
 
 Example (what ``Pipeline`` builds on each rank; see ``lynx/runtime/user_pipeline.py``)::
 
-    runner = StageRunner(stage, topology, RuntimeConfig(schedule="1f1b", microbatches=4),
+    runner = StageRunner({topology.stage: stage}, topology, RuntimeConfig(schedule="1f1b", microbatches=4),
                          schedule=plan.stage_schedule(topology.stage))
     stats = runner.step(microbatches)     # grads are in the stage's parameters' .grad
 """
@@ -29,13 +30,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lynx.errors import LynxConfigError, LynxError, LynxRuntimeError
+from lynx.planner.schedule import SCHEDULES, Action, Op, message_tag, rank_actions
+from lynx.planner.windows import WindowId
+from lynx.rewrite.saved import SavedBytesMeter
 from lynx.runtime.data_parallel import AllReduceSync, BucketedSync, BucketLauncher, syncs_own_buckets
 from lynx.runtime.faults import FaultMonitor, PeerTimeoutError
-from lynx.runtime.p2p import ACT, FLAGS, GRAD, Pollable, boundary_meta, post_recv, post_send
-from lynx.planner.schedule import recv_window_id, stage_actions, window_place
+from lynx.runtime.p2p import Pollable, boundary_meta, flags_tag, post_recv, post_send
 from lynx.runtime.stats import StepStats
 from lynx.runtime.step import InFlight, as_received, backward_step, forward_step, needs_grad
 from lynx.runtime.topology import Topology
@@ -48,7 +51,8 @@ class RuntimeConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schedule: str = Field("1f1b", pattern="^(1f1b|gpipe)$")
+    schedule: str = "1f1b"
+    virtual: int = Field(1, ge=1)  # model chunks per rank (interleaved schedules)
     microbatches: int = Field(4, ge=1)
     timeout_s: float = Field(60.0, gt=0)
     loss_scale: float = 1.0
@@ -56,48 +60,69 @@ class RuntimeConfig(BaseModel):
     prefetch: bool = True          # False: ignore the plan's windows (everything on demand)
     trace: bool = False            # record (what, microbatch, start s, end s) per action in StepStats.events
 
+    @field_validator("schedule")
+    @classmethod
+    def _known(cls, value: str) -> str:
+        if value not in SCHEDULES:
+            raise ValueError(f"unknown schedule {value!r}; use {', '.join(SCHEDULES)}")
+        return value
+
 
 @dataclass
 class _StepState:
-    """What one step's schedule has in flight: posted receives and sends, forwards awaiting backward."""
+    """What one step has in flight: posted receives and sends, forwards awaiting backward."""
 
     stats: StepStats
     start: float
-    first: bool
-    last: bool
-    act_recv: dict[int, tuple[list, list]] = field(default_factory=dict)
-    grad_recv: dict[int, tuple[list, list]] = field(default_factory=dict)
-    flights: dict[int, InFlight] = field(default_factory=dict)
+    recv: dict[tuple[Op, int, int], tuple[list, list]] = field(default_factory=dict)
+    flights: dict[tuple[int, int], InFlight] = field(default_factory=dict)
+    to_send: dict[tuple[int, int], list] = field(default_factory=dict)     # input gradients, until sent
     sends: list[tuple[list, list]] = field(default_factory=list)
-    # an activation send holds its tensors: it is dropped once that microbatch's gradient is
-    # back (the peer has used it), so a stage holds no more than the plan counts
-    act_sends: dict[int, tuple[list, list]] = field(default_factory=dict)
-    flag_recv: Any = None  # (buffer, works) of the boundary flags, until they arrive
+    # an activation send holds its tensors: dropped once that microbatch's gradient is back
+    # (the peer has used it), so a stage holds no more than the plan counts
+    act_sends: dict[tuple[int, int], tuple[list, list]] = field(default_factory=dict)
+    flag_recv: dict[int, Any] = field(default_factory=dict)   # chunk -> (buffer, works) of its flags
+    armed: bool = False
 
 
 class StageRunner:
-    """Runs one stage of the pipeline on this rank (see module docstring)."""
+    """Runs this rank's chunks of the pipeline (see module docstring).
 
-    def __init__(self, stage: Any, topology: Topology, config: RuntimeConfig, *, schedule: Any = None,
-                 optimizer: Any = None, tied: Mapping[str, Any] | None = None) -> None:
-        if stage.index != topology.stage:
-            raise LynxConfigError(f"rank {topology.rank} runs stage {topology.stage} but was given stage {stage.index}")
-        self.stage, self.topo, self.config = stage, topology, config
+    ``stages``: chunk index → stage module (``Pipeline`` builds them); ``schedule``: the plan's
+    :class:`~lynx.plan.StageSchedule` of this rank (its windows), or None."""
+
+    def __init__(self, stages: Mapping[int, Any], topology: Topology, config: RuntimeConfig, *,
+                 schedule: Any = None, optimizer: Any = None, tied: Mapping[str, Any] | None = None) -> None:
+        self.chunks = dict(sorted(stages.items()))
+        self.topo, self.config = topology, config
+        expected = [k * topology.pp + topology.stage for k in range(config.virtual)]
+        if list(self.chunks) != expected:
+            raise LynxConfigError(f"rank {topology.rank} runs chunks {expected} but was given {list(self.chunks)}")
+        self.last_chunk = topology.pp * config.virtual - 1
+        self.actions: list[Action] = rank_actions(config.schedule, topology.pp, config.microbatches,
+                                                  config.virtual)[topology.stage]
         self.monitor = FaultMonitor(topology.store, rank=topology.rank, world_size=topology.world,
                                     timeout_s=config.timeout_s)
-        self.device = next((p.device for p in stage.parameters()), torch.device("cpu"))
-        self.recv_meta = boundary_meta(stage.gm, stage.spec.recv)
-        self.send_meta = boundary_meta(stage.gm, stage.spec.send)
-        self.send_flags: list[bool] | None = None   # which sent values need a gradient back
-        self.recv_flags: list[bool] | None = None
+        first = next(iter(self.chunks.values()))
+        self.device = next((p.device for p in first.parameters()), torch.device("cpu"))
+        self.recv_meta = {c: boundary_meta(st.gm, st.spec.recv) for c, st in self.chunks.items()}
+        self.send_meta = {c: boundary_meta(st.gm, st.spec.send) for c, st in self.chunks.items()}
+        self.send_flags: dict[int, list[bool]] = {}   # chunk -> which sent values need a gradient back
+        self.recv_flags: dict[int, list[bool]] = {}
+        # the rank's meter over its chunks' (one chunk: the stage's own)
+        self.meter = first.meter if len(self.chunks) == 1 else SavedBytesMeter()
+        if len(self.chunks) > 1:
+            for st in self.chunks.values():
+                st.meter.parent = self.meter
+        self.node_chunk = {n: c for c, st in self.chunks.items() for n in st.spec.nodes}
         self._windows = self._index_windows(schedule)
         self._t0 = time.perf_counter()
         self.optimizer = optimizer
-        params = [p for p in stage.parameters() if p.requires_grad]
+        params = [p for st in self.chunks.values() for p in st.parameters() if p.requires_grad]
         # parameters in the order their final gradients appear (last used in forward first)
-        self.params = list(reversed(params))
+        self.params = list(reversed(list(dict.fromkeys(params))))
         self.tied = dict(tied or {})  # param name -> process group of the stages sharing it
-        tied_ids = {id(p) for n, p in stage.gm.named_parameters() if n in self.tied}
+        tied_ids = {id(p) for st in self.chunks.values() for n, p in st.gm.named_parameters() if n in self.tied}
         self.sync: BucketedSync | None = None
         self.launcher: BucketLauncher | None = None
         if topology.dp > 1:
@@ -106,29 +131,43 @@ class StageRunner:
             # buckets holding tied weights wait for the tied sum at the end (launched by finish)
             held = {self.sync.bucket_of(p) for p in self.params if id(p) in tied_ids}
             self.launcher = BucketLauncher(self.sync, self.params, hold_buckets=held)
-            if hasattr(stage, "on_param_grad"):
-                # the backward graph accumulates each parameter gradient as soon as it is final,
-                # so buckets launch while the rest of the backward graph still runs
-                stage.on_param_grad = self.launcher.param_ready
+            for st in self.chunks.values():
+                if hasattr(st, "on_param_grad"):
+                    # the backward graph accumulates each parameter gradient as soon as it is final,
+                    # so buckets launch while the rest of the backward graph still runs
+                    st.on_param_grad = self.launcher.param_ready
+
+    # ------------------------------------------------------------------ places
+    def _rank_of(self, chunk: int) -> int:
+        return self.topo.rank_of(chunk % self.topo.pp, self.topo.dp_rank)
+
+    def _what(self, op: str, chunk: int) -> str:
+        return op if self.config.virtual == 1 else f"{op}.c{chunk}"
 
     # ------------------------------------------------------------------ windows
-    def _index_windows(self, schedule: Any) -> dict[str, list[tuple[int, list[str]]]]:
-        """window id -> [(microbatch served, nodes)] for windows this runner anchors."""
+    def _index_windows(self, schedule: Any) -> dict[WindowId, list[tuple[int, int, list[str]]]]:
+        """window id -> [(chunk, microbatch served, nodes)] for windows this rank's list names."""
         if schedule is None or not self.config.prefetch:
             return {}
-        windows: dict[str, list[tuple[int, list[str]]]] = {}
-        s = self.topo.stage
+        named = {a.window for a in self.actions if a.op is Op.RECOMPUTE}
+        s, interleaved = self.topo.stage, self.config.virtual > 1
         # forward order: a node recomputed before a dropped input it reads would recompute that
         # input on the way, release it, and a later entry for it would recompute it again
-        position = {name: k for k, name in enumerate(self.stage.spec.nodes)}
+        position = {n: k for st in self.chunks.values() for k, n in enumerate(st.spec.nodes)}
+        windows: dict[WindowId, list[tuple[int, int, list[str]]]] = {}
         for j, entries in schedule.prefetch.items():
             for wid, nodes in entries:
-                device, kind = window_place(wid)
-                if kind in ("tp_allreduce", "dp_collective"):
+                if wid.kind in ("tp_allreduce", "dp_collective"):
                     continue  # served on demand while those collectives run
-                if device != s:
-                    wid = recv_window_id(s, "recv_grad", j)  # unknown anchor: just before B(j)
-                windows.setdefault(wid, []).append((int(j), sorted(nodes, key=lambda n: position.get(n, -1))))
+                by_chunk: dict[int, list[str]] = {}
+                for n in nodes:
+                    by_chunk.setdefault(self.node_chunk[n], []).append(n)
+                for c, members in by_chunk.items():
+                    where = wid
+                    if wid not in named:   # a window this schedule does not have: just before B(j)
+                        where = WindowId.recv(s, "recv_grad", int(j), c if interleaved else None)
+                    windows.setdefault(where, []).append(
+                        (c, int(j), sorted(members, key=lambda n: position.get(n, -1))))
         return windows
 
     def _wait(self, work: Any, what: str, peer: int | None) -> float:
@@ -153,19 +192,22 @@ class StageRunner:
             # absolute perf_counter (CLOCK_MONOTONIC on Linux): comparable across the ranks of a machine
             stats.events.append((what, j, t0, time.perf_counter()))
 
-    def _run_window(self, wid: str, works: Sequence[Any], stats: StepStats) -> None:
-        """Run the recompute graph of each microbatch this window serves (one generated call each).
-
-        Time spent while the awaited message was still in flight counts as hidden, the rest
-        (the message had arrived, or nothing is awaited) as exposed."""
-        for j, nodes in self._windows.get(wid, ()):
-            if not self.stage.forward_done(j):
+    def _recompute(self, state: _StepState, a: Action) -> None:
+        """``R``: the recompute graph of each microbatch the window serves (one generated call per
+        chunk). Time while the awaited message was still in flight counts as hidden, the rest
+        (it had arrived, or nothing is awaited) as exposed."""
+        awaited = (Op.RECV_ACT if a.window.kind == "recv_act" else Op.RECV_GRAD, a.chunk, a.microbatch)
+        works = state.recv.get(awaited, ([], []))[1]
+        stats = state.stats
+        for c, j, nodes in self._windows.get(a.window, ()):
+            stage = self.chunks[c]
+            if not stage.forward_done(j):
                 continue  # its forward has not run here (another schedule's window): on demand instead
             arrived = all(w.is_completed() for w in works)
             start = time.perf_counter()
-            self.stage.recompute(j, nodes)
+            stage.recompute(j, nodes)
             elapsed = time.perf_counter() - start
-            self._mark(stats, "R" if (works and not arrived) else "Rx", j, start)
+            self._mark(stats, self._what("R" if (works and not arrived) else "Rx", c), j, start)
             if arrived or not works:
                 stats.recompute_window_exposed_s += elapsed
             else:
@@ -187,106 +229,153 @@ class StageRunner:
             raise
 
     def _step(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> StepStats:
-        m, topo = self.config.microbatches, self.topo
+        m = self.config.microbatches
         if len(batches) != m:
             raise LynxConfigError(f"step() got {len(batches)} microbatches, the runtime is configured for {m}")
         state = self._begin_step()
-        for action in stage_actions(self.config.schedule, stage=topo.stage, stages=topo.pp, microbatches=m):
-            if action.kind == "F":
-                self._forward(state, action.microbatch, batches)
-            else:
-                self._backward(state, action.microbatch)
+        run = {Op.FORWARD: lambda a: self._forward(state, a, batches),
+               Op.BACKWARD: lambda a: self._backward(state, a), Op.BACKWARD_INPUT: lambda a: self._backward(state, a),
+               Op.BACKWARD_WEIGHT: lambda a: self._weight(state, a),
+               Op.RECOMPUTE: lambda a: self._recompute(state, a),
+               Op.RECV_ACT: lambda a: self._post_recv_act(state, a),
+               Op.RECV_GRAD: lambda a: self._post_recv_grad(state, a),
+               Op.SEND_ACT: lambda a: self._send_act(state, a), Op.SEND_GRAD: lambda a: self._send_grad(state, a),
+               Op.DP_LAUNCH: lambda a: self._arm(state), Op.OPTIMIZER: lambda a: None}
+        for action in self.actions:
+            run[action.op](action)
+            if state.armed and action.is_compute:   # the action DP armed the buckets for is done
+                self.launcher.disarm()
+                state.armed = False
         return self._finish_step(state)
 
     def _begin_step(self) -> _StepState:
-        """Reset gradients and peaks; post the first activation receive (and the boundary flags')."""
-        topo = self.topo
+        """Reset gradients and peaks."""
         self.monitor.check()
+        topo = self.topo
         stats = StepStats(rank=topo.rank, stage=topo.stage, dp_rank=topo.dp_rank)
         for p in self.params:
             p.grad = None
-        self.stage.meter.reset_peak()
+        if self.launcher is not None:
+            self.launcher.reset()
+        self.meter.reset_peak()
+        for st in self.chunks.values():
+            st.meter.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = self._t0 = time.perf_counter()
         self._mark(stats, "start", -1, start)
-        state = _StepState(stats=stats, start=start, first=topo.stage == 0, last=topo.stage == topo.pp - 1)
-        if not state.first and self.recv_flags is None:
-            state.flag_recv = _recv_flags(len(self.recv_meta), topo.prev_rank, self.device)
-        if not state.first:
-            state.act_recv[0] = post_recv(self.recv_meta, topo.prev_rank, 0, ACT, self.device)
-        return state
+        return _StepState(stats=stats, start=start)
 
-    def _forward(self, state: _StepState, j: int, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
-        """F(j): the activation window, wait, the forward graph, send the output on."""
-        topo, stats, m = self.topo, state.stats, self.config.microbatches
+    # ------------------------------------------------------------- messages
+    def _post_recv_act(self, state: _StepState, a: Action) -> None:
+        c, peer = a.chunk, self._rank_of(a.chunk - 1)
+        if c not in self.recv_flags and c not in state.flag_recv:
+            buf = torch.empty(len(self.recv_meta[c]), dtype=torch.uint8, device=self.device)
+            import torch.distributed as dist
+
+            state.flag_recv[c] = (buf, [Pollable(dist.irecv(buf, peer, tag=flags_tag(c - 1)))])
+        state.recv[(Op.RECV_ACT, c, a.microbatch)] = post_recv(
+            self.recv_meta[c], peer, message_tag(Op.RECV_ACT, c - 1, a.microbatch), self.device)
+
+    def _post_recv_grad(self, state: _StepState, a: Action) -> None:
+        c = a.chunk
+        state.recv[(Op.RECV_GRAD, c, a.microbatch)] = post_recv(
+            self.send_meta[c], self._rank_of(c + 1), message_tag(Op.RECV_GRAD, c, a.microbatch), self.device,
+            only=self.send_flags[c])
+
+    def _send_act(self, state: _StepState, a: Action) -> None:
+        c, j = a.chunk, a.microbatch
+        output = state.flights[(c, j)].output
+        peer = self._rank_of(c + 1)
+        if c not in self.send_flags:
+            self.send_flags[c] = [needs_grad(o) for o in output]
+            flags = torch.tensor(self.send_flags[c], dtype=torch.uint8, device=self.device)
+            state.sends.append(post_send([flags], peer, flags_tag(c)))
+        state.act_sends[(c, j)] = post_send(list(output), peer, message_tag(Op.SEND_ACT, c, j))
+
+    def _send_grad(self, state: _StepState, a: Action) -> None:
+        c, j = a.chunk, a.microbatch
+        in_grads = state.to_send.pop((c, j))
+        payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
+                   if flag else None
+                   for g, flag, meta in zip(in_grads, self.recv_flags.get(c, []), self.recv_meta[c])]
+        state.sends.append(post_send(payload, self._rank_of(c - 1), message_tag(Op.SEND_GRAD, c - 1, j)))
+
+    # -------------------------------------------------------------- compute
+    def _forward(self, state: _StepState, a: Action, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        """F: wait for the activation, run the forward graph."""
+        c, j, stats = a.chunk, a.microbatch, state.stats
         received: list[torch.Tensor] = []
-        if not state.first:
-            buffers, works = state.act_recv.pop(j)
-            self._run_window(recv_window_id(topo.stage, "recv_act", j), works, stats)
+        if c > 0:
+            buffers, works = state.recv.pop((Op.RECV_ACT, c, j))
             t0 = time.perf_counter()
             for w in works:
-                stats.wait_act_s += self._wait(w, f"activation receive of microbatch {j}", topo.prev_rank)
-            self._mark(stats, "wait_act", j, t0)
-            if state.flag_recv is not None:
-                for w in state.flag_recv[1]:
-                    self._wait(w, "boundary flags receive", topo.prev_rank)
-                self.recv_flags = [bool(v) for v in state.flag_recv[0].tolist()]
-                state.flag_recv = None
-            received = as_received(buffers, self.recv_flags)
-            if j + 1 < m:
-                state.act_recv[j + 1] = post_recv(self.recv_meta, topo.prev_rank, j + 1, ACT, self.device)
+                stats.wait_act_s += self._wait(w, f"activation receive of microbatch {j}", self._rank_of(c - 1))
+            self._mark(stats, self._what("wait_act", c), j, t0)
+            if c in state.flag_recv:
+                buf, flag_works = state.flag_recv.pop(c)
+                for w in flag_works:
+                    self._wait(w, "boundary flags receive", self._rank_of(c - 1))
+                self.recv_flags[c] = [bool(v) for v in buf.tolist()]
+            received = as_received(buffers, self.recv_flags[c])
         t0 = time.perf_counter()
-        flight = forward_step(self.stage, j, _to(batches[j], self.device), received)
+        flight = forward_step(self.chunks[c], j, _to(batches[j], self.device), received)
         stats.forward_s += time.perf_counter() - t0
-        self._mark(stats, "F", j, t0)
-        state.flights[j] = flight
-        if state.last:
+        self._mark(stats, self._what("F", c), j, t0)
+        state.flights[(c, j)] = flight
+        if c == self.last_chunk:
             stats.losses.append(float(flight.output.detach()))
-            return
-        if self.send_flags is None:
-            self.send_flags = [needs_grad(o) for o in flight.output]
-            flags = torch.tensor(self.send_flags, dtype=torch.uint8, device=self.device)
-            state.sends.append(post_send([flags], topo.next_rank, 0, FLAGS))
-        state.act_sends[j] = post_send(list(flight.output), topo.next_rank, j, ACT)
-        state.grad_recv[j] = post_recv(self.send_meta, topo.next_rank, j, GRAD, self.device, only=self.send_flags)
 
-    def _backward(self, state: _StepState, j: int) -> None:
-        """B(j): the gradient window, wait, the backward graph (on-demand recompute inside), send."""
-        topo, stats, stage = self.topo, state.stats, self.stage
-        buffers, works = state.grad_recv.pop(j) if not state.last else ([], [])
-        self._run_window(recv_window_id(topo.stage, "recv_grad", j), works, stats)
+    def _backward(self, state: _StepState, a: Action) -> None:
+        """B (or I): wait for the gradient, run the backward graph (its input-gradient part for
+        I); on-demand recompute runs inside it."""
+        c, j, stats, stage = a.chunk, a.microbatch, state.stats, self.chunks[a.chunk]
+        buffers, works = state.recv.pop((Op.RECV_GRAD, c, j)) if c < self.last_chunk else ([], [])
         t0 = time.perf_counter()
         for w in works:
-            stats.wait_grad_s += self._wait(w, f"gradient receive of microbatch {j}", topo.next_rank)
-        self._mark(stats, "wait_grad", j, t0)
-        sent = state.act_sends.pop(j, None)
+            stats.wait_grad_s += self._wait(w, f"gradient receive of microbatch {j}", self._rank_of(c + 1))
+        self._mark(stats, self._what("wait_grad", c), j, t0)
+        sent = state.act_sends.pop((c, j), None)
         if sent is not None:
             for w in sent[0]:
                 self._wait(w, "send", None)
             del sent
-        is_last_backward = j == self.config.microbatches - 1
-        if is_last_backward and self.launcher is not None:
-            self.launcher.arm()
         t0 = time.perf_counter()
-        in_grads = backward_step(stage, j, state.flights.pop(j), buffers, self.config.loss_scale)
+        flight = state.flights.pop((c, j))
+        if a.op is Op.BACKWARD_INPUT:
+            in_grads = _input_backward(stage, j, flight, buffers, self.config.loss_scale)
+        else:
+            in_grads = backward_step(stage, j, flight, buffers, self.config.loss_scale)
         stats.backward_s += time.perf_counter() - t0
-        self._mark(stats, "B", j, t0)
+        self._mark(stats, self._what(a.kind, c), j, t0)
+        if a.op is Op.BACKWARD:
+            self._release(state, c, j)
+        if c > 0:
+            state.to_send[(c, j)] = in_grads
+
+    def _weight(self, state: _StepState, a: Action) -> None:
+        """W: the deferred weight-gradient graph of a microbatch whose I ran."""
+        c, j = a.chunk, a.microbatch
+        t0 = time.perf_counter()
+        self.chunks[c].backward_weight(j)
+        state.stats.backward_s += time.perf_counter() - t0
+        self._mark(state.stats, self._what("W", c), j, t0)
+        self._release(state, c, j)
+
+    def _release(self, state: _StepState, c: int, j: int) -> None:
+        mb = self.chunks[c].release(j)
+        state.stats.recompute_on_demand_s += mb.on_demand_s
+        if state.armed and self.sync is not None:
+            state.stats.recompute_on_demand_dp_s += mb.on_demand_s
+
+    def _arm(self, state: _StepState) -> None:
         if self.launcher is not None:
-            self.launcher.disarm()
-        mb = stage.release(j)
-        stats.recompute_on_demand_s += mb.on_demand_s
-        if is_last_backward and self.sync is not None:
-            stats.recompute_on_demand_dp_s += mb.on_demand_s
-        if not state.first:
-            payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
-                       if flag else None
-                       for g, flag, meta in zip(in_grads, self.recv_flags or [], self.recv_meta)]
-            state.sends.append(post_send(payload, topo.prev_rank, j, GRAD))
+            self.launcher.arm(reset=False)
+            state.armed = True
 
     def _finish_step(self, state: _StepState) -> StepStats:
         """Wait for the sends, synchronise tied weights and data-parallel gradients, step the optimizer."""
-        stats, stage = state.stats, self.stage
+        stats = state.stats
         t0 = time.perf_counter()
         for works, _payload in [*state.sends, *state.act_sends.values()]:
             for w in works:
@@ -305,8 +394,10 @@ class StageRunner:
         stats.wait_sync_s += time.perf_counter() - t0
         self._mark(stats, "sync", -1, t0)
         stats.step_s = time.perf_counter() - state.start
-        stats.peak_saved_bytes = stage.meter.peak_by.get("stage", 0)
-        stats.peak_held_bytes = stage.meter.peak_bytes
+        stats.peak_saved_bytes = self.meter.peak_by.get("stage", 0)
+        stats.peak_held_bytes = self.meter.peak_bytes
+        if len(self.chunks) > 1:
+            stats.peak_saved_bytes_by_chunk = {c: st.meter.peak_by.get("stage", 0) for c, st in self.chunks.items()}
         if self.device.type == "cuda":
             stats.cuda_max_memory_allocated = int(torch.cuda.max_memory_allocated(self.device))
         return stats
@@ -316,19 +407,32 @@ class StageRunner:
         if self.launcher is not None:
             self.launcher.remove()
             self.launcher = None
-            if getattr(self.stage, "on_param_grad", None) is not None:
-                self.stage.on_param_grad = None
+            for st in self.chunks.values():
+                if getattr(st, "on_param_grad", None) is not None:
+                    st.on_param_grad = None
 
     def _sync_tied(self) -> None:
         import torch.distributed as dist
 
-        for name, p in self.stage.gm.named_parameters():
-            group = self.tied.get(name)
-            if group is None:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self.monitor.wait(dist.all_reduce(p.grad, group=group, async_op=True), f"tied-weight sum of {name}")
+        for st in self.chunks.values():
+            for name, p in st.gm.named_parameters():
+                group = self.tied.get(name)
+                if group is None:
+                    continue
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self.monitor.wait(dist.all_reduce(p.grad, group=group, async_op=True), f"tied-weight sum of {name}")
+
+
+def _input_backward(stage: Any, microbatch: int, flight: InFlight, grads: Any, loss_scale: float) -> list:
+    """A zero-bubble ``I``: the stage's input-gradient graph; its ``W`` runs later."""
+    if stage.spec.is_last:
+        out = [flight.output]
+        seed = [torch.full_like(flight.output, loss_scale)]
+    else:
+        pairs = [(o, g) for o, g in zip(flight.output, grads or ()) if g is not None and needs_grad(o)]
+        out, seed = [o for o, _ in pairs], [g for _, g in pairs]
+    return stage.backward_input(microbatch, flight, out, seed)
 
 
 def _to(batch: Mapping[str, torch.Tensor], device: torch.device) -> Mapping[str, torch.Tensor]:
@@ -336,13 +440,3 @@ def _to(batch: Mapping[str, torch.Tensor], device: torch.device) -> Mapping[str,
     if all(not isinstance(v, torch.Tensor) or v.device == device for v in batch.values()):
         return batch
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _recv_flags(n: int, peer: int, device: torch.device) -> tuple[torch.Tensor, list[Any]]:
-    """Receive the boundary's requires-grad flags, on the stage's device (NCCL refuses CPU tensors)."""
-    import torch.distributed as dist
-
-    from lynx.runtime.p2p import Pollable, tag
-
-    buf = torch.empty(n, dtype=torch.uint8, device=device)
-    return buf, [Pollable(dist.irecv(buf, peer, tag=tag(0, FLAGS)))]

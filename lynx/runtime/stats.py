@@ -37,6 +37,7 @@ class StepStats:
     recompute_on_demand_dp_s: float = 0.0  # part of it run while data-parallel collectives were in flight
     peak_saved_bytes: int = 0              # saved tensors owned by the stage's nodes (what plans predict)
     peak_held_bytes: int = 0               # + received boundary values and recompute inputs held
+    peak_saved_bytes_by_chunk: dict[int, int] = field(default_factory=dict)   # several chunks (interleaved)
     cuda_max_memory_allocated: int | None = None
     losses: list[float] = field(default_factory=list)
     # (what, microbatch, start, end) in perf_counter seconds, with RuntimeConfig(trace=True)

@@ -67,6 +67,12 @@ class _LossStage:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stage, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("_stage", "_loss", "targets"):
+            object.__setattr__(self, name, value)
+        else:   # e.g. on_param_grad: the stage's own
+            setattr(self._stage, name, value)
+
     def __call__(self, *args: Any, microbatch: int = 0) -> torch.Tensor:
         return self._loss(self._stage(*args, microbatch=microbatch), self.targets.get(microbatch, ()))
 
@@ -90,11 +96,12 @@ class Pipeline:
     def __init__(self, compiled: Any, loss_fn: Callable[..., Any] | None = None, *, timeout_s: float = 60.0,
                  prefetch: bool = True, exit_on_error: bool = True, trace: bool = False,
                  bucket_bytes: int = 1 << 20, stage: torch.nn.Module | None = None) -> None:
-        from lynx.rewrite.build import split_cached, stage_node_lists
+        from lynx.rewrite.build import build_chunk_modules, chunk_node_lists, split_cached
         from lynx.runtime.loss import LossSpec
 
         plan, config = compiled.plan, compiled.config
         self.compiled = compiled
+        self._loss_stage: _LossStage | None = None
         self.loss = (compiled.loss or LossSpec("scalar", "the model's output")).with_loss_fn(loss_fn)
         if self.loss.form is None:
             raise LynxConfigError(f"cannot train: {self.loss.description}")
@@ -107,18 +114,27 @@ class Pipeline:
         captured = compiled.analysis.captured
         self.input_names = list(captured.input_names)
         self._examples = dict(zip(self.input_names, captured.example_inputs))
-        stage = compiled.stage(topo.stage) if stage is None else stage
+        schedule = plan.config.get("schedule", "1f1b")
+        virtual = int(plan.config.get("virtual_stages", 1)) if schedule == "interleaved1f1b" else 1
+        _check_runnable(schedule, pp, m, virtual)
+        # this rank's model chunks (one, or `virtual` under interleaved 1F1B), by pipeline position
+        self.chunks = build_chunk_modules(compiled, topo.stage) if stage is None else {topo.stage: stage}
         self.device = _rank_device()
-        if any(p.device != self.device for p in stage.parameters()):
-            stage.to(self.device)   # the user's parameters: the stage shares them
-        self.stage = stage
-        self._driven = _LossStage(stage, self.loss) if stage.spec.is_last else stage
-        parts = split_cached(captured.gm, stage_node_lists(plan, compiled.analysis.graph))
-        self.attr_names = parts[topo.stage].attr_names
-        self.tied = tied_groups(topo, [part.attr_names for part in parts])
-        self.runtime = RuntimeConfig(schedule=plan.config.get("schedule", "1f1b"), microbatches=m,
-                                     timeout_s=timeout_s, loss_scale=1.0 / m, prefetch=prefetch, trace=trace,
-                                     bucket_bytes=bucket_bytes)
+        for chunk in self.chunks.values():
+            if any(p.device != self.device for p in chunk.parameters()):
+                chunk.to(self.device)   # the user's parameters: the chunk shares them
+        self.stage = next(iter(self.chunks.values()))
+        last = max(self.chunks)
+        driven = dict(self.chunks)
+        if self.chunks[last].spec.is_last:
+            driven[last] = self._loss_stage = _LossStage(self.chunks[last], self.loss)
+        parts = split_cached(captured.gm, chunk_node_lists(plan, compiled.analysis.graph))
+        names = [set().union(*(part.attr_names for part in parts[s::pp])) for s in range(pp)]
+        self.attr_names = names[topo.stage]
+        self.tied = tied_groups(topo, names)
+        self.runtime = RuntimeConfig(schedule=schedule, virtual=virtual, microbatches=m, timeout_s=timeout_s,
+                                     loss_scale=1.0 / m, prefetch=prefetch, trace=trace, bucket_bytes=bucket_bytes)
+        self._driven = driven
         self._schedule = plan.stage_schedule(topo.stage)
         self.optimizer: Any = None
         self.runner = self._make_runner()
@@ -131,6 +147,17 @@ class Pipeline:
         self.losses: list[float] = []   # the last step's microbatch losses, every replica's
 
     # ------------------------------------------------------------------ parts
+    def _holder(self) -> torch.nn.Module:
+        """One module holding this rank's parameters and buffers under the model's names (its
+        chunk's graph module; several chunks' tensors gathered into one)."""
+        if len(self.chunks) == 1:
+            return self.stage.gm
+        import torch.fx as fx
+
+        tensors = {n: t for chunk in self.chunks.values()
+                   for n, t in [*chunk.gm.named_parameters(), *chunk.gm.named_buffers()]}
+        return fx.GraphModule(tensors, fx.Graph())
+
     def _make_runner(self) -> StageRunner:
         return StageRunner(self._driven, self.topology, self.runtime, schedule=self._schedule,
                            optimizer=self.optimizer, tied=self.tied)
@@ -159,7 +186,12 @@ class Pipeline:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This stage's trainable parameters under the model's own names."""
-        return ((n, p) for n, p in self.stage.gm.named_parameters() if p.requires_grad)
+        seen: set[int] = set()
+        for chunk in self.chunks.values():
+            for n, p in chunk.gm.named_parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    yield n, p
 
     def use_optimizer(self, optimizer: Any) -> None:
         """Let a Lynx data-parallel optimizer (``lynx.optim.DeMo``, ``DistributedLion``) send its
@@ -177,7 +209,7 @@ class Pipeline:
         """One training step on the whole batch; returns the mean microbatch loss (every rank)."""
         topo, m = self.topology, self.microbatches
         bound = bind_inputs(self.input_names, inputs, named)
-        needed = list(self.stage.spec.inputs)
+        needed = list(dict.fromkeys(n for chunk in self.chunks.values() for n in chunk.spec.inputs))
         microbatches: list[dict[str, torch.Tensor]] = [{} for _ in range(m)]
         for name in needed:
             if bound.get(name) is None:
@@ -187,8 +219,8 @@ class Pipeline:
             for j, part in enumerate(split_rows(bound[name], name, dp=topo.dp, dp_rank=topo.dp_rank, microbatches=m)):
                 check_microbatch(part, name, example, dp=topo.dp, microbatches=m)
                 microbatches[j][name] = match_layout(part, example, self.device)
-        if isinstance(self._driven, _LossStage):
-            self._driven.targets = self._split_targets(target)
+        if self._loss_stage is not None:
+            self._loss_stage.targets = self._split_targets(target)
         self.last_stats = stats = self.runner.step(microbatches)
         return self._mean_loss(stats)
 
@@ -227,13 +259,14 @@ class Pipeline:
             get_optimizer_state_dict,
         )
 
-        state: dict[str, Any] = {"model": get_model_state_dict(self.stage.gm)}
+        holder = self._holder()
+        state: dict[str, Any] = {"model": get_model_state_dict(holder)}
         if optimizer is not None:
             opt = getattr(optimizer, "inner", optimizer)
             # keyed by parameter name, param groups included (torchtitan's form for pipeline
             # stages: each stage's entries are its own, nothing collides across stages)
             options = StateDictOptions(flatten_optimizer_state_dict=True)
-            osd = get_optimizer_state_dict(self.stage.gm, opt, options=options)
+            osd = get_optimizer_state_dict(holder, opt, options=options)
             # compressed optimizers keep a momentum per replica: one entry each (not de-duplicated)
             state["optimizer"] = {f"replica{self.topology.dp_rank}": osd} if syncs_own_buckets(opt) else osd
         return state
@@ -246,7 +279,8 @@ class Pipeline:
             set_optimizer_state_dict,
         )
 
-        set_model_state_dict(self.stage.gm, state["model"])
+        holder = self._holder()
+        set_model_state_dict(holder, state["model"])
         if optimizer is not None:
             if "optimizer" not in state:
                 raise LynxConfigError("load_state_dict got an optimizer but the state holds none: "
@@ -254,7 +288,7 @@ class Pipeline:
             opt = getattr(optimizer, "inner", optimizer)
             osd = state["optimizer"]
             osd = osd[f"replica{self.topology.dp_rank}"] if syncs_own_buckets(opt) else osd
-            set_optimizer_state_dict(self.stage.gm, opt, osd,
+            set_optimizer_state_dict(holder, opt, osd,
                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
 
     # ---------------------------------------------------------------- closing
@@ -325,6 +359,21 @@ def _join_job(world: int, timeout_s: float) -> bool:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, timeout_s)))
     return True
+
+
+def _check_runnable(schedule: str, pp: int, microbatches: int, virtual: int) -> None:
+    """Refuse a schedule this runtime does not execute, or cannot execute on this backend."""
+    from lynx.planner.schedule import RUNTIME_SCHEDULES, link_order_problems, rank_actions
+
+    if schedule not in RUNTIME_SCHEDULES:
+        raise LynxConfigError(f"the plan's schedule {schedule!r} is planned but not executed by this runtime (it "
+                              f"runs {', '.join(RUNTIME_SCHEDULES)}): make the plan with one of those")
+    if dist.get_backend() == "nccl":
+        problems = link_order_problems(rank_actions(schedule, pp, microbatches, virtual), pp)
+        if problems:   # NCCL matches point-to-point messages in posting order, not by tag
+            raise LynxConfigError(f"schedule {schedule!r} posts receives out of their senders' order ({problems[0]}"
+                                  f"{'; …' if len(problems) > 1 else ''}), which NCCL would match to the wrong "
+                                  "messages; run it on gloo or choose 1f1b, gpipe or zbh1")
 
 
 def _check_same_everywhere(fingerprint: str, loss_form: str | None) -> None:

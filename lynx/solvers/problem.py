@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lynx.errors import LynxPlanError
+from lynx.planner.windows import WindowId, as_window_id
 
 __all__ = [
     "ProblemNode",
@@ -83,13 +84,17 @@ class ProblemNode:
 
 @dataclass(frozen=True)
 class ProblemWindow:
-    id: str  # e.g. "s0.recv_grad.mb3", "s1.tp.l5.b.mb0", "s0.dp.b2"
+    id: WindowId  # e.g. s0.recv_grad.mb3, s1.tp.l5.b.mb0, s0.dp.b2 (a plan's string is parsed)
     kind: str  # recv_grad | recv_act | tp_allreduce | dp_collective
     microbatch: int  # recompute placed here serves this microbatch's backward
     capacity_s: float  # idle seconds available
     # None: any node of the stage; else only nodes of these layers (tp/dp windows inside a
     # backward can only serve layers not yet backpropagated)
     eligible_layers: tuple[int, ...] | None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, WindowId):
+            object.__setattr__(self, "id", as_window_id(self.id))
 
 
 @dataclass(frozen=True)
@@ -113,12 +118,15 @@ class StageProblem:
 class Assignment:
     recompute: frozenset[str]  # nodes whose saved tensors are dropped in forward
     # (node, microbatch) -> window id; absent = on demand
-    window_of: Mapping[tuple[str, int], str] = field(default_factory=dict)
+    window_of: Mapping[tuple[str, int], WindowId] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Own copies, so a caller mutating its dict cannot change a scored assignment.
         object.__setattr__(self, "recompute", frozenset(self.recompute))
-        object.__setattr__(self, "window_of", dict(self.window_of))
+        window_of = dict(self.window_of)
+        if any(not isinstance(w, WindowId) for w in window_of.values()):   # a plan's strings
+            window_of = {k: as_window_id(w) for k, w in window_of.items()}
+        object.__setattr__(self, "window_of", window_of)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Assignment):
@@ -165,7 +173,7 @@ class MicrobatchClass:
     """
 
     members: tuple[int, ...]
-    window_ids: tuple[tuple[str, ...], ...]
+    window_ids: tuple[tuple[WindowId, ...], ...]
     capacities: tuple[float, ...]
     eligible_layers: tuple[tuple[int, ...] | None, ...]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lynx.planner.windows import WindowId
 from lynx.solvers.memory import is_sent, savers_of
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, microbatch_classes
 from lynx.solvers.validate import required_recompute_closure
@@ -183,7 +184,7 @@ def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution
     saves no bytes, so running early costs nothing.)
     """
     recompute = {name for item, dropped in zip(model.items, sol.recompute) if dropped for name in item.nodes}
-    window_of: dict[tuple[str, int], str] = {}
+    window_of: dict[tuple[str, int], WindowId] = {}
     classes = microbatch_classes(problem)
     for mc, where in zip(classes, sol.placement):
         per_position = [tuple(zip(mc.members, ids)) for ids in mc.window_ids]  # k -> ((mb, window id), ...)
@@ -220,6 +221,7 @@ def hint_from_assignment(problem: StageProblem, model: StageModel, assignment: A
     for mc in microbatch_classes(problem):
         first = mc.members[0]
         position = {ids[0]: k for k, ids in enumerate(mc.window_ids)}
-        where = tuple(position.get(assignment.window_of.get((item.nodes[-1], first), ""), None) for item in model.items)
+        where = tuple(position.get(w) if (w := assignment.window_of.get((item.nodes[-1], first))) is not None else None
+                      for item in model.items)
         placement.append(where)
     return rec, tuple(placement)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lynx.planner.schedule import dp_window_id, recv_window_id, tp_window_id
+from lynx.planner.windows import WindowId
 from lynx.solvers.problem import ProblemNode, ProblemWindow, StageProblem
 
 __all__ = ["make_uniform_problem"]
@@ -119,20 +119,20 @@ def make_uniform_problem(
     for mb in range(microbatches):
         if caps[mb] > 0:
             windows.append(
-                ProblemWindow(recv_window_id(stage, "recv_grad", mb), "recv_grad", mb, float(caps[mb]), None)
+                ProblemWindow(WindowId.recv(stage, "recv_grad", mb), "recv_grad", mb, float(caps[mb]), None)
             )
         if tp_capacity_s > 0:
             for layer in reversed(range(1, layers)):  # backward runs from the last layer down
                 windows.append(
                     ProblemWindow(
-                        tp_window_id(stage, layer, mb), "tp_allreduce", mb, tp_capacity_s, tuple(range(layer))
+                        WindowId.tp(stage, layer, mb), "tp_allreduce", mb, tp_capacity_s, tuple(range(layer))
                     )
                 )
     for i, cap in enumerate(dp_capacity_s):
         last = microbatches - 1
         windows.append(
             ProblemWindow(
-                dp_window_id(stage, i), "dp_collective", last, float(cap), tuple(range(max(1, layers - 1 - i)))
+                WindowId.dp(stage, i), "dp_collective", last, float(cap), tuple(range(max(1, layers - 1 - i)))
             )
         )
     keep_all = in_flight * sum(n.saved_bytes for n in nodes)

@@ -105,8 +105,8 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                     w_dst = assignment.window_of.get((name, mb))
                     raise LynxPlanError(
                         f"{where}: for microbatch {mb}, {name!r} is recomputed "
-                        f"({'on demand, ' + group_key(node) if w_dst is None else 'in ' + w_dst}) before its "
-                        f"input {src!r} is ({'on demand, ' + group_key(producer) if w_src is None else w_src}); "
+                        f"({'on demand, ' + group_key(node) if w_dst is None else f'in {w_dst}'}) before its "
+                        f"input {src!r} is ({'on demand, ' + group_key(producer) if w_src is None else str(w_src)}); "
                         f"keep {src!r} or prefetch it earlier"
                     )
 

@@ -68,7 +68,8 @@ def with_stages(compiled: Any, schedules: Sequence[StageSchedule], *,
             raise LynxPlanError(f"stage {s} drops {unknown[:3]}, which are not its nodes")
         windows: dict[str, dict[int, str]] = {}
         for j, entries in sched.prefetch.items():
-            for wid, members in entries:
+            for window, members in entries:
+                wid = str(window)   # the plan's JSON form
                 for n in members:
                     if n not in sched.dropped:
                         raise LynxPlanError(f"stage {s}: window {wid} recomputes {n}, which is not dropped")

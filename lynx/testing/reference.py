@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from lynx.planner.schedule import ScheduledAction, stage_actions
+from lynx.planner.schedule import Action, Op, compute_order
 from lynx.runtime.step import InFlight, as_received, backward_step, forward_step
 
 __all__ = ["run_local", "Prefetch"]
@@ -48,11 +48,14 @@ def _set_rng_state(state: tuple) -> None:
 
 def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor]], *, schedule: str = "1f1b",
               prefetch: Prefetch | None = None, loss_scale: float = 1.0,
-              stage_seeds: Sequence[int] | None = None) -> list[torch.Tensor]:
+              stage_seeds: Sequence[int] | None = None, pp: int | None = None) -> list[torch.Tensor]:
     """Forward and backward every microbatch through ``stages``; returns the losses (detached).
 
-    ``schedule`` is ``"1f1b"``, ``"gpipe"`` or ``"sequential"`` (one microbatch at a time
-    through every stage: the order an unsplit model runs in, so its dropout draws match).
+    ``schedule`` is a schedule of :mod:`lynx.planner.schedule` — each device runs its compute
+    order; ``stages`` are the model chunks in pipeline order, ``pp`` devices (default: one chunk
+    each); a zero-bubble ``I`` runs the whole backward and its ``W`` nothing — or
+    ``"sequential"`` (one microbatch at a time through every stage: the order an unsplit model
+    runs in, so its dropout draws match).
     With ``stage_seeds`` each stage draws random numbers from its own generators seeded
     ``stage_seeds[s]``, as each rank of a distributed run does (``torch.manual_seed`` on a rank
     seeds its CUDA generators too, so where CUDA is initialised their states are swapped as
@@ -62,10 +65,12 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
     if schedule == "sequential":
         queues = [[] for _ in range(p)]
         order = [(s, a) for j in range(m) for s, a in
-                 [(s, ScheduledAction("F", s, j)) for s in range(p)]
-                 + [(s, ScheduledAction("B", s, j)) for s in reversed(range(p))]]
+                 [(s, Action(Op.FORWARD, s, j)) for s in range(p)]
+                 + [(s, Action(Op.BACKWARD, s, j)) for s in reversed(range(p))]]
     else:
-        queues = [list(stage_actions(schedule, stage=s, stages=p, microbatches=m)) for s in range(p)]
+        devices = pp or p
+        by_device = compute_order(schedule, devices, m, virtual=p // devices)
+        queues = [[a for a in acts if a.op is not Op.BACKWARD_WEIGHT] for acts in by_device]
         order = None
     rng = None
     if stage_seeds is not None:
@@ -114,7 +119,8 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
 
     if order is not None:
         params = list(dict.fromkeys(p for stage in stages for p in stage.parameters()))
-        for s, (kind, _, j) in order:
+        for s, action in order:
+            kind, j = action.kind, action.microbatch
             if kind == "B" and s == p - 1:
                 # Accumulate this microbatch's gradients apart, then add them to the earlier ones,
                 # as the unsplit model does: a weight used by two stages (tied embeddings) then gets
@@ -129,11 +135,16 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
                         param.grad = before if param.grad is None else before + param.grad
     while any(queues):
         progressed = False
-        for s in range(p):
-            if queues[s] and ready(s, queues[s][0].kind, queues[s][0].microbatch):
-                action = queues[s].pop(0)
-                run(s, action.kind, action.microbatch)
+        for d in range(len(queues)):
+            if queues[d] and ready(queues[d][0].chunk, _kind(queues[d][0]), queues[d][0].microbatch):
+                action = queues[d].pop(0)
+                run(action.chunk, _kind(action), action.microbatch)
                 progressed = True
         if not progressed:  # pragma: no cover - the schedules above never deadlock
             raise RuntimeError("local pipeline deadlocked")
     return [losses[j] for j in range(m)]
+
+
+def _kind(action: Action) -> str:
+    """F, or B for a whole backward (a zero-bubble ``I`` runs all of it here)."""
+    return "F" if action.op is Op.FORWARD else "B"

@@ -126,8 +126,9 @@ def _rank_main(rank: int, world: int, port: int, threads: int, fn: Callable[...,
 def _report(err: BaseException, rank: int, world: int) -> None:
     """Tell the other ranks through the job's store (what Pipeline's failure exit does under torchrun)."""
     from lynx.runtime.faults import FaultMonitor
+    from lynx.torch_private import default_store
 
-    FaultMonitor(dist.distributed_c10d._get_default_store(), rank=rank, world_size=world).report(err)
+    FaultMonitor(default_store(), rank=rank, world_size=world).report(err)
 
 
 def _caused_by_peer(err: BaseException) -> bool:

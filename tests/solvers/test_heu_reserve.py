@@ -31,5 +31,5 @@ def test_the_top_layer_gets_the_open_window(solver):
     validate(p, res.assignment)
     assert res.assignment.recompute == {"a0", "a1"}
     assert res.objective_s == pytest.approx(0.0)
-    assert res.assignment.window_of[("a1", 0)] == "s0.recv_grad.mb0"
-    assert res.assignment.window_of[("a0", 0)] == "s0.tp.l1.b.mb0"
+    assert str(res.assignment.window_of[("a1", 0)]) == "s0.recv_grad.mb0"
+    assert str(res.assignment.window_of[("a0", 0)]) == "s0.tp.l1.b.mb0"

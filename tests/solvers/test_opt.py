@@ -17,6 +17,8 @@ from lynx.errors import LynxPlanError
 
 SMALL = dict(layers=3, microbatches=6, in_flight=3, recv_grad_capacity_s=[0.004, 0.002, 0, 0, 0.001, 0.001])
 
+W0, W1 = "s0.recv_grad.mb0", "s0.recv_grad.mb1"   # window ids as a plan writes them
+
 
 def _brute_force(p: StageProblem) -> float:
     """Least exposed time over every valid assignment within the bound the solvers enforce."""
@@ -67,7 +69,7 @@ def _brute_problem(budget: int) -> StageProblem:
         ProblemNode("u", 60, True, 0.7, ("z",), 1, "L", False),
         ProblemNode("v", 30, True, 0.2, ("u",), 1, "L", False),
     )
-    windows = (ProblemWindow("w0", "recv_grad", 0, 1.2, None), ProblemWindow("w1", "recv_grad", 1, 0.5, None))
+    windows = (ProblemWindow(W0, "recv_grad", 0, 1.2, None), ProblemWindow(W1, "recv_grad", 1, 0.5, None))
     return StageProblem(0, nodes, windows, microbatches=2, in_flight=2, activation_budget_bytes=budget)
 
 

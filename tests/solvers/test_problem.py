@@ -17,6 +17,8 @@ from lynx.solvers.synthetic import make_uniform_problem
 from lynx.solvers.memory import microbatch_peak_bytes, peak_activation_bytes, peak_upper_bound_bytes
 from lynx.solvers.validate import required_recompute_closure, validate
 
+W0, W1 = "s0.recv_grad.mb0", "s0.recv_grad.mb1"   # window ids as a plan writes them
+
 
 def _tiny(windows=()) -> StageProblem:
     # layer 0: a -> b -> c ; layer 1: d reads c (an earlier group) ; e (no output kept) -> f
@@ -38,9 +40,9 @@ def test_korthikanti_bytes_per_layer():
 
 
 def test_peak_follows_the_backward_node_by_node():
-    w = (ProblemWindow("w0", "recv_grad", 0, 10.0, None), ProblemWindow("w1", "recv_grad", 1, 10.0, None))
+    w = (ProblemWindow(W0, "recv_grad", 0, 10.0, None), ProblemWindow(W1, "recv_grad", 1, 10.0, None))
     p = _tiny(w)
-    a = Assignment(frozenset({"b", "e", "f"}), {("b", 0): "w0", ("e", 1): "w1", ("f", 1): "w1"})
+    a = Assignment(frozenset({"b", "e", "f"}), {("b", 0): W0, ("e", 1): W1, ("f", 1): W1})
     validate(p, a)
     # backward steps: f 0, e 1, c 2, b 3, a 4. Microbatch 0 at step 0 holds kept a and c,
     # prefetched b and f (regenerated for its own backward); microbatch 1 at most a + c + f.
@@ -140,9 +142,9 @@ def test_node_peak_never_exceeds_the_solvers_bound(fraction):
 
 
 def test_exposed_counts_on_demand_and_window_overflow():
-    w = (ProblemWindow("w0", "recv_grad", 0, 1.5, None),)
+    w = (ProblemWindow(W0, "recv_grad", 0, 1.5, None),)
     p = _tiny(w)
-    a = Assignment(frozenset({"b", "e", "f"}), {("b", 0): "w0", ("e", 0): "w0", ("f", 0): "w0"})
+    a = Assignment(frozenset({"b", "e", "f"}), {("b", 0): W0, ("e", 0): W0, ("f", 0): W0})
     validate(p, a)
     on_demand = 2.0 + 4.0 + 1.0  # microbatch 1 has no window
     overflow = (2.0 + 4.0 + 1.0) - 1.5
@@ -154,29 +156,29 @@ def test_exposed_counts_on_demand_and_window_overflow():
     [
         (Assignment(frozenset({"zz"}), {}), "not in the stage"),
         (Assignment(frozenset({"f"}), {}), "does not keep its output"),
-        (Assignment(frozenset({"b"}), {("b", 1): "w0"}), "serves microbatch 0"),
-        (Assignment(frozenset({"b"}), {("b", 0): "nope"}), "unknown window"),
-        (Assignment(frozenset({"a"}), {("a", 0): "wl"}), "not eligible"),
-        (Assignment(frozenset(), {("a", 0): "w0"}), "not recomputed"),
-        (Assignment(frozenset({"a", "b"}), {("b", 0): "w0", ("a", 0): "w1"}), "before its input"),
-        (Assignment(frozenset({"a", "b"}), {("b", 0): "w0"}), "before its input"),
+        (Assignment(frozenset({"b"}), {("b", 1): W0}), "serves microbatch 0"),
+        (Assignment(frozenset({"b"}), {("b", 0): "s0.recv_grad.mb7"}), "unknown window"),
+        (Assignment(frozenset({"a"}), {("a", 0): "s0.tp.l1.b.mb0"}), "not eligible"),
+        (Assignment(frozenset(), {("a", 0): W0}), "not recomputed"),
+        (Assignment(frozenset({"a", "b"}), {("b", 0): W0, ("a", 0): W1}), "before its input"),
+        (Assignment(frozenset({"a", "b"}), {("b", 0): W0}), "before its input"),
         # d-chain across layers: c (layer 0) on demand is regenerated after layer 1's backward
         (Assignment(frozenset({"c", "e", "f"}), {}), "before its input"),
     ],
 )
 def test_validate_rejects(assignment, message):
     w = (
-        ProblemWindow("w0", "recv_grad", 0, 1.0, None),
-        ProblemWindow("w1", "recv_grad", 0, 1.0, None),
-        ProblemWindow("wl", "tp_allreduce", 0, 1.0, (1,)),
+        ProblemWindow(W0, "recv_grad", 0, 1.0, None),
+        ProblemWindow(W1, "recv_grad", 0, 1.0, None),
+        ProblemWindow("s0.tp.l1.b.mb0", "tp_allreduce", 0, 1.0, (1,)),
     )
     with pytest.raises(LynxPlanError, match=message):
         validate(_tiny(w), assignment)
 
 
 def test_validate_accepts_prefetched_cross_layer_input():
-    w = (ProblemWindow("w0", "recv_grad", 0, 1.0, None), ProblemWindow("w1", "recv_grad", 1, 1.0, None))
-    a = Assignment(frozenset({"c", "e", "f"}), {("c", 0): "w0", ("c", 1): "w1"})
+    w = (ProblemWindow(W0, "recv_grad", 0, 1.0, None), ProblemWindow(W1, "recv_grad", 1, 1.0, None))
+    a = Assignment(frozenset({"c", "e", "f"}), {("c", 0): W0, ("c", 1): W1})
     validate(_tiny(w), a)
 
 
