@@ -95,7 +95,10 @@ def compile(
 
     Settings are those of :class:`lynx.CompileConfig`, as one object, keywords, or both
     (keywords win). With ``plan=`` the saved plan is checked against this model and config
-    (:class:`lynx.LynxFingerprintError` when it was made for others) and used as it is.
+    (:class:`lynx.LynxFingerprintError` when it was made for others, naming what differs), its
+    records and predictions re-checked by replaying its decisions
+    (:func:`lynx.planner.plan_check.recheck_plan`: :class:`lynx.LynxPlanError` naming the stage and
+    field that disagree, or the stage over its budget), and then used as it is.
     ``example_inputs`` is a tuple (positional) or a dict (keyword inputs). ``compiled.loss``
     says which part of the model's output is the training loss (``loss_fn(output, *targets)``
     when given; see :mod:`lynx.runtime.loss`); an output without one is accepted for planning,
@@ -120,6 +123,10 @@ def compile(
     if config.plan is not None:
         plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
         check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
+        from lynx.planner.plan_check import recheck_plan
+
+        with phases.timed("simulate"):
+            recheck_plan(plan, analysis.graph)   # its decisions and predictions, not trusted as stored
         return Compiled(plan=plan, config=config, analysis=analysis, phases=phases, loss=loss)
     outcome = plan_graph_outcome(analysis.graph, config)
     assert outcome.plan is not None  # assembled (plan_graph_outcome's default)

@@ -40,6 +40,7 @@ __all__ = [
     "Plan",
     "StageSchedule",
     "fingerprint_of",
+    "field_fingerprints",
     "check_fingerprint",
 ]
 
@@ -146,6 +147,8 @@ class Plan(BaseModel):
     timeline: list[tuple[int, str, float, float]] = []
     # the same step bar by bar with microbatch labels (lynx.viz.timeline_detail): what `lynx show` draws
     timeline_detail: list[tuple[int, str, float, float, str]] = []
+    # per fingerprinted setting, a hash of the value the plan was made for: names an edited config field
+    config_fingerprints: dict[str, str] = {}
 
     # ------------------------------------------------------------------ files
     def to_json(self, indent: Optional[int] = 1) -> str:
@@ -255,8 +258,15 @@ def fingerprint_of(graph_fingerprint: str, config_fields: dict[str, Any]) -> str
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def field_fingerprints(config_fields: dict[str, Any]) -> dict[str, str]:
+    """A short hash of each setting's value (what :attr:`Plan.config_fingerprints` records)."""
+    return {name: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:12]
+            for name, value in config_fields.items()}
+
+
 def check_fingerprint(plan: Plan, graph_fingerprint: str, config_fields: dict[str, Any]) -> None:
-    """Refuse ``plan`` unless it was made for this graph and these settings."""
+    """Refuse ``plan`` unless it was made for this graph and these settings, naming what differs:
+    a setting of this compilation, or a ``config`` field of the plan edited after it was made."""
     expected = fingerprint_of(graph_fingerprint, config_fields)
     if plan.fingerprint == expected:
         return
@@ -268,7 +278,13 @@ def check_fingerprint(plan: Plan, graph_fingerprint: str, config_fields: dict[st
         planned = plan.config.get(name)
         if planned != value:
             differences.append(f"{name}: plan {planned!r}, now {value!r}")
-    what = "; ".join(differences) or "the settings it was made for"
+    if not differences:   # the same settings as the plan records: its record was edited
+        recorded = field_fingerprints({name: plan.config.get(name) for name in config_fields})
+        differences = [f"config.{name} (the plan file records {plan.config.get(name)!r}, but the plan was made for "
+                       f"another value: edited after it was made)"
+                       for name, digest in recorded.items() if plan.config_fingerprints.get(name, digest) != digest]
+    what = "; ".join(differences) or "the settings it was made for (its fingerprint was edited, or it predates " \
+        "per-field fingerprints)"
     raise LynxFingerprintError(
         f"plan fingerprint {plan.fingerprint} does not match this model and config ({expected}): "
         f"differs in {what}. Make a new plan for this model and config (`lynx plan`, or drop plan=).")

@@ -152,12 +152,23 @@ def _summary(plan: Any) -> None:
 def show_command(
     plan_path: Path = typer.Argument(..., help="a plan written by `lynx plan`"),
     picture: Optional[Path] = typer.Option(None, "--picture", help="timeline picture path (.png and .svg written)"),
+    model: Optional[str] = typer.Option(None, "--model", help="re-check the plan against this model (as planned: "
+                                        "with --seq, --microbatch, --dtype, --attention) before showing it"),
+    seq: Optional[int] = _SEQ, microbatch: Optional[int] = _MB, dtype: Optional[str] = _DTYPE,
+    attention: Optional[str] = _ATTN,
 ) -> None:
-    """Print a plan per stage and draw its timeline (compute, recompute, communication, idle)."""
+    """Print a plan per stage and draw its timeline (compute, recompute, communication, idle).
+
+    The figures are those the file records; with ``--model`` the plan is first re-checked as
+    ``lynx.compile(plan=...)`` does (fingerprint, records and predictions replayed from its
+    decisions) and refused, naming the stage and field, when they disagree.
+    """
     from lynx.plan import Plan
     from lynx.viz import draw_timeline, stage_totals
 
     plan = _run(lambda: Plan.load(plan_path))
+    if model is not None:
+        _run(lambda: _recheck(plan, model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention))
     totals = stage_totals(plan.timeline, plan.predicted.step_time_s)
     table = Table(title=f"{plan_path} — {plan.solver}, {plan.config.get('schedule')}, pp={plan.config.get('pp')}, "
                         f"m={plan.config.get('microbatches')}")
@@ -180,10 +191,25 @@ def show_command(
                       *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("comm", "idle")))
     table_console().print(table)
     _summary(plan)
+    console.print(f"re-checked against {model}: its decisions replay to these figures" if model is not None else
+                  "figures as the file records them (not re-checked: --model MODEL replays its decisions)")
     target = picture or plan_path.parent / (plan_path.stem + ".timeline")
     written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target, detail=plan.timeline_detail,
                             title=f"{plan.solver}: step {plan.predicted.step_time_s * 1e3:.2f} ms")
     console.print("timeline picture: " + ", ".join(str(p) for p in written))
+
+
+def _recheck(plan: Any, model: str, **dims: Any) -> None:
+    """What ``lynx.compile(plan=...)`` checks, against ``model`` analysed as the plan's config says."""
+    from lynx.plan import check_fingerprint
+    from lynx.planner.fingerprint import graph_fingerprint
+    from lynx.planner.plan_check import recheck_plan
+    from lynx.planner.simulator import config_from_record
+
+    config = config_from_record(plan.config)
+    analysis = analyze_spec(model, config, **dims)
+    check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
+    recheck_plan(plan, analysis.graph)
 
 
 def compare_records(graph: Any, config: CompileConfig, solvers: tuple[str, ...] = SOLVERS,

@@ -32,7 +32,7 @@ import networkx as nx
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.phases import Phases
-from lynx.plan import ChunkRecord, Plan, Predicted, StagePlan, WindowRecord, fingerprint_of
+from lynx.plan import ChunkRecord, Plan, Predicted, StagePlan, WindowRecord, field_fingerprints, fingerprint_of
 from lynx.planner.comm import CommModel
 from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.graph_schema import check_graph
@@ -207,7 +207,8 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, pro
         predicted=Predicted(step_time_s=sim.step_time_s, exposed_recompute_s=sim.exposed_recompute_s,
                             hidden_recompute_s=sim.hidden_recompute_s, bubble_s=sim.bubble_s,
                             peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget),
-        timeline=timeline_bars(sim.timeline), timeline_detail=timeline_detail(sim.timeline))
+        timeline=timeline_bars(sim.timeline), timeline_detail=timeline_detail(sim.timeline),
+        config_fingerprints=field_fingerprints(fields))
 
 
 def _still_hidden(problem: StageProblem, result: Any) -> Any:
