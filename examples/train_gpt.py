@@ -19,7 +19,16 @@ first step, with one message and a non-zero exit, and leaves the files on disk a
 
 Rank 0 prints a line per step (loss, tokens/s, exposed vs hidden recomputation) and at the
 end the plan's predicted vs the run's measured step time and peak activation bytes per stage.
-``--log-json`` writes the per-step losses (what the tests compare).
+``--log-json`` writes the per-step losses (what the tests compare) as strict JSON.
+
+A step whose loss or gradients are NaN or infinite stops every rank with one message naming
+the step, the ranks and what was non-finite, before the optimizer sees it; with
+``--skip-nonfinite`` such steps are skipped instead (no optimizer step) and counted in the
+report. Checkpoints (``lynx.runtime.checkpoint``) hold safetensors and JSON, nothing that runs
+code when read, with a manifest of every file's size and SHA-256; ``--resume`` verifies them,
+and when the newest checkpoint is damaged it says so, moves it aside (``step_N.damaged``) and
+continues from the newest one that verifies. The checkpoint directory is locked for the life of
+the run: a second run on it is refused at start, naming the first.
 """
 
 from __future__ import annotations
@@ -83,6 +92,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile", action="store_true",
                     help="pass each stage's generated graphs through torch.compile (Inductor; on CPU needs gcc)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for a peer")
+    ap.add_argument("--skip-nonfinite", action="store_true",
+                    help="skip a step whose loss or gradients are NaN or infinite (counted in the report) instead "
+                         "of stopping")
     return ap.parse_args(argv)
 
 
@@ -227,23 +239,48 @@ def run_meta(args: argparse.Namespace, plan: Any, settings: dict[str, Any], lr: 
     }
 
 
-def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> str | None:
-    from lynx.runtime.checkpoint import check_compatible, latest_checkpoint, read_meta
+_LOCK: Any = None   # rank 0's lock on --checkpoint-dir, held until the process ends
+
+
+def lock_checkpoint_dir(args: argparse.Namespace) -> None:
+    """Rank 0: one job per checkpoint directory (a second is refused, naming the first)."""
+    global _LOCK
+    from lynx.runtime.checkpoint_lock import CheckpointLock
+
+    if args.checkpoint_dir is not None and _LOCK is None:
+        _LOCK = CheckpointLock(args.checkpoint_dir).acquire()
+
+
+def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """The checkpoint to resume from (verified) and what to say about damaged ones above it."""
+    from lynx.runtime.checkpoint import check_compatible, read_meta, usable_checkpoint
 
     if args.checkpoint_dir is None:
-        return None
-    if Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
-        raise LynxConfigError(f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory")
-    latest = latest_checkpoint(args.checkpoint_dir)
-    if latest is None:
-        return None
+        return None, []
+    usable, damaged = usable_checkpoint(args.checkpoint_dir)
+    if usable is None and not damaged:
+        return None, []
     if not args.resume:
+        latest = (damaged[0][0] if damaged else usable).name
         raise LynxConfigError(
-            f"{args.checkpoint_dir} already holds checkpoints (latest {latest.name}); pass --resume to continue "
+            f"{args.checkpoint_dir} already holds checkpoints (latest {latest}); pass --resume to continue "
             f"from it, or choose an empty --checkpoint-dir (existing checkpoints are never overwritten)"
         )
-    check_compatible(read_meta(latest), meta, where=str(latest))
-    return str(latest)
+    if usable is None:
+        raise LynxConfigError(
+            f"no checkpoint in {args.checkpoint_dir} verifies: " + "; ".join(why for _, why in damaged)
+            + ". Move them away to start afresh"
+        )
+    check_compatible(read_meta(usable), meta, where=str(usable))
+    notes = []
+    for path, why in damaged:   # aside, not deleted: a later save of that step must not find it
+        aside = path.with_name(path.name + ".damaged")
+        n = 1
+        while aside.exists():
+            aside, n = path.with_name(f"{path.name}.damaged{n}"), n + 1
+        path.rename(aside)
+        notes.append(f"checkpoint {path.name} is damaged ({why}); moved it to {aside.name}")
+    return str(usable), notes
 
 
 # ----------------------------------------------------------------------------- training
@@ -258,6 +295,7 @@ class Setup:
     resume_from: str | None
     lr: float
     hardware_line: str = ""
+    notes: list[str] = dataclasses.field(default_factory=list)   # what rank 0 found on the way (damaged checkpoints)
 
 
 def setup(args: argparse.Namespace) -> Setup:
@@ -268,8 +306,13 @@ def setup(args: argparse.Namespace) -> Setup:
         raise LynxConfigError(f"--steps must be >= 1, got {args.steps}")
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         raise LynxConfigError("--checkpoint-every and --resume need --checkpoint-dir")
-    # a missing or corrupt plan file stops here, on every rank, before any process group
+    # a missing or corrupt plan file, or one the runtime cannot execute, stops here, on every
+    # rank, before any process group
     saved_config = Plan.load(args.plan).config if args.plan is not None else None
+    if saved_config is not None:
+        from lynx.runtime.executable import check_executable
+
+        check_executable(saved_config)
     pp, dp = mesh_from_env(args, saved_config)
     if "MASTER_ADDR" not in os.environ:  # plain `python train_gpt.py --pp 1`: a world of one
         from lynx.runtime.topology import free_port
@@ -285,18 +328,19 @@ def setup(args: argparse.Namespace) -> Setup:
     settings = plan_settings(args, pp, dp, saved_config, device)
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
 
-    def decide() -> tuple[str, str | None, str]:
+    def decide() -> tuple[str, str | None, str, list[str]]:
+        lock_checkpoint_dir(args)   # before anything reads or writes the directory
         hardware, line = hardware_for_plan(
             settings["hardware"],
             pp * dp,
             from_plan=args.hardware is None and saved_config is not None and "hardware" in saved_config,
         )
         plan = make_plan(args, {**settings, "hardware": hardware}, device)
-        return plan.to_json(), find_resume_point(args, run_meta(args, plan, settings, lr)), line
+        return plan.to_json(), *find_resume_point(args, run_meta(args, plan, settings, lr)), line
 
-    plan_json, resume_from, hardware_line = decided_by_rank0(decide)
+    plan_json, resume_from, notes, hardware_line = decided_by_rank0(decide)
     plan = Plan.from_json(plan_json)
-    return Setup(plan, settings, run_meta(args, plan, settings, lr), device, resume_from, lr, hardware_line)
+    return Setup(plan, settings, run_meta(args, plan, settings, lr), device, resume_from, lr, hardware_line, notes)
 
 
 def global_batch(source: Any, step: int, dp: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +355,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from lynx.data import StdlibBatches
     from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
     from lynx.runtime.rank_state import pipeline_state
-    from lynx.runtime.topology import rank_seed
 
     run = setup(args)
     m, rank = run.settings["microbatches"], dist.get_rank()
@@ -320,20 +363,24 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
     use_compile = args.compile or bool(run.plan.config.get("compile"))
     compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)  # checked against this model
-    pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s)
+    # the pipe seeds each rank's own dropout stream from --seed (lynx.runtime.rank_rng)
+    pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s, seed=args.seed,
+                                 skip_nonfinite=args.skip_nonfinite)
     topo = pipe.topology
     optimizer = make_optimizer(run.settings["optimizer"], run.lr, list(pipe.parameters()), pipe.dp_group)
     if run.settings["optimizer"] != "adamw":
         pipe.use_optimizer(optimizer)  # DeMo / Lion send their buckets during the last backward
-    torch.manual_seed(rank_seed(args.seed, topo.stage, topo.dp_rank))  # this rank's dropout draws
     state = pipeline_state(pipe, optimizer)
     start = load_checkpoint(state, run.resume_from) if run.resume_from else 0
+    pipe.steps_done = start   # the pipe counts steps as this loop does (in its messages)
     if rank == 0:
+        for note in run.notes:
+            _say(note)
         _say(run.hardware_line)
         _say(_banner(args, run, start))
     source = StdlibBatches(("idx", "targets"), batch=args.microbatch, seq=args.seq, seed=args.seed)
     tokens = topo.dp * m * args.microbatch * args.seq
-    log: dict[str, Any] = {"meta": run.meta, "start_step": start, "steps": []}
+    log: dict[str, Any] = {"meta": run.meta, "start_step": start, "steps": [], "skipped_steps": []}
     history: list[Any] = []
     cpu_s: list[float] = []
     progress = _Progress(rank == 0, args.steps, start)
@@ -342,37 +389,45 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = warmup_lr(run.lr, step)
         loss = pipe.step(*global_batch(source, step, topo.dp, m))
-        t_opt = time.perf_counter()
-        optimizer.step()  # DeMo / Lion: finishes the buckets the last backward launched
-        optimizer.zero_grad()
-        opt_s = time.perf_counter() - t_opt
-        stats = pipe.last_stats
-        stats.wait_sync_s += opt_s  # the step as the plan counts it: the optimizer step included
-        stats.step_s += opt_s
+        if pipe.last_step_skipped:   # --skip-nonfinite: no optimizer step (the pipe cleared the gradients)
+            optimizer.zero_grad()
+            log["skipped_steps"].append({"step": step, "why": pipe.last_nonfinite})
+            progress.note(f"step {step + 1}: skipped ({pipe.last_nonfinite})")
+        else:
+            t_opt = time.perf_counter()
+            optimizer.step()  # DeMo / Lion: finishes the buckets the last backward launched
+            optimizer.zero_grad()
+            opt_s = time.perf_counter() - t_opt
+            stats = pipe.last_stats
+            stats.wait_sync_s += opt_s  # the step as the plan counts it: the optimizer step included
+            stats.step_s += opt_s
+            cpu_s.append(time.process_time() - cpu0)  # this process's CPU time: what other load cannot inflate
+            exposed, hidden = _recompute_seconds(stats, topo, run.device)
+            wall = time.perf_counter() - t0
+            history.append(stats)
+            record = {
+                "step": step,
+                "loss": float(loss),
+                "losses": list(pipe.losses),
+                "wall_s": wall,
+                "exposed_recompute_s": exposed,
+                "hidden_recompute_s": hidden,
+            }
+            log["steps"].append(record)
+            progress.update(step, record, tokens / wall)
         state.next_step = step + 1
-        cpu_s.append(time.process_time() - cpu0)  # this process's CPU time: what other load cannot inflate
-        exposed, hidden = _recompute_seconds(stats, topo, run.device)
-        wall = time.perf_counter() - t0
-        history.append(stats)
-        record = {
-            "step": step,
-            "loss": float(loss),
-            "losses": list(pipe.losses),
-            "wall_s": wall,
-            "exposed_recompute_s": exposed,
-            "hidden_recompute_s": hidden,
-        }
-        log["steps"].append(record)
-        progress.update(step, record, tokens / wall)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             saved = save_checkpoint(state, args.checkpoint_dir, run.meta)
-            if rank == 0 and saved is not None:
+            if rank == 0:
                 progress.note(f"checkpoint {saved}")
         if rank == 0 and args.log_json:
             _write_json(args.log_json, log)
     progress.close()
     pipe.close()
     log["hardware"] = run.hardware_line
+    if rank == 0 and log["skipped_steps"]:
+        _say(f"skipped {len(log['skipped_steps'])} step(s) with a non-finite loss or gradient: "
+             + ", ".join(str(s["step"] + 1) for s in log["skipped_steps"]))
     _finish(args, run.plan, history, cpu_s, log, _predicted_optimizer_s(run.plan, list(pipe.parameters())))
     return log
 
@@ -495,9 +550,20 @@ def _per_rank_medians(per_step: list[list[Any]]) -> list[dict[str, float]]:
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Strict JSON (a NaN or infinity, e.g. a skipped step's loss, is written as null)."""
     tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(json.dumps(_finite(data), indent=1, allow_nan=False))
     os.replace(tmp, path)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _say(message: str) -> None:
@@ -548,8 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         train(args)
         code = 0
     except LynxError as err:
-        # before the process group exists every rank has the same message: rank 0 says it
-        if dist.is_initialized() or os.environ.get("RANK", "0") == "0":
+        # before the process group exists, or when the ranks agreed on it, every rank has the
+        # same message: rank 0 says it
+        if (dist.is_initialized() and not err.every_rank) or os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr, flush=True)
         code = 2
     except _Quiet:

@@ -21,12 +21,12 @@ import argparse
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 
 import lynx
 from lynx.data import stdlib_corpus
+from lynx.runtime.checkpoint import load_state, save_state
 
 VOCAB = 256
 
@@ -109,10 +109,9 @@ def main() -> None:
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 5))
     start = 0
-    if args.load:  # torch.distributed.checkpoint: each rank reads its stage's entries in place
-        state = {"pipe": pipe.state_dict(opt), "schedule": schedule.state_dict(), "step": 0}
-        dcp.load(state, checkpoint_id=args.load)
-        pipe.load_state_dict(state["pipe"], opt)
+    if args.load:  # each rank reads its own part: safetensors and JSON, checked against the manifest
+        state = load_state(args.load)
+        pipe.load_state_dict(state["pipe"], opt)   # weights, AdamW state, this rank's dropout stream
         schedule.load_state_dict(state["schedule"])
         start = int(state["step"])
     if pipe.rank == 0:
@@ -131,7 +130,7 @@ def main() -> None:
             print(f"step {step + 1:>3}  loss {loss.item():.4f}", flush=True)
     if args.save:
         state = {"pipe": pipe.state_dict(opt), "schedule": schedule.state_dict(), "step": args.steps}
-        dcp.save(state, checkpoint_id=args.save)
+        save_state(state, args.save)   # every rank its part; nothing in it unpickles when read
     pipe.close()
 
 

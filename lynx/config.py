@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -87,7 +88,12 @@ plan's path or a :class:`lynx.Plan`) is used
     @classmethod
     def _positive(cls, value: int, info: Any) -> int:
         if value < 1:
-            raise ValueError(f"{info.field_name} must be >= 1, got {value}")
+            hint = ""
+            if info.field_name in ("dp", "pp") and "WORLD_SIZE" not in os.environ:
+                # dp = world // pp in a script run without torchrun: a world of one
+                hint = (" (no torchrun environment was found: this is a world of 1 process, where dp = world // pp "
+                        "is 0; launch the script with `torchrun --nproc_per_node N SCRIPT.py`)")
+            raise ValueError(f"{info.field_name} must be >= 1, got {value}{hint}")
         return value
 
     @field_validator("memory_budget", mode="before")

@@ -22,11 +22,19 @@ __all__ = [
     "LynxBudgetError",
     "LynxFingerprintError",
     "LynxRuntimeError",
+    "LynxCheckpointError",
+    "LynxNonFiniteError",
 ]
 
 
 class LynxError(Exception):
-    """Base class of every error Lynx raises for bad input or an impossible request."""
+    """Base class of every error Lynx raises for bad input or an impossible request.
+
+    ``every_rank`` is True on an error every rank of a job raised alike (the ranks agreed on
+    it), so one of them — rank 0 — need say it.
+    """
+
+    every_rank: bool = False
 
 
 class LynxConfigError(LynxError, ValueError):
@@ -55,3 +63,13 @@ class LynxFingerprintError(LynxPlanError):
 
 class LynxRuntimeError(LynxError):
     """A distributed run failed (a rank raised, a peer timed out, ...)."""
+
+
+class LynxCheckpointError(LynxConfigError):
+    """A checkpoint is missing, damaged, of another format, or its directory is in use."""
+
+
+class LynxNonFiniteError(LynxRuntimeError):
+    """A training step produced a NaN or infinite loss or gradient (raised on every rank alike)."""
+
+    every_rank = True

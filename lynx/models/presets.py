@@ -160,10 +160,35 @@ def _load_factory(spec: str) -> Callable[[], Any]:
     except ImportError as err:
         raise LynxConfigError(f"cannot import {module_name!r} for MODEL {spec!r}: {err}. "
                               "Check the module is on PYTHONPATH (or pass a file path).") from err
+    except LynxConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's module failed while loading: say where, in one line
+        raise LynxConfigError(f"loading {module_name!r} for MODEL {spec!r} raised {_where(err)}") from err
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise LynxConfigError(f"{module_name!r} has no callable {attr!r} (MODEL {spec!r})")
     return factory
+
+
+def _where(err: BaseException) -> str:
+    """``Kind: message (at file:line)``: the innermost frame, where the user's code raised."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    if isinstance(err, SyntaxError) and err.filename:
+        at = f" (at {err.filename}:{err.lineno})"
+    return f"{type(err).__name__}: {err}{at}"
+
+
+def _call_factory(spec: str) -> Any:
+    """The factory's result; an exception inside it is one line naming it and where it raised."""
+    factory = _load_factory(spec)
+    try:
+        return factory()
+    except Exception as err:  # noqa: BLE001 - the user's code: say what and where, not 50 lines
+        raise LynxConfigError(f"the model factory {spec!r} raised {_where(err)}; run it on its own to see the "
+                              f"whole traceback") from err
 
 
 def _shown(value: Any) -> str:
@@ -239,7 +264,7 @@ def resolve_model(
     if ":" not in spec:
         raise LynxConfigError(f"unknown model preset {spec!r}; valid presets: {', '.join(PRESETS)} "
                               "(or pass 'module:factory' returning (model, example_inputs))")
-    produced = _load_factory(spec)()
+    produced = _call_factory(spec)
     model, inputs = check_factory_result(spec, produced)
     if torch_dtype is not None:
         model = model.to(torch_dtype)

@@ -36,6 +36,8 @@ _LAZY = {
     "latest_checkpoint": "lynx.runtime.checkpoint",
     "pipeline_state": "lynx.runtime.rank_state",
     "rank_seed": "lynx.runtime.topology",
+    "save_state": "lynx.runtime.checkpoint",
+    "load_state": "lynx.runtime.checkpoint",
 }
 
 __all__ = sorted(_LAZY)

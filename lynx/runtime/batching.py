@@ -23,13 +23,15 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from lynx.errors import LynxConfigError
 
-__all__ = ["bind_inputs", "split_rows", "match_layout", "check_microbatch"]
+__all__ = ["bind_inputs", "split_rows", "match_layout", "check_microbatch", "check_batch", "index_limits",
+           "check_indices", "IndexLimit"]
 
 
 def bind_inputs(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -46,6 +48,89 @@ def bind_inputs(names: Sequence[str], args: Sequence[Any], kwargs: Mapping[str, 
             raise LynxConfigError(f"step() got input {key!r} both by position and by keyword")
         bound[key] = value
     return bound
+
+
+def check_batch(value: Any, name: str, example: torch.Tensor, *, dp: int, microbatches: int) -> None:
+    """Refuse a step's batch whose dimensions other than the first are not the example's."""
+    if not isinstance(value, torch.Tensor) or not example.dim():
+        return
+    if value.dim() != example.dim() or tuple(value.shape[1:]) != tuple(example.shape[1:]):
+        want = (example.shape[0] * dp * microbatches, *example.shape[1:])
+        raise LynxConfigError(
+            f"step() input {name!r} is {tuple(value.shape)} ({value.dim()} dimensions) but the model was compiled "
+            f"for {tuple(example.shape)} per microbatch: a step takes {want} (dp {dp} × {microbatches} "
+            f"microbatches × {example.shape[0]} rows along dim 0, the other dimensions as compiled)")
+
+
+@dataclass(frozen=True)
+class IndexLimit:
+    """The values an integer model input may hold: ``0 <= v < high``, or ``v == ignore``."""
+
+    high: int
+    ignore: int | None
+    what: str          # the op and weight it indexes, for the message
+
+
+# ops that pass an input's values through unchanged (only its shape or layout)
+_SAME_VALUES = ("view", "reshape", "_unsafe_view", "flatten", "contiguous", "clone", "alias", "squeeze",
+                "unsqueeze", "expand", "to", "_to_copy", "slice", "select", "permute", "transpose", "t")
+
+
+def index_limits(gm: Any) -> dict[str, IndexLimit]:
+    """Per model input of ``gm`` (a captured graph) that an embedding or a cross-entropy indexes
+    directly (through views), the range its values must lie in."""
+    limits: dict[str, IndexLimit] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            for user in current.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                op = getattr(user.target, "_opname", str(user.target)).split(".")[0]
+                limit = _limit_of(user, op, current)
+                if limit is not None:
+                    limits.setdefault(node.name, limit)
+                elif op in _SAME_VALUES and user.args and user.args[0] is current:
+                    stack.append(user)
+    return limits
+
+
+def _limit_of(user: Any, op: str, value: Any) -> IndexLimit | None:
+    def shape(node: Any) -> tuple[int, ...] | None:
+        val = node.meta.get("val") if hasattr(node, "meta") else None
+        return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+    if op == "embedding" and len(user.args) > 1 and user.args[1] is value:
+        weight = shape(user.args[0])
+        if weight:
+            owner = user.args[0].target if user.args[0].op == "get_attr" else user.args[0].name
+            return IndexLimit(weight[0], None, f"the vocabulary 0..{weight[0] - 1} of embedding {owner}")
+    if op in ("cross_entropy_loss", "nll_loss", "nll_loss_nd") and len(user.args) > 1 and user.args[1] is value:
+        logits = shape(user.args[0])
+        if logits:
+            classes = logits[1] if len(logits) > 1 else logits[0]
+            ignore = user.args[4] if len(user.args) > 4 else user.kwargs.get("ignore_index", -100)
+            return IndexLimit(classes, int(ignore), f"the classes 0..{classes - 1} of {op} (ignore_index {ignore})")
+    return None
+
+
+def check_indices(value: torch.Tensor, name: str, limit: IndexLimit) -> None:
+    """Refuse ``value`` when it holds an index outside ``limit`` (checked on the CPU only: a
+    tensor already on a GPU would cost a device synchronisation per step)."""
+    if value.device.type != "cpu" or value.is_floating_point() or value.numel() == 0:
+        return
+    bad = (value < 0) | (value >= limit.high)
+    if limit.ignore is not None:
+        bad &= value != limit.ignore
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise LynxConfigError(
+            f"step() input {name!r} holds {int(value[where])} at {list(where)}, outside {limit.what}: check the "
+            f"data's token ids against the model's vocabulary size")
 
 
 def split_rows(value: Any, name: str, *, dp: int, dp_rank: int, microbatches: int) -> list[torch.Tensor]:

@@ -12,7 +12,10 @@ store. :func:`install_failure_exit` turns an uncaught exception into that protoc
   and leaves with ``os._exit(1)``;
 - a rank stopped because of another writes an error file one second later (torchrun picks
   the earliest as the root cause), prints ``lynx: rank R stops: rank F failed: ...`` and
-  leaves with ``os._exit(1)`` as well.
+  leaves with ``os._exit(1)`` as well;
+- an error every rank raises alike (:class:`~lynx.errors.LynxNonFiniteError`: the ranks agreed
+  on it) is printed once, by rank 0, as ``lynx: stopped on every rank: ...``; every rank leaves
+  with ``os._exit(1)``.
 
 ``os._exit`` skips interpreter teardown: receives posted to a peer that is gone never
 complete, and gloo's threads waiting on them would abort the process (SIGABRT, "terminate
@@ -53,8 +56,17 @@ class FailureExit:
     def excepthook(self, kind: type, error: BaseException, tb: Any) -> None:
         from lynx.runtime.faults import RankFailedError
 
+        from lynx.errors import LynxNonFiniteError
+
         rank = self.monitor.rank
         try:
+            if isinstance(error, LynxNonFiniteError):
+                # raised on every rank alike after they compared notes: one message, no waiting
+                if rank == 0:
+                    _write_error_file(error, tb, offset_s=0)
+                    print(f"lynx: stopped on every rank: {type(error).__name__}: {error}", file=sys.stderr,
+                          flush=True)
+                return
             caused_by_peer = isinstance(error, RankFailedError)
             self.previous(kind, error, tb)
             if caused_by_peer:

@@ -91,16 +91,12 @@ class FaultMonitor:
         while True:
             try:
                 done = work.is_completed()
+                if done:
+                    work.wait()
+                    return time.monotonic() - start
             except Exception as err:  # noqa: BLE001 - a broken connection: say who broke it
                 self.check()
-                raise LynxRuntimeError(f"rank {self.rank}: {what} failed: {err}") from err
-            if done:
-                try:
-                    work.wait()
-                except Exception as err:  # noqa: BLE001
-                    self.check()
-                    raise LynxRuntimeError(f"rank {self.rank}: {what} failed: {err}") from err
-                return time.monotonic() - start
+                raise self.broken(what, peer, err) from err
             now = time.monotonic()
             if now - self._last_check >= self.check_every_s:
                 self.check()
@@ -111,3 +107,11 @@ class FaultMonitor:
                     f"rank {self.rank}: {what}{who} did not complete within {self.timeout_s:g} s and no rank "
                     f"reported an error; a peer may be hung or the link down (raise timeout_s if links are slow)")
             time.sleep(_POLL_S)
+
+    def broken(self, what: str, peer: int | None, err: BaseException) -> LynxRuntimeError:
+        """The error for a wait that failed while no rank had reported one: the peer died silently."""
+        if peer is None:
+            return LynxRuntimeError(f"rank {self.rank}: {what} failed: {err}")
+        return LynxRuntimeError(
+            f"rank {self.rank}: {what} with rank {peer} failed ({err}): rank {peer} ended without reporting an "
+            f"error (killed, e.g. by the out-of-memory killer or a signal, or its machine went down); see its log")

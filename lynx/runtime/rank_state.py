@@ -37,16 +37,22 @@ def stage_tensors(stage: Any, names: set[str]) -> dict[str, torch.Tensor]:
 
 
 class RankState:
-    """A rank's resumable state (see module docstring); ``topo`` places it on the mesh."""
+    """A rank's resumable state (see module docstring); ``topo`` places it on the mesh; ``rng``
+    is the rank's :class:`~lynx.runtime.rank_rng.RankRNG` (None: the process's global one)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], optimizer: Any, topo: Any, next_step: int = 0) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], optimizer: Any, topo: Any, next_step: int = 0,
+                 rng: Any = None) -> None:
         self.tensors, self.optimizer, self.topo, self.next_step = tensors, optimizer, topo, next_step
+        self.rng = rng
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bitwise resume needs; tensors are this rank's live tensors (not copies)."""
-        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
+        if self.rng is not None:
+            rng: dict[str, Any] = self.rng.state_dict()
+        else:
+            rng = {"cpu": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
         return {"model": dict(self.tensors),
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                 "step": self.next_step, "rng": rng}
@@ -66,6 +72,9 @@ class RankState:
                 old.update(new)
             self.optimizer.param_groups = groups
         self.next_step = int(state["step"])
+        if self.rng is not None:
+            self.rng.load_state_dict(state["rng"])
+            return
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -73,4 +82,4 @@ class RankState:
 
 def pipeline_state(pipe: Any, optimizer: Any) -> RankState:
     """The :class:`RankState` of a :class:`lynx.runtime.Pipeline`'s stage and ``optimizer``."""
-    return RankState(stage_tensors(pipe.stage, pipe.attr_names), optimizer, pipe.topology)
+    return RankState(stage_tensors(pipe.stage, pipe.attr_names), optimizer, pipe.topology, rng=pipe.rng)

@@ -338,7 +338,7 @@ class StageRunner:
         sent = state.act_sends.pop((c, j), None)
         if sent is not None:
             for w in sent[0]:
-                self._wait(w, "send", None)
+                self._wait(w, f"activation send of microbatch {j}", self._rank_of(c + 1))
             del sent
         t0 = time.perf_counter()
         flight = state.flights.pop((c, j))

@@ -31,8 +31,16 @@ Conventions (see ``docs/train_your_model.md``):
   batch's loss when the loss is a mean over equal microbatches. ``step`` replaces ``.grad``.
 - **Returned loss**: the mean of the ``dp × m`` microbatch losses (float32, microbatch order),
   the same value on every rank.
+- **Random numbers**: each rank's stage draws (dropout) from a stream of its own, seeded
+  ``seed + 1009·replica + stage`` and swapped in around ``step`` (:mod:`lynx.runtime.rank_rng`):
+  your own random state is neither used nor advanced by a step.
+- **Non-finite values**: a NaN or infinite loss or gradient stops the step on every rank with
+  one :class:`~lynx.errors.LynxNonFiniteError` naming the step, the ranks and what was
+  non-finite (before any optimizer sees it); with ``skip_nonfinite=True`` the step is reported
+  instead (``pipe.last_step_skipped``, ``pipe.skipped_steps``) for your loop to skip.
 - **Checkpoints**: :meth:`Pipeline.state_dict` / :meth:`Pipeline.load_state_dict` hold this rank's stage under
-  the model's own parameter names, for ``torch.distributed.checkpoint``.
+  the model's own parameter names, its random stream and its step count; save them with
+  :func:`lynx.runtime.checkpoint.save_state` (nothing unpickled on load).
 - **Failures**: an uncaught exception on any rank ends every rank with exit status 1 and a
   message naming the failed rank (:mod:`lynx.runtime.failure_exit`).
 """
@@ -48,9 +56,20 @@ import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxConfigError, LynxFingerprintError
-from lynx.runtime.batching import bind_inputs, check_microbatch, match_layout, split_rows
+from lynx.runtime import nonfinite
+from lynx.runtime.batching import (
+    bind_inputs,
+    check_batch,
+    check_indices,
+    check_microbatch,
+    index_limits,
+    match_layout,
+    split_rows,
+)
+from lynx.runtime.executable import check_executable
 from lynx.runtime.data_parallel import syncs_own_buckets
-from lynx.runtime.runner import StageRunner, RuntimeConfig
+from lynx.runtime.runner import RuntimeConfig, StageRunner
+from lynx.runtime.rank_rng import RankRNG
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import make_topology, select_backend, tied_groups
 
@@ -91,15 +110,21 @@ class Pipeline:
         stage: a module to run as this rank's stage instead of ``compiled.stage(i)``, with the
             same boundary (``spec``) and :class:`~lynx.rewrite.stage.StageModule`'s methods —
             e.g. a baseline to measure against (``benchmarks/overlap_cpu.py``).
+        seed: the random streams' seed (:mod:`lynx.runtime.rank_rng`).
+        skip_nonfinite: report a step with a non-finite loss or gradient instead of raising
+            (``last_step_skipped``); a Lynx optimizer given to :meth:`use_optimizer` then
+            sends its buckets in its ``step()``, after the check, not during the last backward.
     """
 
     def __init__(self, compiled: Any, loss_fn: Callable[..., Any] | None = None, *, timeout_s: float = 60.0,
                  prefetch: bool = True, exit_on_error: bool = True, trace: bool = False,
-                 bucket_bytes: int = 1 << 20, stage: torch.nn.Module | None = None) -> None:
+                 bucket_bytes: int = 1 << 20, stage: torch.nn.Module | None = None, seed: int = 0,
+                 skip_nonfinite: bool = False) -> None:
         from lynx.rewrite.build import build_chunk_modules, chunk_node_lists, split_cached
         from lynx.runtime.loss import LossSpec
 
         plan, config = compiled.plan, compiled.config
+        check_executable(plan.config)   # before any process group: a plan run approximately is no plan
         self.compiled = compiled
         self._loss_stage: _LossStage | None = None
         self.loss = (compiled.loss or LossSpec("scalar", "the model's output")).with_loss_fn(loss_fn)
@@ -114,6 +139,7 @@ class Pipeline:
         captured = compiled.analysis.captured
         self.input_names = list(captured.input_names)
         self._examples = dict(zip(self.input_names, captured.example_inputs))
+        self._index_limits = index_limits(captured.gm)   # token ids an embedding or a loss indexes
         schedule = plan.config.get("schedule", "1f1b")
         virtual = int(plan.config.get("virtual_stages", 1)) if schedule == "interleaved1f1b" else 1
         _check_runnable(schedule, pp, m, virtual)
@@ -145,6 +171,12 @@ class Pipeline:
             self._hook = install_failure_exit(self.runner.monitor)
         self.last_stats: StepStats | None = None
         self.losses: list[float] = []   # the last step's microbatch losses, every replica's
+        self.rng = RankRNG(seed, topo.stage, topo.dp_rank, self.device)
+        self.skip_nonfinite = skip_nonfinite
+        self.steps_done = 0             # steps run (a resumed pipe continues the count of its state)
+        self.last_step_skipped = False
+        self.skipped_steps: list[int] = []   # steps with a non-finite loss or gradient (skip_nonfinite)
+        self.last_nonfinite: str | None = None
 
     # ------------------------------------------------------------------ parts
     def _holder(self) -> torch.nn.Module:
@@ -201,7 +233,7 @@ class Pipeline:
             raise LynxConfigError(f"use_optimizer takes lynx.optim.DeMo or DistributedLion (optimizers that sync "
                                   f"their own buckets), got {type(optimizer).__name__}; other optimizers need no call")
         self.runner.close()
-        self.optimizer = _StepByUser(optimizer)
+        self.optimizer = _StepByUser(optimizer, launch_early=not self.skip_nonfinite)
         self.runner = self._make_runner()
 
     # ------------------------------------------------------------------- step
@@ -216,13 +248,19 @@ class Pipeline:
                 raise LynxConfigError(f"stage {topo.stage} (rank {topo.rank}) reads model input {name!r} but step() "
                                       f"got {'None' if name in bound else 'nothing'} for it")
             example = self._examples[name]
+            check_batch(bound[name], name, example, dp=topo.dp, microbatches=m)
+            if name in self._index_limits:
+                check_indices(bound[name], name, self._index_limits[name])
             for j, part in enumerate(split_rows(bound[name], name, dp=topo.dp, dp_rank=topo.dp_rank, microbatches=m)):
                 check_microbatch(part, name, example, dp=topo.dp, microbatches=m)
                 microbatches[j][name] = match_layout(part, example, self.device)
         if self._loss_stage is not None:
             self._loss_stage.targets = self._split_targets(target)
-        self.last_stats = stats = self.runner.step(microbatches)
-        return self._mean_loss(stats)
+        with self.rng.active():
+            self.last_stats = stats = self.runner.step(microbatches)
+        loss = self._checked_loss(stats)
+        self.steps_done += 1
+        return loss
 
     def _split_targets(self, target: Any) -> dict[int, tuple]:
         if target is None:
@@ -237,16 +275,35 @@ class Pipeline:
         return {j: tuple(s[j].to(self.device) if isinstance(s[j], torch.Tensor) else s[j] for s in split)
                 for j in range(m)}
 
-    def _mean_loss(self, stats: StepStats) -> torch.Tensor:
-        """Every replica's microbatch losses on every rank (summed with zeros: exact), then their mean."""
+    def _checked_loss(self, stats: StepStats) -> torch.Tensor:
+        """Every replica's microbatch losses on every rank (summed with zeros: exact) and their mean;
+        with them, per rank, whether its gradients are finite (:mod:`lynx.runtime.nonfinite`)."""
         topo, m = self.topology, self.microbatches
-        losses = torch.zeros(topo.dp * m, dtype=torch.float32, device=self.device)   # (dp·m,)
+        grads = [p.grad for _, p in self.named_parameters() if p.grad is not None]
+        both = torch.zeros(topo.dp * m + topo.world, dtype=torch.float32, device=self.device)  # (dp·m + world,)
         if stats.losses:
-            losses[topo.dp_rank * m:(topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float32)
+            both[topo.dp_rank * m:(topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float32)
+        both[topo.dp * m + topo.rank] = nonfinite.flag(grads).to(self.device)
         if topo.world > 1:
-            self.runner.monitor.wait(dist.all_reduce(losses, async_op=True), "the step's loss all-reduce")
-        losses = losses.cpu()
+            self.runner.monitor.wait(dist.all_reduce(both, async_op=True), "the step's loss all-reduce")
+        both = both.cpu()
+        losses = both[:topo.dp * m]
         self.losses = losses.tolist()
+        self.last_step_skipped, self.last_nonfinite = False, None
+        if bool(torch.isfinite(losses).all()) and not bool(both[topo.dp * m:].any()):
+            return losses.mean()
+        named = [(n, p.grad) for n, p in self.named_parameters() if p.grad is not None]
+        found = nonfinite.local_findings([n for n, _ in named], [g for _, g in named], stats.losses,
+                                         microbatches=m, replica=topo.dp_rank)
+        message = nonfinite.describe_everywhere(self.steps_done, found, topo)
+        if not self.skip_nonfinite:
+            raise nonfinite.LynxNonFiniteError(
+                f"{message}. The step's gradients were not applied. Lower the learning rate (or warm it up), "
+                f"check the data, or pass skip_nonfinite=True to skip such steps")
+        for p in self.parameters():   # nothing of this step may reach an optimizer
+            p.grad = None
+        self.last_step_skipped, self.last_nonfinite = True, message
+        self.skipped_steps.append(self.steps_done)
         return losses.mean()
 
     # ------------------------------------------------------------------ state
@@ -260,7 +317,9 @@ class Pipeline:
         )
 
         holder = self._holder()
-        state: dict[str, Any] = {"model": get_model_state_dict(holder)}
+        state: dict[str, Any] = {"model": get_model_state_dict(holder), "steps": self.steps_done,
+                                 # per rank: DCP and save_state keep each rank's own stream
+                                 "rng": {self._rng_key: self.rng.state_dict()}}
         if optimizer is not None:
             opt = getattr(optimizer, "inner", optimizer)
             # keyed by parameter name, param groups included (torchtitan's form for pipeline
@@ -281,6 +340,13 @@ class Pipeline:
 
         holder = self._holder()
         set_model_state_dict(holder, state["model"])
+        if "rng" in state:   # absent in states saved before Pipeline owned the random streams
+            if self._rng_key not in state["rng"]:
+                raise LynxConfigError(f"the state holds the random streams of {sorted(state['rng'])}, not this "
+                                      f"rank's ({self._rng_key}): it was saved by another mesh")
+            self.rng.load_state_dict(state["rng"][self._rng_key])
+        if "steps" in state:
+            self.steps_done = int(state["steps"])
         if optimizer is not None:
             if "optimizer" not in state:
                 raise LynxConfigError("load_state_dict got an optimizer but the state holds none: "
@@ -290,6 +356,10 @@ class Pipeline:
             osd = osd[f"replica{self.topology.dp_rank}"] if syncs_own_buckets(opt) else osd
             set_optimizer_state_dict(holder, opt, osd,
                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    @property
+    def _rng_key(self) -> str:
+        return f"stage{self.topology.stage}.replica{self.topology.dp_rank}"
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
@@ -313,14 +383,19 @@ class Pipeline:
 
 
 class _StepByUser:
-    """A bucketed optimizer as the runner sees it: buckets launched during the last backward,
-    and ``step()`` left to the user's loop (where it finishes the collectives and updates)."""
+    """A bucketed optimizer as the runner sees it: buckets launched during the last backward
+    (unless ``launch_early`` is False: then its ``step()`` launches them, after the step's
+    gradients were checked), and ``step()`` left to the user's loop (where it finishes the
+    collectives and updates)."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
+    def __init__(self, inner: Any, launch_early: bool = True) -> None:
+        self.inner, self.launch_early = inner, launch_early
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def launch(self, bucket: int) -> Any:
+        return self.inner.launch(bucket) if self.launch_early else None
 
     def step(self) -> None:
         pass
@@ -362,12 +437,10 @@ def _join_job(world: int, timeout_s: float) -> bool:
 
 
 def _check_runnable(schedule: str, pp: int, microbatches: int, virtual: int) -> None:
-    """Refuse a schedule this runtime does not execute, or cannot execute on this backend."""
-    from lynx.planner.schedule import RUNTIME_SCHEDULES, link_order_problems, rank_actions
+    """Refuse a schedule this runtime cannot execute on this backend."""
+    from lynx.planner.schedule import link_order_problems, rank_actions
 
-    if schedule not in RUNTIME_SCHEDULES:
-        raise LynxConfigError(f"the plan's schedule {schedule!r} is planned but not executed by this runtime (it "
-                              f"runs {', '.join(RUNTIME_SCHEDULES)}): make the plan with one of those")
+    # schedules not in RUNTIME_SCHEDULES were refused before the process group (check_executable)
     if dist.get_backend() == "nccl":
         problems = link_order_problems(rank_actions(schedule, pp, microbatches, virtual), pp)
         if problems:   # NCCL matches point-to-point messages in posting order, not by tag

@@ -60,3 +60,18 @@ def test_bad_input_is_a_message_not_a_traceback(monkeypatch, capsys):
     ]:
         code, err = _run_main(monkeypatch, capsys, args)
         assert code == 2 and needle in err and "Traceback" not in err
+
+
+def test_a_factory_that_raises_is_one_line(tmp_path, monkeypatch, capsys):
+    """Issue 22, finding 6: a factory that raised gave ~50 lines of traceback."""
+    (tmp_path / "broken_factory.py").write_text("def build():\n    raise ValueError('no weights here')\n")
+    (tmp_path / "broken_import.py").write_text("import math\nraise RuntimeError('at import')\n")
+    for spec, needle in [
+        (f"{tmp_path}/broken_factory.py:build",
+         f"the model factory '{tmp_path}/broken_factory.py:build' raised ValueError: no weights here "
+         f"(at {tmp_path}/broken_factory.py:2)"),
+        (f"{tmp_path}/broken_import.py:build", "raised RuntimeError: at import"),
+    ]:
+        code, err = _run_main(monkeypatch, capsys, ["inspect", spec])
+        assert code == 2 and needle in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err

@@ -20,7 +20,7 @@ import pytest
 from lynx.runtime.topology import free_port
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
-STEPS, EVERY = 6, 4           # one checkpoint, at step 4; the run goes on to step 6
+STEPS, EVERY = 6, 2           # checkpoints at steps 2, 4 and 6
 
 
 def start(args: list[str], world: int = 2, cwd: Path | None = None) -> list[subprocess.Popen]:
@@ -67,11 +67,12 @@ def launch_many(
 
 
 def snapshot(path: Path) -> dict[str, str]:
-    """Every file under ``path`` with the hash of its bytes (to show nothing changed)."""
+    """Every file under ``path`` with the hash of its bytes (to show nothing changed; the
+    checkpoint lock's file names its latest holder, so it is left out)."""
     return {
         str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
         for f in sorted(path.rglob("*"))
-        if f.is_file()
+        if f.is_file() and f.name != ".lynx.lock"
     }
 
 
@@ -81,7 +82,7 @@ def losses(log: Path) -> list[list[float]]:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """An uninterrupted run: 6 steps, a checkpoint after step 4."""
+    """An uninterrupted run: 6 steps, a checkpoint every 2."""
     tmp = tmp_path_factory.mktemp("train")
     result = launch(
         [
@@ -111,8 +112,9 @@ def test_training_loss_falls_and_reports_plan_vs_measured(full_run) -> None:
     for stage in (0, 1):  # byte counts of the real 2-process run: the memory bar holds on every run
         line = next(x for x in stdout.splitlines() if x.startswith(f"stage {stage} peak activations: measured"))
         assert "(within 5%)" in line and "under the activation budget" in line, line
-    assert (tmp / "ckpt" / "step_4" / "lynx_meta.json").is_file()
-    assert not [p for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")]  # no temporary left
+    assert all((tmp / "ckpt" / f"step_{k}" / "manifest.json").is_file() for k in (2, 4, 6))
+    # no temporary left; the lock file stays (naming its last holder), the lock itself went with the run
+    assert {p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")} == {".lynx.lock"}
 
 
 def test_killed_run_resumes_with_bitwise_the_same_losses(full_run, tmp_path) -> None:
@@ -195,16 +197,125 @@ def test_plan_for_another_mesh_or_model_is_refused(tmp_path) -> None:
 
 def test_checkpoint_of_another_configuration_is_refused(full_run, tmp_path) -> None:
     tmp, _ = full_run
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tmp / "ckpt", ckpt)
-    before = snapshot(ckpt)
+    first, second = tmp_path / "a", tmp_path / "b"   # one directory each: a directory takes one job at a time
+    shutil.copytree(tmp / "ckpt", first)
+    shutil.copytree(tmp / "ckpt", second)
+    before = snapshot(first)
     other_config, no_resume = launch_many(
         [
-            ["--steps", "8", "--checkpoint-dir", str(ckpt), "--resume", "--optimizer", "lion", "--microbatches", "2"],
-            ["--steps", "8", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"],
+            ["--steps", "8", "--checkpoint-dir", str(first), "--resume", "--optimizer", "lion", "--microbatches", "2"],
+            ["--steps", "8", "--checkpoint-dir", str(second), "--checkpoint-every", "2"],
         ],
         cwd=tmp_path,
     )
     _refused(other_config, "optimizer: checkpoint 'demo', this run 'lion'")
     _refused(no_resume, "pass --resume to continue")
-    assert snapshot(ckpt) == before
+    assert snapshot(first) == before and snapshot(second) == before
+
+
+def test_a_second_job_on_a_checkpoint_directory_is_refused_naming_the_first(tmp_path) -> None:
+    """Issue 22, finding 3: two jobs on one directory destroyed each other's checkpoints."""
+    ckpt = tmp_path / "ckpt"
+    first = start(["--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"])
+    try:
+        deadline = time.monotonic() + 120
+        while '"pid"' not in ((ckpt / ".lynx.lock").read_text() if (ckpt / ".lynx.lock").exists() else ""):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in first), "the first job never locked"
+            time.sleep(0.1)
+        second = launch(["--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"])
+        done = [(p.wait(timeout=150), *p.communicate()) for p in first]
+    finally:
+        for p in first:
+            if p.poll() is None:
+                p.kill()
+    _refused(second, f"is in use by another job (pid {first[0].pid} on ")
+    assert [line for _, _, err in second for line in err.splitlines() if line.strip()] == [
+        second[0][2].strip()], "one line, from rank 0"
+    assert all(code == 0 for code, _, _ in done), [err[-2000:] for _, _, err in done]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_10", "step_20", "step_30"]
+
+
+class _Payload:
+    """Unpickling this creates ``path``: the proof that a reader ran code from a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_damaged_checkpoints_are_named_and_never_run(full_run, tmp_path) -> None:
+    """Issue 22, finding 1 and 6: a truncated newest shard falls back to the previous checkpoint
+    (losses bitwise those of the uninterrupted run from there); a checkpoint with a payload in
+    every file, or one whose manifest was rewritten to match a planted file, stops every rank
+    with one line naming the file, and the payload never runs."""
+    import pickle
+
+    from lynx.runtime import state_files
+
+    tmp, _ = full_run
+    marker = tmp_path / "payload-ran"
+    truncated, planted, matched = tmp_path / "truncated", tmp_path / "planted", tmp_path / "matched"
+    shutil.copytree(tmp / "ckpt", truncated)
+    shard = truncated / "step_6" / "rank1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    for folder in (planted, matched):   # one checkpoint only: nothing to fall back to
+        shutil.copytree(tmp / "ckpt" / "step_2", folder / "step_2")
+    for f in (planted / "step_2").iterdir():
+        f.write_bytes(pickle.dumps(_Payload(marker)))
+    (matched / "step_2" / "rank1.safetensors").write_bytes(pickle.dumps(_Payload(marker)))
+    manifest = json.loads((matched / "step_2" / "manifest.json").read_text())
+    manifest["files"]["rank1.safetensors"] = state_files.file_record(matched / "step_2", "rank1.safetensors")
+    (matched / "step_2" / "manifest.json").write_text(json.dumps(manifest))
+    resume = ["--steps", str(STEPS), "--resume", "--checkpoint-every", str(EVERY), "--checkpoint-dir"]
+    fell_back, all_files, one_file = launch_many(
+        [[*resume, str(truncated), "--log-json", str(tmp_path / "resumed.json")],
+         [*resume, str(planted)], [*resume, str(matched)]], cwd=tmp_path)
+    assert all(code == 0 for code, _, _ in fell_back), [err[-2000:] for _, _, err in fell_back]
+    assert "checkpoint step_6 is damaged" in fell_back[0][1] and "rank1.safetensors" in fell_back[0][1]
+    assert json.loads((tmp_path / "resumed.json").read_text())["start_step"] == 4
+    assert losses(tmp_path / "resumed.json") == losses(tmp / "full.json")[4:]
+    assert (truncated / "step_6.damaged").is_dir() and state_files.verify(truncated / "step_6", parse=True)
+    for result, file in ((all_files, "manifest.json"), (one_file, "rank1.safetensors")):
+        _refused(result, "no checkpoint in ")
+        lines = [line for _, _, err in result for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and f"step_2/{file}" in lines[0], lines
+    assert not marker.exists()
+
+
+def _strict_json(path: Path) -> dict:
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{path} holds {token}: not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_non_finite_loss_stops_every_rank_or_is_skipped(tmp_path) -> None:
+    """Issue 22, finding 2: --lr 1e6 took the loss to nan at step 3 and trained on, checkpointing
+    NaN weights and writing bare NaN into --log-json."""
+    from lynx.runtime import state_files
+
+    common = ["--steps", "5", "--lr", "1e6", "--optimizer", "adamw", "--checkpoint-every", "1"]
+    stopped, skipped = launch_many(
+        [[*common, "--checkpoint-dir", str(tmp_path / "a"), "--log-json", str(tmp_path / "a.json")],
+         [*common, "--checkpoint-dir", str(tmp_path / "b"), "--log-json", str(tmp_path / "b.json"),
+          "--skip-nonfinite"]], cwd=tmp_path)
+    assert all(code != 0 for code, _, _ in stopped)
+    lines = [line for _, _, err in stopped for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "non-finite values in step " in lines[0], lines
+    assert "rank 1 (stage 1, replica 0): loss" in lines[0], lines
+    first = int(lines[0].split("non-finite values in step ")[1].split()[0])
+    log = _strict_json(tmp_path / "a.json")
+    assert [s["step"] for s in log["steps"]] == list(range(first - 1))
+    assert sorted(p.name for p in (tmp_path / "a").iterdir() if p.name.startswith("step_")) == [
+        f"step_{k}" for k in range(1, first)]
+    assert all(code == 0 for code, _, _ in skipped), [err[-2000:] for _, _, err in skipped]
+    log = _strict_json(tmp_path / "b.json")
+    assert [s["step"] for s in log["skipped_steps"]] == list(range(first - 1, 5))
+    assert f"skipped {6 - first} step(s) with a non-finite loss or gradient" in skipped[0][1]
+    for folder in (tmp_path / "a", tmp_path / "b"):   # what was saved is finite, every rank's part
+        for step in (p for p in folder.iterdir() if p.name.startswith("step_")):
+            for rank in (0, 1):
+                part = state_files.read_part(step, f"rank{rank}")
+                assert state_files.nan_tensors(part) == [], (step, rank)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import lynx
 from lynx.runtime.checkpoint import (
+    MANIFEST,
     META_FILE,
     check_compatible,
     latest_checkpoint,
@@ -24,7 +25,7 @@ from lynx.runtime.checkpoint import (
 from lynx.runtime.rank_state import pipeline_state
 from lynx.runtime.report import format_summary, run_summary
 from lynx.runtime.stats import StepStats
-from lynx.runtime.topology import free_port, rank_seed
+from lynx.runtime.topology import free_port
 
 
 def _build():
@@ -57,10 +58,9 @@ class _Run:
         from lynx.optim import DeMo
 
         compiled.analysis.captured.gm.load_state_dict(initial, strict=False)  # fresh weights
-        self.pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False)
+        self.pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, seed=3)   # its own dropout stream
         self.opt = DeMo(list(self.pipe.parameters()), lr=3e-3, process_group=self.pipe.dp_group)
         self.pipe.use_optimizer(self.opt)
-        torch.manual_seed(rank_seed(3, 0, 0))
         self.state = pipeline_state(self.pipe, self.opt)
         self.data = StdlibBatches(("idx", "targets"), batch=2, seq=16, max_bytes=1 << 16)
 
@@ -83,18 +83,19 @@ def test_checkpoint_resume_is_bitwise(world_of_one, tmp_path: Path) -> None:
     a = _Run(*world_of_one)
     a.steps(2)
     path = save_checkpoint(a.state, tmp_path, meta={"model": "gpt-tiny"})
-    assert path == tmp_path / "step_2" and json.loads((path / META_FILE).read_text())["step"] == 2
+    assert path == tmp_path / "step_2" and json.loads((path / META_FILE).read_text())["meta"]["step"] == 2
     expected = a.steps(2)
     a.pipe.close()
     b = _Run(*world_of_one)           # fresh weights, optimizer and RNG: all come from the checkpoint
     assert load_checkpoint(b.state, path) == 2
     assert b.steps(2) == expected     # dropout draws, DeMo momenta and data position all restored
     assert b.state.next_step == 4
-    # the same step again is never overwritten
+    # the same step again is never overwritten: refused, the files as they were
     before = {f.name: f.read_bytes() for f in path.iterdir()}
-    assert save_checkpoint(b.state, tmp_path, meta={"model": "other"}) is not None       # step_4: new
+    assert save_checkpoint(b.state, tmp_path, meta={"model": "other"}) == tmp_path / "step_4"       # new
     b.state.next_step = 2
-    assert save_checkpoint(b.state, tmp_path, meta={"model": "other"}) is None           # step_2 exists
+    with pytest.raises(lynx.LynxConfigError, match="step_2 already exists: a checkpoint is never overwritten"):
+        save_checkpoint(b.state, tmp_path, meta={"model": "other"})
     assert {f.name: f.read_bytes() for f in path.iterdir()} == before
     assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
     b.pipe.close()
@@ -105,8 +106,7 @@ def test_latest_checkpoint_sees_only_complete_ones(tmp_path: Path) -> None:
     for name, complete in (("step_3", True), ("step_10", False), (".step_12.tmp", True), ("notes", True)):
         (tmp_path / name).mkdir()
         if complete:
-            (tmp_path / name / META_FILE).write_text("{}")
-            (tmp_path / name / ".metadata").write_bytes(b"")
+            (tmp_path / name / MANIFEST).write_text("{}")
     assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
 
 

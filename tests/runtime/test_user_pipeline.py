@@ -88,6 +88,24 @@ def test_a_rank_raising_ends_every_rank_naming_it(tmp_path, fail_rank):
     assert "terminate called" not in out and "SIGABRT" not in out
 
 
+def test_a_rank_killed_without_a_word_is_named(tmp_path):
+    """Issue 22, finding 6: a peer killed with SIGKILL was reported as "gradient receive of
+    microbatch 0 failed … Connection reset by peer", the dead rank not named. Started without
+    torchrun, whose agent would stop the survivor before it speaks."""
+    from lynx.runtime.launch import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "user_failure_worker.py"), str(tmp_path), "1", "kill"],
+                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    out = [p.communicate(timeout=120) for p in procs]
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 1, out[0][1][-3000:]
+    assert "with rank 1 failed" in out[0][1] and "rank 1 ended without reporting an error" in out[0][1], \
+        out[0][1][-3000:]
+
+
 def test_plain_python_is_a_world_of_one_and_loss_fn_takes_the_target(tmp_path):
     """No torchrun: pp × dp = 1 makes its own group; ``loss_fn(logits, target)`` with ``target=``
     split like the inputs; equal to PyTorch accumulating the same microbatches (bitwise)."""
@@ -98,6 +116,12 @@ def test_plain_python_is_a_world_of_one_and_loss_fn_takes_the_target(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     got = torch.load(out)
     assert got["world"] == 1
+    # issue 22, finding 6: torch's "IndexError: index out of range in self", "has 1 rows along dim 0"
+    assert got["refused"]["vocabulary"].startswith(
+        f"step() input 'idx' holds {int(um.batches(1)[0][0, 0]) + um.VOCAB} at [0, 0], outside the vocabulary "
+        f"0..{um.VOCAB - 1} of embedding emb.weight"), got["refused"]
+    assert f"step() input 'idx' is (1, {um.MICROBATCHES * um.MICRO}, {um.SEQ}) (3 dimensions) but the model was " \
+           f"compiled for ({um.MICRO}, {um.SEQ}) per microbatch" in got["refused"]["3-D"], got["refused"]
     sys.path.insert(0, str(HERE))
     from user_world_of_one import LogitsOnly, loss_fn
 

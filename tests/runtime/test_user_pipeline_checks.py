@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -101,3 +102,28 @@ def test_batches_are_split_per_replica_and_checked():
     assert match_layout(sliced, torch.zeros(6, 2)).is_contiguous()
     transposed = torch.zeros(2, 6).t()
     assert match_layout(sliced, transposed).stride() == transposed.stride()
+
+
+@pytest.mark.parametrize("settings,missing", [
+    (dict(tp=2), "tensor parallelism (the plan is for tp 2"),
+    (dict(schedule="interleaved1f1b", microbatches=4), "schedule 'interleaved1f1b' (the runtime executes 1f1b, gpipe"),
+])
+def test_pipeline_refuses_a_plan_it_cannot_execute_before_any_group(settings, missing):
+    """Issue 22, finding 7: a tp 2 plan trained unsharded without a word; an interleaved plan
+    failed late with a raw traceback per rank."""
+    import torch.distributed as dist
+
+    model, example = um.build("tuple")
+    compiled = _compile(model, example, **settings)
+    refusal = r"this plan cannot be run: the runtime does not execute " + re.escape(missing)
+    with pytest.raises(LynxConfigError, match=refusal):
+        lynx.runtime.Pipeline(compiled)
+    assert not dist.is_initialized()
+
+
+def test_dp_from_the_world_size_without_torchrun_says_launch_with_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, example = um.build("tuple")
+    world = 1   # what a script computes from WORLD_SIZE when run with plain python
+    with pytest.raises(LynxConfigError, match=r"dp must be >= 1, got 0 .*launch the script with `torchrun"):
+        _compile(model, example, dp=world // 2)

@@ -3,7 +3,8 @@
     python user_world_of_one.py OUT_FILE
 
 Trains a logits-only model with ``loss_fn(output, target)`` for STEPS steps and writes the
-per-step losses and final parameters to OUT_FILE.
+per-step losses and final parameters to OUT_FILE, and what ``step`` says of bad batches: token
+ids outside the vocabulary, a 3-D input.
 """
 
 import os
@@ -45,8 +46,15 @@ def main() -> None:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
+    refused = {}
+    window = um.batches(1)[0]
+    for what, bad in (("vocabulary", window[:, :-1] + um.VOCAB), ("3-D", window[:, :-1].unsqueeze(0))):
+        try:
+            pipe.step(bad, target=window[:, 1:])
+        except lynx.LynxError as err:
+            refused[what] = str(err)
     torch.save({"losses": losses, "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
-                "world": int(os.environ["WORLD_SIZE"])}, sys.argv[1])
+                "world": int(os.environ["WORLD_SIZE"]), "refused": refused}, sys.argv[1])
     pipe.close()
 
 
