@@ -90,13 +90,19 @@ def index_limits(gm: Any) -> dict[str, IndexLimit]:
                 if user in seen:
                     continue
                 seen.add(user)
-                op = getattr(user.target, "_opname", str(user.target)).split(".")[0]
+                op = _op_name(user.target)
                 limit = _limit_of(user, op, current)
                 if limit is not None:
                     limits.setdefault(node.name, limit)
                 elif op in _SAME_VALUES and user.args and user.args[0] is current:
                     stack.append(user)
     return limits
+
+
+def _op_name(target: Any) -> str:
+    """``embedding`` for ``aten.embedding.default``; a Python function's own name otherwise."""
+    text = str(target)
+    return text.split(".")[1] if text.startswith("aten.") else getattr(target, "__name__", text)
 
 
 def _limit_of(user: Any, op: str, value: Any) -> IndexLimit | None:

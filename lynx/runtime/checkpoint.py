@@ -1,6 +1,6 @@
 """Checkpoints of a pipeline × data-parallel run: safetensors and JSON, a manifest, nothing unpickled.
 
-Every rank writes its state — a :meth:`state_dict` of nested dicts, lists and tuples of
+Every rank writes its state — a ``state_dict()`` of nested dicts, lists and tuples of
 tensors and plain values — as its own part, ``rank{r}.safetensors`` (the tensors) and
 ``rank{r}.json`` (the rest; :mod:`lynx.runtime.state_files`). Replicas' optimizer states
 differ, so nothing is de-duplicated. Rank 0 adds ``lynx_meta.json`` (the run's configuration:

@@ -3,14 +3,14 @@
 Every (stage, replica) of a run draws from a stream of its own, seeded
 ``rank_seed(seed, stage, replica) = seed + 1009·replica + stage``: stages draw different masks
 (as the layers of one model do), replicas different ones (they train different rows), and
-the stream does not depend on the world size beyond that (:func:`lynx.runtime.topology.rank_seed`). :class:`RankRNG` holds the stream's
-state — the CPU generator's, and the rank's CUDA device's where it runs on one — and swaps it
-in around each step (:meth:`RankRNG.active`, ``torch.random.fork_rng``): what the step draws
-comes from the stream alone, and the caller's own random state (data shuffling, augmentation)
-is neither used nor advanced by it. Recomputation replays the draws of the forward it repeats
-(:mod:`lynx.rewrite.lower`), so a plan never changes a mask. :meth:`state_dict` /
-:meth:`load_state_dict` carry the stream, so a run stopped and resumed draws what an
-uninterrupted one does.
+the stream does not depend on the world size beyond that (:func:`lynx.runtime.topology.rank_seed`).
+:class:`RankRNG` holds the stream's state — the CPU generator's, and the rank's CUDA device's
+where it runs on one — and swaps it in around each step (:meth:`RankRNG.active`,
+``torch.random.fork_rng``): what the step draws comes from the stream alone, and the caller's
+own random state (data shuffling, augmentation) is neither used nor advanced by it.
+Recomputation replays the draws of the forward it repeats (:mod:`lynx.rewrite.lower`), so a
+plan never changes a mask. :meth:`RankRNG.state_dict` / :meth:`RankRNG.load_state_dict` carry
+the stream, so a run stopped and resumed draws what an uninterrupted one does.
 
 Example::
 

@@ -92,7 +92,7 @@ def test_a_rank_killed_without_a_word_is_named(tmp_path):
     """Issue 22, finding 6: a peer killed with SIGKILL was reported as "gradient receive of
     microbatch 0 failed … Connection reset by peer", the dead rank not named. Started without
     torchrun, whose agent would stop the survivor before it speaks."""
-    from lynx.runtime.launch import free_port
+    from lynx.runtime.topology import free_port
 
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(HERE / "user_failure_worker.py"), str(tmp_path), "1", "kill"],
