@@ -63,7 +63,7 @@ def _split(env: Env, pp: int, seq: int) -> tuple[Any, Any, Any]:
 
 def _rank(seq: int, split: tuple) -> dict[str, Any]:
     """One rank: the model built on this rank's device, one Pipeline step of the plan."""
-    from lynx.runtime.topology import rank_device, rank_seed
+    from lynx.runtime.topology import rank_device
     from lynx.testing import captured_with_plan
 
     plan, config, batches = split
@@ -72,9 +72,9 @@ def _rank(seq: int, split: tuple) -> dict[str, Any]:
     model, inputs = _build(seq)()
     model = model.to(device).train()
     inputs = tuple(x.to(device) for x in inputs)
+    # its dropout stream: rank_seed(SEED, stage, 0), as the reference seeds each stage
     pipe = lynx.runtime.Pipeline(captured_with_plan(model, inputs, plan, config), exit_on_error=False,
-                                 timeout_s=60)
-    torch.manual_seed(rank_seed(SEED, pipe.stage_index, 0))
+                                 timeout_s=60, seed=SEED)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     pipe.step(*batches(0, 1, M))

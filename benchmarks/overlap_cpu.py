@@ -123,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
         )
         for pipe in pipes.values():
             pipe.use_optimizer(optimizer)   # buckets sent during the last backward; step() finishes them
-    torch.manual_seed(1009 * topo.dp_rank + s)  # each rank its own dropout stream
+    # each pipe draws dropout from its rank's own stream, seeded 1009·replica + stage (lynx.runtime.rank_rng)
     rows = []
     block = spec.get("block", 0)
     m = spec["microbatches"]

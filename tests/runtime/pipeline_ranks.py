@@ -18,7 +18,6 @@ import torch
 
 import lynx
 from lynx.plan import StageSchedule
-from lynx.runtime.topology import rank_seed
 from lynx.testing import InjectedFailure, TokenBatches, captured_with_plan, with_stages
 
 M = 4
@@ -61,9 +60,10 @@ def _compiled(dp: int, plan: lynx.Plan, nodes, schedules):
 
 
 def _run(compiled, dp: int) -> dict:
-    pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, exit_on_error=False, trace=True, bucket_bytes=64 << 10)
+    # seed: each rank its own dropout stream, rank_seed(SEED, stage, replica) (lynx.runtime.rank_rng)
+    pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, exit_on_error=False, trace=True, bucket_bytes=64 << 10,
+                                 seed=SEED)
     topo = pipe.topology
-    torch.manual_seed(rank_seed(SEED, topo.stage, topo.dp_rank))   # each rank its own dropout stream
     pipe.step(*batches()(0, dp, M))
     stats = pipe.last_stats
     out = {"stage": topo.stage, "dp_rank": topo.dp_rank, "losses": stats.losses, "events": stats.events,
