@@ -91,6 +91,7 @@ def _set(path: str, value):
     (_moved_node, "plan stage 0: no decision for 1 node"),
     (_duplicate, "plan stage 0: node '.*' is decided twice"),
     (_set("stages.0.layers", [0]), r"plan stage 0: layers is \[0\] but its config and graph give \[0, 1\]"),
+    (_set("stages.1.chunks.0.nodes", 3), r"plan stage 1: chunks is \[ChunkRecord\(index=1, blocks=.*nodes=3\)\] but"),
     (_set("stages.0.peak_memory_bytes", 1), "plan stage 0: peak_memory_bytes is 1 but its decisions replay to"),
     (_set("predicted.peak_memory_bytes", [1, 1]), "plan predicted.peak_memory_bytes / fits_budget"),
     (_set("predicted.step_time_s", 1e-9), "plan: predicted.step_time_s is 1e-09 but its decisions replay to"),

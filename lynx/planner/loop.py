@@ -32,11 +32,17 @@ import networkx as nx
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.phases import Phases
-from lynx.plan import ChunkRecord, Plan, Predicted, StagePlan, WindowRecord, field_fingerprints, fingerprint_of
+from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, field_fingerprints, fingerprint_of
 from lynx.planner.comm import CommModel
 from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.graph_schema import check_graph
-from lynx.planner.problems import build_pipeline, build_problems, decisions_from_assignment, static_breakdown
+from lynx.planner.problems import (
+    build_pipeline,
+    build_problems,
+    decisions_from_assignment,
+    stage_layout,
+    static_breakdown,
+)
 from lynx.planner.simulator import SimResult, simulate_assignments
 from lynx.planner.timeline import PipelineCosts, run_timeline
 from lynx.solvers.problem import StageProblem, exposed_recompute_s
@@ -177,23 +183,20 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
 
 def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, problems: list[StageProblem],
               results: list[Any], sim: SimResult, search_time: float, iterations: int) -> Plan:
-    blocks = graph.graph["blocks"]
     record = config.record()
     fields = config.fingerprint_fields()
     record.update(fields)
     graph_fp = graph_fingerprint(graph)
     stages = []
     for s, (problem, result) in enumerate(zip(problems, results)):
-        chunks = pipe.device_chunks(s)
+        layers, names, chunks = stage_layout(graph, pipe, s)
         stages.append(StagePlan(
-            index=s, layers=sorted(layer for c in chunks for layer in c.layers),
-            blocks=[blocks[b]["name"] for c in chunks for b in c.blocks],
+            index=s, layers=layers, blocks=names,
             budget_bytes=sim.budget_bytes, peak_memory_bytes=sim.peak_memory_bytes[s],
             static_bytes=sim.static_bytes[s], activation_bytes=sim.activation_bytes[s],
             in_flight=problem.in_flight, exposed_recompute_s=sim.exposed_per_stage[s],
             hidden_recompute_s=sim.hidden_per_stage[s],
-            chunks=[ChunkRecord(index=c.index, blocks=[blocks[b]["name"] for b in c.blocks],
-                                nodes=sum(len(blocks[b]["nodes"]) for b in c.blocks)) for c in chunks],
+            chunks=chunks,
             decisions=decisions_from_assignment(problem, result.assignment)))
     windows = [WindowRecord(id=str(w.id), stage=p.stage, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
                             eligible_layers=None if w.eligible_layers is None else list(w.eligible_layers))

@@ -37,7 +37,13 @@ from typing import Any
 import networkx as nx
 
 from lynx.errors import LynxPlanError
-from lynx.planner.problems import assignment_from_decisions, build_pipeline, build_problems, static_bytes
+from lynx.planner.problems import (
+    assignment_from_decisions,
+    build_pipeline,
+    build_problems,
+    stage_layout,
+    static_bytes,
+)
 from lynx.planner.simulator import SimResult, config_from_record, simulate_assignments
 from lynx.planner.timeline import run_timeline
 from lynx.units import format_size
@@ -63,13 +69,14 @@ def recheck_plan(plan: Any, graph: nx.DiGraph) -> SimResult:
     budget = config.budget_bytes()
     problems = build_problems(graph, pipe, run_timeline(pipe), budget_bytes=budget, static=static, tp=config.tp)
     window_stage = {w.id: w.stage for w in plan.windows}
-    blocks = graph.graph["blocks"]
     for problem in problems:
         s = problem.stage
         stage = plan.stage(s)
-        chunks = pipe.device_chunks(s)
-        _as_built(s, "layers", stage.layers, sorted(layer for c in chunks for layer in c.layers))
-        _as_built(s, "blocks", stage.blocks, [blocks[b]["name"] for c in chunks for b in c.blocks])
+        layers, names, chunks = stage_layout(graph, pipe, s)
+        _as_built(s, "layers", stage.layers, layers)
+        _as_built(s, "blocks", stage.blocks, names)
+        if stage.chunks:   # plans before chunks were recorded have none (one chunk per device)
+            _as_built(s, "chunks", stage.chunks, chunks)
         _as_built(s, "budget_bytes", stage.budget_bytes, budget)
         _as_built(s, "in_flight", stage.in_flight, problem.in_flight)
         _check_decisions(s, stage.decisions, {n.name for n in problem.nodes}, m, window_stage)

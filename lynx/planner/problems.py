@@ -25,7 +25,7 @@ import networkx as nx
 from lynx.planner.comm import CommModel
 from lynx.planner.partition import block_costs, partition_graph, static_bytes_per_param
 from lynx.units import dtype_bytes
-from lynx.plan import Decision
+from lynx.plan import ChunkRecord, Decision
 from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem
 from lynx.planner.timeline import Loads, PipelineCosts, Timeline
 from lynx.planner.windows import WindowId
@@ -39,6 +39,7 @@ __all__ = [
     "loads_from_assignments",
     "decisions_from_assignment",
     "assignment_from_decisions",
+    "stage_layout",
 ]
 
 
@@ -235,3 +236,15 @@ def assignment_from_decisions(decisions: list[Decision], microbatches: int) -> A
             if wid is not None:
                 window_of[(d.node, j)] = WindowId.parse(wid)
     return Assignment(recompute=recompute, window_of=window_of)
+
+
+def stage_layout(graph: nx.DiGraph, pipe: PipelineCosts, stage: int) -> tuple[list[int], list[str], list[ChunkRecord]]:
+    """What a plan records of ``stage``'s place in the pipeline: its layers, its blocks' names in
+    order and its chunks (what :func:`lynx.planner.loop.plan_graph` writes and
+    :func:`lynx.planner.plan_check.recheck_plan` checks)."""
+    blocks = graph.graph["blocks"]
+    chunks = pipe.device_chunks(stage)
+    return (sorted(layer for c in chunks for layer in c.layers),
+            [blocks[b]["name"] for c in chunks for b in c.blocks],
+            [ChunkRecord(index=c.index, blocks=[blocks[b]["name"] for b in c.blocks],
+                         nodes=sum(len(blocks[b]["nodes"]) for b in c.blocks)) for c in chunks])
