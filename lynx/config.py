@@ -72,6 +72,11 @@ plan's path or a :class:`lynx.Plan`) is used
     seed: int = 0
     max_iterations: int = 3
     compile: bool = False          # stages pass their generated graphs through torch.compile (Inductor)
+    # a fourth choice beside keep and recompute: copy saved values to host memory and back
+    # (the hardware's host link; lynx.solvers.offload), within host_memory_budget per device
+    # (None: the hardware's host_memory_bytes)
+    offload: bool = False
+    host_memory_budget: Optional[int] = None
 
     def __init__(self, **data: Any) -> None:
         unknown = sorted(set(data) - set(type(self).model_fields))
@@ -96,7 +101,7 @@ plan's path or a :class:`lynx.Plan`) is used
             raise ValueError(f"{info.field_name} must be >= 1, got {value}{hint}")
         return value
 
-    @field_validator("memory_budget", mode="before")
+    @field_validator("memory_budget", "host_memory_budget", mode="before")
     @classmethod
     def _size(cls, value: Any) -> Optional[int]:
         if value is None:
@@ -168,6 +173,17 @@ plan's path or a :class:`lynx.Plan`) is used
                 f"schedule '1f1b' needs microbatches >= pp ({self.microbatches} < {self.pp}): "
                 f"raise microbatches to at least {self.pp} or use schedule='gpipe'"
             )
+        if self.offload:
+            from lynx.planner.host_link import host_link_of
+            from lynx.planner.offload_costs import check_offload_schedule
+
+            try:
+                check_offload_schedule(self.schedule, self.virtual)
+                host_link_of(self.hardware_spec())
+            except LynxConfigError as err:
+                raise ValueError(str(err)) from None
+        elif self.host_memory_budget is not None:
+            raise ValueError("host_memory_budget is the pinned host memory offload may fill: set offload=True with it")
         if self.schedule == "interleaved1f1b":
             if self.pp < 2:
                 raise ValueError("schedule 'interleaved1f1b' needs pp >= 2; use '1f1b' for one stage")
@@ -198,6 +214,14 @@ plan's path or a :class:`lynx.Plan`) is used
             return int(self.memory_budget)
         return int(self.hardware_spec().memory_bytes)
 
+    def host_budget_bytes(self) -> Optional[int]:
+        """Pinned host memory offload may fill per device (None: offload off, or no limit known)."""
+        if not self.offload:
+            return None
+        if self.host_memory_budget is not None:
+            return int(self.host_memory_budget)
+        return getattr(self.hardware_spec(), "host_memory_bytes", None)
+
     def hardware_record(self) -> Any:
         """JSON-ready form of ``hardware``: the preset name or the spec's fields."""
         if isinstance(self.hardware, str):
@@ -205,8 +229,11 @@ plan's path or a :class:`lynx.Plan`) is used
         return self.hardware.model_dump(mode="json")
 
     def record(self) -> dict[str, Any]:
-        """JSON-ready dict of the settings (the plan field left out)."""
+        """JSON-ready dict of the settings (the plan field left out; the offload settings only
+        when offload is on)."""
         data = self.model_dump(mode="python", exclude={"plan", "hardware"})
+        if not self.offload:
+            del data["offload"], data["host_memory_budget"]
         data["hardware"] = self.hardware_record()
         return data
 
@@ -215,7 +242,11 @@ plan's path or a :class:`lynx.Plan`) is used
         record = self.record()
         if self.memory_budget is None:
             record["memory_budget"] = self.budget_bytes()
-        return {name: record[name] for name in FINGERPRINT_FIELDS}
+        fields = {name: record[name] for name in FINGERPRINT_FIELDS}
+        if self.offload:   # only then: plans made before offload existed keep their fingerprints
+            fields["offload"] = True
+            fields["host_memory_budget"] = self.host_budget_bytes()
+        return fields
 
     def replace(self, **changes: Any) -> "CompileConfig":
         """A copy with some settings changed (re-validated)."""

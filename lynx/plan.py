@@ -52,18 +52,23 @@ class Decision(BaseModel):
 
     ``window`` is the window used for every microbatch when they all share one; ``windows``
     maps a microbatch to its window otherwise. A recomputed node with no window for a
-    microbatch is recomputed on demand (on the critical path) for it.
+    microbatch is recomputed on demand (on the critical path) for it. An offloaded node
+    (``action="offload"``: copied to host memory after its forward) is prefetched in its window
+    for a microbatch, else when the backward reaches ``prefetch_at`` (a node of the stage; None:
+    when the backward starts).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     node: str
-    action: Literal["keep", "recompute"]
+    action: Literal["keep", "recompute", "offload"]
     window: Optional[str] = None
     windows: Optional[dict[int, str]] = None
+    prefetch_at: Optional[str] = None
 
     def window_for(self, microbatch: int) -> Optional[str]:
-        """The window this node is recomputed in for ``microbatch`` (None: kept or on demand)."""
+        """The window this node is recomputed (or, offloaded, prefetched) in for ``microbatch``
+        (None: kept, on demand, or streamed)."""
         if self.action == "keep":
             return None
         if self.windows is not None:
@@ -96,6 +101,11 @@ class StagePlan(BaseModel):
     in_flight: int = 1
     exposed_recompute_s: float = 0.0
     hidden_recompute_s: float = 0.0
+    # offload: bytes copied to the host per microbatch, pinned host memory held at most, and
+    # seconds the stage's backwards waited on prefetches per step
+    offloaded_bytes: int = 0
+    host_bytes: int = 0
+    exposed_copy_s: float = 0.0
     chunks: list[ChunkRecord] = []   # the device's model chunks in order (several: interleaved)
     decisions: list[Decision]
 
@@ -121,6 +131,7 @@ class Predicted(BaseModel):
     step_time_s: float
     exposed_recompute_s: float = 0.0
     hidden_recompute_s: float = 0.0
+    exposed_copy_s: float = 0.0      # backwards waiting on offload prefetches (summed over stages)
     bubble_s: float = 0.0
     peak_memory_bytes: list[int]
     fits_budget: bool = True
@@ -221,22 +232,37 @@ class Plan(BaseModel):
         stage_plan = self.stage(stage)
         order = {w.id: i for i, w in enumerate(self.windows)}
         dropped = frozenset(d.node for d in stage_plan.decisions if d.action == "recompute")
-        prefetch: dict[int, list[tuple[Any, list[str]]]] = {}
-        for j in range(self.microbatches):
-            per_window: dict[str, list[str]] = {}
-            for decision in stage_plan.decisions:  # decisions are in forward order
-                window = decision.window_for(j)
-                if window is not None:
-                    per_window.setdefault(window, []).append(decision.node)
-            ordered = sorted(per_window.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
-            prefetch[j] = [(WindowId.parse(w), nodes) for w, nodes in ordered]
-        return StageSchedule(dropped=dropped, prefetch=prefetch)
+        offloaded = [d for d in stage_plan.decisions if d.action == "offload"]
+
+        def per_microbatch(decisions: list[Decision]) -> dict[int, list[tuple[Any, list[str]]]]:
+            out = {}
+            for j in range(self.microbatches):
+                per_window: dict[str, list[str]] = {}
+                for decision in decisions:  # decisions are in forward order
+                    window = decision.window_for(j)
+                    if window is not None:
+                        per_window.setdefault(window, []).append(decision.node)
+                ordered = sorted(per_window.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
+                out[j] = [(WindowId.parse(w), nodes) for w, nodes in ordered]
+            return out
+
+        prefetch = per_microbatch([d for d in stage_plan.decisions if d.action == "recompute"])
+        return StageSchedule(dropped=dropped, prefetch=prefetch,
+                             offloaded=frozenset(d.node for d in offloaded),
+                             offload_prefetch=per_microbatch(offloaded) if offloaded else {},
+                             prefetch_at={d.node: d.prefetch_at for d in offloaded})
 
     def recompute_fraction(self) -> float:
         """Share of nodes recomputed over all stages (a quick summary figure)."""
         total = sum(len(s.decisions) for s in self.stages)
         dropped = sum(1 for s in self.stages for d in s.decisions if d.action == "recompute")
         return dropped / total if total else 0.0
+
+    def offload_fraction(self) -> float:
+        """Share of nodes offloaded over all stages."""
+        total = sum(len(s.decisions) for s in self.stages)
+        moved = sum(1 for s in self.stages for d in s.decisions if d.action == "offload")
+        return moved / total if total else 0.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +271,11 @@ class StageSchedule:
 
     dropped: frozenset[str]
     prefetch: dict[int, list[tuple[Any, list[str]]]] = field(default_factory=dict)   # (WindowId, nodes)
+    # offload: the offloaded nodes; per microbatch the (window, nodes) whose prefetch is issued
+    # there; per offloaded node the node whose backward issues it otherwise (None: at its start)
+    offloaded: frozenset[str] = frozenset()
+    offload_prefetch: dict[int, list[tuple[Any, list[str]]]] = field(default_factory=dict)
+    prefetch_at: dict[str, Optional[str]] = field(default_factory=dict)
 
     def on_demand(self, microbatch: int) -> frozenset[str]:
         """Dropped nodes not prefetched for ``microbatch``: recomputed when backward needs them."""

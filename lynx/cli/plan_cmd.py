@@ -40,14 +40,18 @@ MODEL_HELP = "a preset (gpt-1.3b … gpt-20b, llama-7b, gpt-tiny, llama-tiny) or
 
 def _config(pp: int, dp: int, tp: int, microbatches: int, schedule: str, virtual_stages: int,
             memory_budget: Optional[str], hardware: str, optimizer: str, solver: str, time_limit: float,
-            target: Optional[str], seed: int, iterations: int) -> CompileConfig:
+            target: Optional[str], seed: int, iterations: int, offload: bool = False,
+            host_memory_budget: Optional[str] = None) -> CompileConfig:
     budget: Any = memory_budget
     if memory_budget is not None and memory_budget.isdigit():
         budget = int(memory_budget)
+    host: Any = host_memory_budget
+    if host_memory_budget is not None and host_memory_budget.isdigit():
+        host = int(host_memory_budget)
     return CompileConfig(pp=pp, dp=dp, tp=tp, microbatches=microbatches, schedule=schedule,
                          virtual_stages=virtual_stages, memory_budget=budget, hardware=hardware,
                          optimizer=optimizer, solver=solver, time_limit_s=time_limit, target=target,
-                         seed=seed, max_iterations=iterations)
+                         seed=seed, max_iterations=iterations, offload=offload, host_memory_budget=host)
 
 
 def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None, microbatch: Optional[int] = None,
@@ -99,6 +103,10 @@ _SEQ = typer.Option(None, "--seq", help="sequence length (presets)")
 _MB = typer.Option(None, "--microbatch", help="microbatch size (presets)")
 _DTYPE = typer.Option(None, "--dtype", help="fp16 | bf16 | fp32")
 _ATTN = typer.Option(None, "--attention", help="math | sdpa (presets)")
+_OFFLOAD = typer.Option(False, "--offload", help="also decide offload: saved values copied to host memory and "
+                        "back over the hardware's host link (a fourth choice beside keep and recompute)")
+_HOST_BUDGET = typer.Option(None, "--host-memory-budget", help="pinned host memory offload may fill per device, "
+                            "e.g. 64GiB (default: the hardware's host_memory_bytes)")
 
 
 @app.command("plan")
@@ -113,6 +121,7 @@ def plan_command(
     dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
     compile_graphs: bool = typer.Option(False, "--compile", help="runs of this plan pass each stage's generated "
                                         "graphs through torch.compile (Inductor; on CPU it needs gcc/clang)"),
+    offload: bool = _OFFLOAD, host_memory_budget: Optional[str] = _HOST_BUDGET,
 ) -> None:
     """Plan recomputation for MODEL and write the plan as JSON; print the seconds of each phase."""
     from lynx.phases import Phases, since_process_start
@@ -122,7 +131,8 @@ def plan_command(
 
     def work() -> Any:
         config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
-                         solver, time_limit, target, seed, iterations).replace(compile=compile_graphs)
+                         solver, time_limit, target, seed, iterations, offload,
+                         host_memory_budget).replace(compile=compile_graphs)
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
             outcome = plan_graph_outcome(analysis.graph, config, progress=lambda msg: status.update(msg))

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from lynx.errors import LynxConfigError
+from lynx.planner.host_link import HOST_MEMORY_PER_GPU, PCIE4_X16, PCIE5_X16, HostLinkSpec
 
 __all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES", "get_hardware",
            "share_cores"]
@@ -109,8 +110,22 @@ class HardwareSpec(BaseModel):
     # optimizer name -> step seconds per parameter
     optimizer_s_per_param: dict[str, _physical("optimizer_s_per_param")] = Field(  # type: ignore[valid-type]
         default_factory=dict)
+    # Offload to host memory (lynx.planner.host_link): the device's link to the host and the
+    # pinned host memory one device may fill; None: not described (offload is then refused)
+    host_link: Optional[HostLinkSpec] = None
+    host_memory_bytes: Optional[_physical("memory_bytes")] = None  # type: ignore[valid-type]
     source: Optional[str] = Field(default=None, exclude=True)
     calibration: Optional[Calibration] = Field(default=None, exclude=True)
+
+    @model_serializer(mode="wrap")
+    def _omit_no_host(self, handler: Any) -> Any:
+        # a spec without a host link records as it did before the field existed (same fingerprint)
+        data = handler(self)
+        if isinstance(data, dict):
+            for key in ("host_link", "host_memory_bytes"):
+                if key in data and data[key] is None:
+                    del data[key]
+        return data
 
     @field_validator("links")
     @classmethod
@@ -132,7 +147,8 @@ _GiB = 1024**3
 
 
 def _gpu(name: str, fp16: float, fp32: float, bw: float, mem_gib: int, pp: LinkSpec, tp: LinkSpec,
-         dp: LinkSpec) -> HardwareSpec:
+         dp: LinkSpec, host: HostLinkSpec = PCIE4_X16, host_memory: int = HOST_MEMORY_PER_GPU["dgx-a100"]
+         ) -> HardwareSpec:
     return HardwareSpec(
         name=name,
         device="cuda",
@@ -141,6 +157,8 @@ def _gpu(name: str, fp16: float, fp32: float, bw: float, mem_gib: int, pp: LinkS
         memory_bandwidth=bw,
         memory_bytes=mem_gib * _GiB,
         links={"pp": pp, "tp": tp, "dp": dp},
+        host_link=host,
+        host_memory_bytes=host_memory,
     )
 
 
@@ -178,9 +196,11 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "a100-80g": _gpu("a100-80g", **_A100_SXM, pp=_IB_HDR_PP, tp=_NVLINK3, dp=_IB_HDR_DP),
     # H100 SXM: 989 TF fp16 dense, 67 TF fp32, 3.35 TB/s HBM3 (NVIDIA H100 datasheet), NVLink4,
     # NDR InfiniBand.
-    "h100-sxm": _gpu("h100-sxm", 989e12, 67e12, 3.35e12, 80, pp=_IB_NDR_PP, tp=_NVLINK4, dp=_IB_NDR_DP),
+    "h100-sxm": _gpu("h100-sxm", 989e12, 67e12, 3.35e12, 80, pp=_IB_NDR_PP, tp=_NVLINK4, dp=_IB_NDR_DP,
+                     host=PCIE5_X16, host_memory=HOST_MEMORY_PER_GPU["dgx-h100"]),
     # H200: H100's compute with 141 GB HBM3e at 4.8 TB/s (NVIDIA H200 datasheet).
-    "h200": _gpu("h200", 989e12, 67e12, 4.8e12, 141, pp=_IB_NDR_PP, tp=_NVLINK4, dp=_IB_NDR_DP),
+    "h200": _gpu("h200", 989e12, 67e12, 4.8e12, 141, pp=_IB_NDR_PP, tp=_NVLINK4, dp=_IB_NDR_DP,
+                 host=PCIE5_X16, host_memory=HOST_MEMORY_PER_GPU["dgx-h100"]),
     # A box of A100 80GB PCIe cards without NVLink bridges: every link is PCIe 4.0 x16.
     "a100-pcie-box": _gpu("a100-pcie-box", **_A100_PCIE, pp=_PCIE4, tp=_PCIE4, dp=_PCIE4),
     # A100 SXM nodes joined by 25 GbE (2.94 GB/s of TCP payload) or 100 GbE (11.8 GB/s):
@@ -215,6 +235,9 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         op_overhead_s=1.9e-6,
         rng_s_per_element=4.7e-9,
         optimizer_s_per_param={"adamw": 6.0e-9, "demo": 13e-9, "lion": 5.4e-9},
+        # offload on a CPU: a memcpy into a separate buffer on the compute thread (64 MiB, one thread)
+        host_link=HostLinkSpec(alpha_s=2e-6, d2h_bytes_per_s=8e9, h2d_bytes_per_s=8e9, shared_by=1, synchronous=True),
+        host_memory_bytes=8 * _GiB,
     ),
 }
 

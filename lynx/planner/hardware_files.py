@@ -9,7 +9,8 @@ A file takes one of two forms.
   take the device from, and the file overrides what differs, usually ``links``: per mesh
   dimension (``pp``, ``tp``, ``dp``) an ``alpha_s`` (one-way latency, s) and a
   ``beta_bytes_per_s`` (bandwidth per device and direction). A link given in part keeps the
-  rest from the device; ``peak_flops`` and ``optimizer_s_per_param`` merge the same way.
+  rest from the device; ``peak_flops``, ``optimizer_s_per_param`` and ``host_link`` (the link to
+  host memory offload copies over: ``shared_by: 2`` where two devices share one) merge the same way.
 
 A malformed or incomplete file is refused with the file and every field at fault named.
 :func:`lynx.planner.hardware_ref.resolve_hardware` turns what ``--hardware`` takes (a preset,
@@ -53,7 +54,8 @@ from lynx.planner.yaml_files import dumps, loads
 __all__ = ["load_hardware_file", "write_hardware_file", "HARDWARE_SUFFIXES", "DOCS_HINT"]
 
 HARDWARE_SUFFIXES = (".json", ".yaml", ".yml")
-_MERGED = ("peak_flops", "optimizer_s_per_param")  # dict fields a cluster file merges into its device's
+# dict fields a cluster file merges into its device's (host_link: e.g. only `shared_by: 2`)
+_MERGED = ("peak_flops", "optimizer_s_per_param", "host_link")
 DOCS_HINT = "the format: docs/hardware.md"
 
 
@@ -154,7 +156,7 @@ def _over_base(data: dict[str, Any], base: HardwareSpec, path: Path) -> dict[str
                     )
                 fields["links"][dim] = {**fields["links"][dim], **link}
         elif key in _MERGED and isinstance(value, dict):
-            fields[key] = {**fields[key], **value}
+            fields[key] = {**(fields.get(key) or {}), **value}
         else:
             fields[key] = value
     return fields

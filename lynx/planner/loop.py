@@ -34,6 +34,7 @@ from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.phases import Phases
 from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, field_fingerprints, fingerprint_of
 from lynx.planner.comm import CommModel
+from lynx.planner.copy_lanes import HostCopies
 from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.graph_schema import check_graph
 from lynx.planner.problems import (
@@ -111,7 +112,9 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     pipe = pipeline or build_pipeline(
         graph, pp=config.pp, microbatches=config.microbatches, schedule=config.schedule,
         virtual=config.virtual, tp=config.tp, dp=config.dp, optimizer=config.optimizer,
-        comm=comm, hardware=None if comm is not None else config.hardware_spec())
+        comm=comm, hardware=None if comm is not None else config.hardware_spec(), offload=config.offload,
+        host=HostCopies.from_hardware(config.hardware_spec(), pp=config.pp, tp=config.tp, dp=config.dp)
+        if config.offload and comm is not None else None)
     budget = config.budget_bytes()
     breakdown = static_breakdown(graph, pipe, optimizer=config.optimizer)
     static = [sum(parts.values()) for parts in breakdown]
@@ -125,7 +128,8 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     for iteration in range(config.max_iterations):
         iterations = iteration + 1
         problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp,
-                                  previous=problems if iteration else None)  # (same nodes: reused)
+                                  previous=problems if iteration else None,  # (same nodes: reused)
+                                  offload=config.offload, host_budget_bytes=config.host_budget_bytes())
         results = []
         try:
             for index, problem in enumerate(problems):
@@ -159,8 +163,8 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
             best = (score, sim, problems, results)
         if assignments == previous or converged:
             break
-        if not any(a.recompute for a in assignments):
-            break  # nothing recomputed: the replay's windows are the ones just solved for
+        if not any(a.recompute or a.offload for a in assignments):
+            break  # nothing recomputed or offloaded: the replay's windows are the ones just solved for
         previous, previous_results = assignments, results
         timeline = sim.timeline  # windows re-derived from the replay
     assert best is not None
@@ -195,7 +199,8 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, pro
             budget_bytes=sim.budget_bytes, peak_memory_bytes=sim.peak_memory_bytes[s],
             static_bytes=sim.static_bytes[s], activation_bytes=sim.activation_bytes[s],
             in_flight=problem.in_flight, exposed_recompute_s=sim.exposed_per_stage[s],
-            hidden_recompute_s=sim.hidden_per_stage[s],
+            hidden_recompute_s=sim.hidden_per_stage[s], offloaded_bytes=sim.offloaded_bytes[s],
+            host_bytes=sim.host_bytes[s], exposed_copy_s=sim.exposed_copy_per_stage[s],
             chunks=chunks,
             decisions=decisions_from_assignment(problem, result.assignment)))
     windows = [WindowRecord(id=str(w.id), stage=p.stage, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
@@ -208,7 +213,8 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, pro
         solver=config.solver, status=status, gap=max(gaps) if gaps else None, search_time_s=search_time,
         iterations=iterations, stages=stages, windows=windows,
         predicted=Predicted(step_time_s=sim.step_time_s, exposed_recompute_s=sim.exposed_recompute_s,
-                            hidden_recompute_s=sim.hidden_recompute_s, bubble_s=sim.bubble_s,
+                            hidden_recompute_s=sim.hidden_recompute_s, exposed_copy_s=sim.exposed_copy_s,
+                            bubble_s=sim.bubble_s,
                             peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget),
         timeline=timeline_bars(sim.timeline), timeline_detail=timeline_detail(sim.timeline),
         config_fingerprints=field_fingerprints(fields))

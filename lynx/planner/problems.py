@@ -23,6 +23,8 @@ from typing import Any, Optional
 import networkx as nx
 
 from lynx.planner.comm import CommModel
+from lynx.planner.copy_lanes import HostCopies
+from lynx.planner.offload_costs import check_offload_schedule, copy_loads, offload_decision_fields, stage_copies
 from lynx.planner.partition import block_costs, partition_graph, static_bytes_per_param
 from lynx.units import dtype_bytes
 from lynx.plan import ChunkRecord, Decision
@@ -45,8 +47,15 @@ __all__ = [
 
 def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: str = "1f1b",
                    virtual: int = 1, tp: int = 1, optimizer: str = "adamw",
-                   comm: Optional[CommModel] = None, hardware: Any = None, dp: int = 1) -> PipelineCosts:
-    """Partition ``graph`` into balanced chunks and cost every block and boundary."""
+                   comm: Optional[CommModel] = None, hardware: Any = None, dp: int = 1,
+                   offload: bool = False, host: Optional[HostCopies] = None) -> PipelineCosts:
+    """Partition ``graph`` into balanced chunks and cost every block and boundary; with
+    ``offload`` (or a ``host`` given), the hardware's host link as copy lanes."""
+    if offload and host is None:
+        if hardware is None:
+            raise ValueError("build_pipeline(offload=True) needs hardware= (its host link) or host=")
+        check_offload_schedule(schedule, virtual)
+        host = HostCopies.from_hardware(hardware, pp=pp, tp=tp, dp=dp)
     if comm is None:
         if hardware is None:
             raise ValueError("build_pipeline needs comm= or hardware=")
@@ -73,7 +82,8 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
                                                  for b in c.blocks) // size, optimizer, hardware)
                             for s in range(pp))
     return PipelineCosts(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
-                    costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s)
+                    costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s,
+                    host=host)
 
 
 def static_breakdown(graph: nx.DiGraph, pipe: PipelineCosts, *, optimizer: str) -> list[dict[str, int]]:
@@ -101,13 +111,18 @@ def stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, device: int) -> list[str
 
 
 def build_problems(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, *, budget_bytes: int,
-                   static: list[int], tp: int = 1, previous: Optional[list[StageProblem]] = None) -> list[StageProblem]:
+                   static: list[int], tp: int = 1, previous: Optional[list[StageProblem]] = None,
+                   offload: bool = False, host_budget_bytes: Optional[int] = None) -> list[StageProblem]:
     """One StageProblem per device from the graph and a replayed timeline's windows.
 
     ``previous``: the problems of an earlier round on the same graph, pipeline and ``tp`` (the
     planning loop's): their node tuples are reused as they are — only windows and
     microbatches in flight change from round to round, and a solver can then recognise a stage
-    it has seen by identity instead of comparing hundreds of nodes."""
+    it has seen by identity instead of comparing hundreds of nodes. ``offload``: each problem
+    carries its copy lanes (:func:`lynx.planner.offload_costs.stage_copies`; the pipeline needs
+    a host link) and ``host_budget_bytes`` of pinned host memory (None: unlimited)."""
+    if offload and pipe.host is None:
+        raise ValueError("build_problems(offload=True) needs a pipeline built with a host link (offload=True)")
     problems = []
     for s in range(pipe.pp):
         if previous is not None:
@@ -115,10 +130,14 @@ def build_problems(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, *
         else:
             nodes, sent_bytes = _stage_nodes(graph, pipe, s, tp)
         in_flight = timeline.in_flight[s]
+        copies = None
+        if offload:
+            copies = stage_copies(graph, pipe, timeline, s, nodes,
+                                  host_budget_bytes if host_budget_bytes is not None else 2**62)
         problems.append(StageProblem(
             stage=s, nodes=nodes, windows=_windows(timeline, s), microbatches=pipe.microbatches,
             in_flight=in_flight, activation_budget_bytes=max(0, budget_bytes - static[s] - in_flight * sent_bytes),
-            sent_bytes=sent_bytes))
+            sent_bytes=sent_bytes, copies=copies))
     return problems
 
 
@@ -205,13 +224,18 @@ def loads_from_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: lis
                     on_demand[key] = on_demand.get(key, 0.0) + node.recompute_s
                 else:
                     window[wid] = window.get(wid, 0.0) + node.recompute_s
-    return Loads(window=window, on_demand=on_demand)
+    copies = copy_loads(graph, pipe, problems, assignments) if any(a.offload for a in assignments) else None
+    return Loads(window=window, on_demand=on_demand, copies=copies)
 
 
 def decisions_from_assignment(problem: StageProblem, assignment: Assignment) -> list[Decision]:
     """Plan decisions (forward order): one per node; a shared window is stored once."""
     decisions = []
     for node in problem.nodes:
+        if node.name in assignment.offload:
+            decisions.append(Decision(node=node.name, action="offload",
+                                      **offload_decision_fields(problem, assignment, node.name)))
+            continue
         if node.name not in assignment.recompute:
             decisions.append(Decision(node=node.name, action="keep"))
             continue
@@ -229,13 +253,15 @@ def decisions_from_assignment(problem: StageProblem, assignment: Assignment) -> 
 def assignment_from_decisions(decisions: list[Decision], microbatches: int) -> Assignment:
     """The inverse of :func:`decisions_from_assignment`."""
     recompute = frozenset(d.node for d in decisions if d.action == "recompute")
-    window_of = {}
+    offload = frozenset(d.node for d in decisions if d.action == "offload")
+    window_of: dict[tuple[str, int], WindowId] = {}
+    prefetch_of: dict[tuple[str, int], WindowId] = {}
     for d in decisions:
         for j in range(microbatches):
             wid = d.window_for(j)
             if wid is not None:
-                window_of[(d.node, j)] = WindowId.parse(wid)
-    return Assignment(recompute=recompute, window_of=window_of)
+                (prefetch_of if d.action == "offload" else window_of)[(d.node, j)] = WindowId.parse(wid)
+    return Assignment(recompute=recompute, window_of=window_of, offload=offload, prefetch_of=prefetch_of)
 
 
 def stage_layout(graph: nx.DiGraph, pipe: PipelineCosts, stage: int) -> tuple[list[int], list[str], list[ChunkRecord]]:

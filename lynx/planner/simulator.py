@@ -41,7 +41,8 @@ from lynx.planner.problems import (
     loads_from_assignments,
     static_bytes,
 )
-from lynx.solvers.problem import Assignment, StageProblem
+from lynx.solvers.offload import host_bytes
+from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.validate import validate
 from lynx.planner.timeline import PipelineCosts, Timeline, run_timeline
@@ -64,10 +65,23 @@ class SimResult:
     hidden_per_stage: list[float]
     budget_bytes: int
     timeline: Timeline
+    # offload (empty or zeros without): per stage, seconds backwards waited on prefetches, bytes
+    # offloaded per microbatch, pinned host memory held at most, and the host budget
+    exposed_copy_per_stage: list[float] = dataclasses.field(default_factory=list)
+    offloaded_bytes: list[int] = dataclasses.field(default_factory=list)
+    host_bytes: list[int] = dataclasses.field(default_factory=list)
+    host_budget_bytes: Optional[int] = None
 
     @property
     def fits_budget(self) -> bool:
-        return all(p <= self.budget_bytes for p in self.peak_memory_bytes)
+        device = all(p <= self.budget_bytes for p in self.peak_memory_bytes)
+        host = self.host_budget_bytes is None or all(h <= self.host_budget_bytes for h in self.host_bytes)
+        return device and host
+
+    @property
+    def exposed_copy_s(self) -> float:
+        """Seconds the step's backwards waited on prefetches (summed over stages)."""
+        return sum(self.exposed_copy_per_stage)
 
     @property
     def recompute_s(self) -> float:
@@ -90,8 +104,10 @@ def simulate_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: list[
     if check:
         for problem, assignment in zip(problems, assignments):
             validate(_windows_of(problem, timeline), assignment)
-    # the plan's saved activations, and what the stage sends that nobody saves (held anyway)
-    activation = [peak_activation_bytes(p, a) + p.in_flight * p.sent_bytes for p, a in zip(problems, assignments)]
+    # the plan's saved activations, and what the stage sends that nobody saves (held anyway); with
+    # offload, what other microbatches' copies to the host still hold, as this replay has them
+    activation = [peak_activation_bytes(p, a, _pending(graph, p, timeline) if a.offload else None)
+                  + p.in_flight * p.sent_bytes for p, a in zip(problems, assignments)]
     peak = [st + act for st, act in zip(static, activation)]
     bubble = timeline.bubble_s
     return SimResult(
@@ -101,7 +117,24 @@ def simulate_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: list[
         bubble_s=sum(bubble) / len(bubble),
         peak_memory_bytes=peak, static_bytes=list(static), activation_bytes=activation,
         exposed_per_stage=list(timeline.exposed_recompute_s), hidden_per_stage=list(timeline.hidden_recompute_s),
-        budget_bytes=budget_bytes, timeline=timeline)
+        budget_bytes=budget_bytes, timeline=timeline,
+        exposed_copy_per_stage=list(timeline.exposed_copy_s) or [0.0] * len(problems),
+        offloaded_bytes=[sum(n.saved_bytes for n in p.nodes if n.name in a.offload)
+                         for p, a in zip(problems, assignments)],
+        host_bytes=[host_bytes(p, a) for p, a in zip(problems, assignments)],
+        host_budget_bytes=min((p.copies.host_budget_bytes for p in problems if p.copies is not None), default=None))
+
+
+def _pending(graph: nx.DiGraph, problem: StageProblem, timeline: Timeline) -> list[int]:
+    """Per group rank of the stage, the replay's most bytes of other microbatches' device→host
+    copies not done when that group's backward starts."""
+    by_block = timeline.pending_bytes[problem.stage] if problem.stage < len(timeline.pending_bytes) else {}
+    ranks = group_ranks(problem)
+    out = [0] * len(ranks)
+    for n in problem.nodes:
+        g = ranks[group_key(n)]
+        out[g] = max(out[g], by_block.get(int(graph.nodes[n.name]["block"]), 0))
+    return out
 
 
 def _windows_of(problem: StageProblem, timeline: Timeline) -> StageProblem:
@@ -142,10 +175,11 @@ def simulate(plan: Any, graph: Optional[nx.DiGraph] = None) -> SimResult:
     config = config_from_record(plan.config)
     pipe = build_pipeline(graph, pp=config.pp, microbatches=config.microbatches, schedule=config.schedule,
                           virtual=config.virtual, tp=config.tp, dp=config.dp, optimizer=config.optimizer,
-                          hardware=config.hardware_spec())
+                          hardware=config.hardware_spec(), offload=config.offload)
     static = static_bytes(graph, pipe, optimizer=config.optimizer)
     budget = config.budget_bytes()
-    problems = build_problems(graph, pipe, run_timeline(pipe), budget_bytes=budget, static=static, tp=config.tp)
+    problems = build_problems(graph, pipe, run_timeline(pipe), budget_bytes=budget, static=static, tp=config.tp,
+                              offload=config.offload, host_budget_bytes=config.host_budget_bytes())
     assignments = [assignment_from_decisions(plan.stage(s).decisions, config.microbatches)
                    for s in range(config.pp)]
     for problem, stage_plan in zip(problems, (plan.stage(s) for s in range(config.pp))):

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lynx.errors import LynxConfigError, LynxPlanError
+from lynx.planner.copy_lanes import CopyLoads, CopyReplay, HostCopies
 from lynx.planner.partition import BlockCost, Chunk
 from lynx.planner.schedule import Op, rank_actions
 from lynx.planner.windows import WindowId, as_window_id
@@ -53,6 +54,7 @@ class PipelineCosts:
     boundary_s: tuple[float, ...]          # p2p seconds from chunk c to c+1 (and back, same size)
     virtual: int = 1
     optimizer_s: tuple[float, ...] = ()    # per device: its optimizer step, after its last gradient (empty: 0)
+    host: Optional[HostCopies] = None      # the host link's copy lanes (offload; lynx.planner.copy_lanes)
 
     @staticmethod
     def uniform(*, pp: int, microbatches: int, forward_s: float, backward_s: float,
@@ -76,6 +78,7 @@ class Loads:
 
     window: dict[WindowId, float] = field(default_factory=dict)
     on_demand: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    copies: Optional[CopyLoads] = None     # offload copies (lynx.planner.copy_lanes)
 
     def __post_init__(self) -> None:   # a plan's strings become window ids
         if any(not isinstance(k, WindowId) for k in self.window):
@@ -130,6 +133,12 @@ class Timeline:
     in_flight: list[int]
     exposed_recompute_s: list[float]
     hidden_recompute_s: list[float]
+    # offload (lynx.planner.copy_lanes): per device, seconds backwards waited on prefetches; per
+    # device and block, the most bytes of other microbatches' device→host copies not yet done
+    # when that block's backward starts; bytes copied out and in per step
+    exposed_copy_s: list[float] = field(default_factory=list)
+    pending_bytes: list[dict[int, int]] = field(default_factory=list)
+    copy_bytes: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def bubble_s(self) -> list[float]:
@@ -157,10 +166,14 @@ def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: 
     if unknown:
         raise LynxPlanError(f"plan places recomputation in windows this schedule does not have: {unknown[:5]}")
     replay.windows.sort(key=lambda w: (w.device, w.start, w.id))
+    copies = replay.copies
     return Timeline(pipeline=pipe, actions=replay.actions, windows=replay.windows, segments=replay.segments,
                     step_time_s=max(device_end), device_end_s=device_end, busy_s=replay.busy,
                     in_flight=_in_flight(replay.actions, pipe.virtual), exposed_recompute_s=replay.exposed,
-                    hidden_recompute_s=replay.hidden)
+                    hidden_recompute_s=replay.hidden, exposed_copy_s=replay.exposed_copy,
+                    pending_bytes=replay.pending,
+                    copy_bytes=[(copies.bytes_out.get(s, 0), copies.bytes_in.get(s, 0)) if copies else (0, 0)
+                                for s in range(pipe.pp)])
 
 
 class _Replay:
@@ -180,6 +193,9 @@ class _Replay:
         self.done: dict[tuple[str, int, int], float] = {}
         self.free = [0.0] * pipe.pp
         self.busy, self.exposed, self.hidden = [0.0] * pipe.pp, [0.0] * pipe.pp, [0.0] * pipe.pp
+        self.copies = CopyReplay(pipe.host, loads.copies) if pipe.host is not None and loads.copies else None
+        self.exposed_copy = [0.0] * pipe.pp
+        self.pending: list[dict[int, int]] = [{} for _ in range(pipe.pp)]
         self.windows: list[Window] = []
         self.segments: list[Segment] = []
         self.block_done: dict[tuple[int, int], float] = {}   # (device, block) -> time its final gradient exists
@@ -263,6 +279,14 @@ class _Replay:
         """The wait for the action's input: a window, filled with the recomputation placed in it."""
         a.ready, a.arrival = self.free[s], arrival
         wid = a.window
+        copy_s = 0.0
+        if self.copies is not None:   # prefetches named here; before a first stage's forward, at its start
+            slot = wid if wid is not None or a.kind != "F" else WindowId.recv(s, "recv_act", a.microbatch)
+            copy_s = self.prefetch_in_window(s, slot, a.ready) if slot is not None else 0.0
+        if copy_s > 0:   # a synchronous link: the copies run on the device, here, like recomputation
+            self.busy[s] += copy_s
+            self.segment(s, "h2d", a.ready, a.ready + copy_s, f"prefetch {wid}")
+            self.free[s] = a.ready = a.ready + copy_s
         if wid is None:   # no receive to wait for: the device starts when it is free
             a.start = max(arrival, a.ready)
             if a.start > a.ready + _EPS:
@@ -279,6 +303,18 @@ class _Replay:
         if a.start > a.ready + load + _EPS:
             self.segment(s, "wait", a.ready + load, a.start, str(wid))
 
+    def prefetch_in_window(self, s: int, wid: WindowId, t: float) -> float:
+        """Issue the prefetches the plan names in window ``wid`` at ``t`` (compute seconds on a
+        synchronous link)."""
+        assert self.copies is not None and self.copies.loads is not None
+        spent = 0.0
+        for chunk, mb, nbytes in self.copies.loads.window.get(wid, ()):
+            start, end, compute = self.copies.issue(s, chunk, mb, nbytes, t + spent, None)
+            spent += compute
+            if not compute:
+                self.segment(s, "h2d", start, end, f"prefetch mb{mb}")
+        return spent
+
     def forward(self, s: int, a: TimedAction) -> float:
         t = a.start
         for b in self.chunk_of[a.chunk].blocks:
@@ -286,6 +322,12 @@ class _Replay:
             self.segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}")
             t += cost.forward_s
             self.busy[s] += cost.forward_s
+            if self.copies is not None:   # its offloaded values go to the host
+                start, end, compute = self.copies.offload(s, a.chunk, a.microbatch, b, t)
+                if end > start:
+                    self.segment(s, "d2h", start, end, f"offload mb{a.microbatch} {cost.name}")
+                t += compute
+                self.busy[s] += compute
             if cost.tp_forward_s > 0:
                 self.segment(s, "tp", t, t + cost.tp_forward_s, f"tp F{a.microbatch}")
                 t += cost.tp_forward_s
@@ -307,9 +349,18 @@ class _Replay:
         """Per block in reverse: on-demand recomputation, the backward (its input-gradient part
         for ``I``), its tp all-reduces (a window)."""
         t = a.start
+        copies = self.copies
+        if copies is not None and a.kind in ("B", "I"):
+            t = self.copy_wait(s, a, None, self.issue_streamed(s, a, None, t))
         for b in reversed(self.chunk_of[a.chunk].blocks):
             cost = self.pipe.costs[b]
             compute = cost.backward_s - (cost.backward_weight_s if a.kind == "I" else 0.0)
+            if copies is not None and a.kind in ("B", "I"):
+                t = self.issue_streamed(s, a, b, t)
+                t = self.copy_wait(s, a, b, t)
+                held = copies.pending(s, a.chunk, a.microbatch, t)
+                if held > self.pending[s].get(b, 0):
+                    self.pending[s][b] = held
             od = self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
             if od > 0:
                 self.segment(s, "recompute", t, t + od, f"on demand {cost.name}")
@@ -330,6 +381,32 @@ class _Replay:
                 t += max(cost.tp_backward_s, tload)
             if a.kind == "B" and a.microbatch == self.last_bwd_mb[a.chunk]:
                 self.block_done[(s, b)] = t
+        return t
+
+    def issue_streamed(self, s: int, a: TimedAction, block: Optional[int], t: float) -> float:
+        """Issue the prefetches ``a``'s backward issues as block ``block`` starts (None: as the
+        backward starts); returns when the device is free again (later only on a synchronous link)."""
+        assert self.copies is not None
+        for issue, reader, nbytes in self.copies.loads.streamed.get((a.chunk, a.microbatch), ()):
+            if issue != block:
+                continue
+            start, end, compute = self.copies.issue(s, a.chunk, a.microbatch, nbytes, t, reader)
+            if compute:
+                self.segment(s, "h2d", t, t + compute, f"prefetch mb{a.microbatch}")
+                self.busy[s] += compute
+                t += compute
+            else:
+                self.segment(s, "h2d", start, end, f"prefetch mb{a.microbatch}")
+        return t
+
+    def copy_wait(self, s: int, a: TimedAction, block: Optional[int], t: float) -> float:
+        """Wait until what block ``block`` (None: the backward's start) reads is back on the device."""
+        assert self.copies is not None
+        arrival = self.copies.arrival(a.chunk, a.microbatch, block)
+        if arrival > t + _EPS:
+            self.segment(s, "wait", t, arrival, f"h2d {a.kind}{a.microbatch}")
+            self.exposed_copy[s] += arrival - t
+            return arrival
         return t
 
     def finish(self, s: int, a: TimedAction, end: float) -> None:

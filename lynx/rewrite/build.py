@@ -99,7 +99,11 @@ def build_chunk_modules(compiled: Compiled, device: int) -> dict[int, StageModul
     _check_stage(plan, device)
     gm = compiled.analysis.captured.gm
     parts = split_cached(gm, chunk_node_lists(plan, getattr(compiled.analysis, "graph", None)))
-    dropped = plan.stage_schedule(device).dropped
+    schedule = plan.stage_schedule(device)
+    dropped = schedule.dropped
+    if schedule.offloaded:
+        raise LynxPlanError(f"stage {device}: the plan offloads {len(schedule.offloaded)} node(s) to host memory, "
+                            "which this runtime does not execute yet; plan with offload=False")
     mine = range(device, len(parts), len(plan.stages))
     unknown = sorted(dropped - {n for c in mine for n in parts[c].spec.nodes})
     if unknown:

@@ -58,7 +58,12 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.problem import Assignment, ProblemNode, StageProblem, group_key, group_ranks
+from collections.abc import Sequence
+
+from lynx.solvers.offload import group_layout, issue_steps, pending_by_group
+from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, group_key, group_ranks, is_sent,
+                                  savers_of)
+from lynx.solvers.problem import consumers_of as _consumers
 
 __all__ = [
     "peak_activation_bytes",
@@ -76,18 +81,10 @@ _NEVER = 1 << 60
 
 
 def kept_bytes(problem: StageProblem, assignment: Assignment) -> int:
-    """Bytes one microbatch keeps from forward to backward (a stage output's, even if dropped)."""
-    return sum(n.saved_bytes for n in problem.nodes if n.name not in assignment.recompute or is_sent(n))
-
-
-def is_sent(node: ProblemNode) -> bool:
-    """Its saved output goes to a later stage: dropping it frees nothing on this stage.
-
-    The stage holds its outputs until the microbatch's backward is done (they are the roots
-    of that backward), so these bytes stay. Known from ``node.sent``, or, where the problem
-    does not say, from a saved output no in-stage node saves (a later stage does).
-    """
-    return node.output_saved and (node.sent or node.saved_by is not None and not node.saved_by)
+    """Bytes one microbatch keeps on the device from forward to backward (a stage output's, even
+    if dropped; an offloaded node's are on the host)."""
+    dropped = assignment.dropped
+    return sum(n.saved_bytes for n in problem.nodes if n.name not in dropped or is_sent(n))
 
 
 def prefetched_bytes(problem: StageProblem, assignment: Assignment) -> dict[int, int]:
@@ -113,40 +110,39 @@ def on_demand_transient_bytes(problem: StageProblem, assignment: Assignment) -> 
     return best
 
 
-def savers_of(problem: StageProblem) -> dict[str, tuple[str, ...]]:
-    """In-stage nodes whose backward reads each node's output (every consumer when unknown)."""
-    names = {n.name for n in problem.nodes}
-    consumers = _consumers(problem)
-    out = {}
-    for n in problem.nodes:
-        known = n.saved_by
-        out[n.name] = tuple(consumers[n.name]) if known is None else tuple(s for s in known if s in names)
-    return out
-
-
 def _signatures(problem: StageProblem, assignment: Assignment) -> dict[frozenset[str], int]:
-    """Distinct sets of prefetched nodes, each with its first microbatch."""
+    """Distinct sets of prefetched nodes (recomputed in a window, or offloaded and prefetched in
+    one), each with its first microbatch."""
     out: dict[frozenset[str], int] = {}
     by_mb: dict[int, set[str]] = {}
     for (name, mb) in assignment.window_of:
+        by_mb.setdefault(mb, set()).add(name)
+    for (name, mb) in assignment.prefetch_of:
         by_mb.setdefault(mb, set()).add(name)
     for mb in range(problem.microbatches):
         out.setdefault(frozenset(by_mb.get(mb, ())), mb)
     return out
 
 
-def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]) -> int:
+def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str],
+                          pending: Sequence[int] | None = None) -> int:
     """Most bytes one microbatch holds at any backward step, given the nodes prefetched for it.
 
     Each node's saved bytes are two intervals of backward steps (see the module docstring):
     its output's storage, from when it is there (step 0 if kept or prefetched, else when
-    first needed) to its last reader; the rest, from then to the node's own step.
+    first needed) to its last reader; the rest, from then to the node's own step. An
+    offloaded node is there from its prefetch's issue (step 0 when prefetched in a window,
+    else one group ahead of its read group: :func:`lynx.solvers.offload.issue_steps`);
+    ``pending`` adds, per group rank, what other microbatches'
+    offload copies still hold while that group is backpropagated.
     """
     nodes = problem.nodes
     last = len(nodes) - 1
     step = {n.name: last - i for i, n in enumerate(nodes)}
     consumers = _consumers(problem)
     dropped = assignment.recompute
+    offloaded = assignment.offload
+    issue = issue_steps(problem, offloaded) if offloaded else {}
     delta = [0] * (len(nodes) + 1)
 
     def hold(first: int, until: int, nbytes: int) -> None:
@@ -173,6 +169,8 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
         if name in dropped and name not in prefetched:
             at = min(first_read, step[name] if own_bytes else _NEVER)
             regenerated[name] = at
+        elif name in offloaded and name not in prefetched:
+            at = issue[name]
         else:
             at = 0
         if is_sent(n):  # the stage holds what it sent until the microbatch's backward ends
@@ -183,6 +181,10 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
             hold(at, last_read, out_bytes)
         if at != _NEVER:
             hold(at, step[name], own_bytes)
+    if pending:
+        for s_, g in enumerate(group_layout(problem).group_of_step):
+            extra = pending[g] if g < len(pending) else 0
+            hold(s_, s_, extra)
     live = best = 0
     for change in delta[:-1]:
         live += change
@@ -202,14 +204,23 @@ def _split(node: ProblemNode) -> tuple[int, int]:
 def held_bytes(problem: StageProblem, assignment: Assignment) -> int:
     """Bytes one microbatch holds between its forward and its backward: what it keeps, and
     of a dropped node whose output only a later stage saves, that output (it was sent)."""
-    return sum(n.saved_bytes if n.name not in assignment.recompute else _split(n)[0] if is_sent(n) else 0
+    dropped = assignment.dropped
+    return sum(n.saved_bytes if n.name not in dropped else _split(n)[0] if is_sent(n) else 0
                for n in problem.nodes)
 
 
-def peak_activation_bytes(problem: StageProblem, assignment: Assignment) -> int:
-    """(in_flight − 1) · held + the most one microbatch holds during its backward (see above)."""
+def peak_activation_bytes(problem: StageProblem, assignment: Assignment,
+                          pending: Sequence[int] | None = None) -> int:
+    """(in_flight − 1) · held + the most one microbatch holds during its backward (see above).
+
+    With offloaded nodes, ``pending`` (per group rank: bytes other microbatches' device→host
+    copies still hold while that group is backpropagated) defaults to the solvers' bound from
+    ``problem.copies`` (:func:`lynx.solvers.offload.pending_by_group`); the simulator passes
+    the replay's own."""
     others = (problem.in_flight - 1) * held_bytes(problem, assignment)
-    own = max((microbatch_peak_bytes(problem, assignment, pf) for pf in _signatures(problem, assignment)),
+    if pending is None and assignment.offload:
+        pending = pending_by_group(problem, assignment)
+    own = max((microbatch_peak_bytes(problem, assignment, pf, pending) for pf in _signatures(problem, assignment)),
               default=0)
     return max(0, others + own)
 
@@ -251,12 +262,3 @@ def _group_ancestors(by_name: dict, group: dict[str, int], name: str) -> set[str
                 seen.add(src)
                 stack.append(src)
     return seen
-
-
-def _consumers(problem: StageProblem) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {n.name: [] for n in problem.nodes}
-    for n in problem.nodes:
-        for src in n.inputs:
-            if src in out:
-                out[src].append(n.name)
-    return out

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from lynx.errors import LynxPlanError
 from lynx.planner.windows import WindowId, as_window_id
+from lynx.solvers.copies import StageCopies
 
 __all__ = [
     "ProblemNode",
@@ -56,6 +57,9 @@ __all__ = [
     "group_ranks",
     "MicrobatchClass",
     "microbatch_classes",
+    "is_sent",
+    "savers_of",
+    "consumers_of",
 ]
 
 STATUSES = ("OPTIMAL", "FEASIBLE", "HEURISTIC", "INFEASIBLE")
@@ -112,6 +116,9 @@ class StageProblem:
     # until the microbatch's backward ends whatever the plan; the simulator adds
     # ``in_flight · sent_bytes`` to the plan's activation peak
     sent_bytes: int = 0
+    # offload to host memory allowed (``offload=True``): the stage's copy lanes, prefetch slots
+    # and host budget (lynx.solvers.copies); None: keep and recompute only
+    copies: StageCopies | None = None
 
 
 @dataclass(frozen=True)
@@ -119,22 +126,37 @@ class Assignment:
     recompute: frozenset[str]  # nodes whose saved tensors are dropped in forward
     # (node, microbatch) -> window id; absent = on demand
     window_of: Mapping[tuple[str, int], WindowId] = field(default_factory=dict)
+    # nodes whose saved tensors are copied to host memory after their forward and back before
+    # their backward (never also recomputed); see lynx.solvers.copies
+    offload: frozenset[str] = frozenset()
+    # (offloaded node, microbatch) -> the window its prefetch is issued in; absent = streamed
+    # during the backward, one group ahead of its first reader
+    prefetch_of: Mapping[tuple[str, int], WindowId] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Own copies, so a caller mutating its dict cannot change a scored assignment.
         object.__setattr__(self, "recompute", frozenset(self.recompute))
-        window_of = dict(self.window_of)
-        if any(not isinstance(w, WindowId) for w in window_of.values()):   # a plan's strings
-            window_of = {k: as_window_id(w) for k, w in window_of.items()}
-        object.__setattr__(self, "window_of", window_of)
+        object.__setattr__(self, "offload", frozenset(self.offload))
+        for name in ("window_of", "prefetch_of"):
+            placed = dict(getattr(self, name))
+            if any(not isinstance(w, WindowId) for w in placed.values()):   # a plan's strings
+                placed = {k: as_window_id(w) for k, w in placed.items()}
+            object.__setattr__(self, name, placed)
+
+    @property
+    def dropped(self) -> frozenset[str]:
+        """Nodes whose saved tensors leave the device after the forward: recomputed or offloaded."""
+        return self.recompute | self.offload if self.offload else self.recompute
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Assignment):
             return NotImplemented
-        return self.recompute == other.recompute and dict(self.window_of) == dict(other.window_of)
+        return (self.recompute == other.recompute and dict(self.window_of) == dict(other.window_of)
+                and self.offload == other.offload and dict(self.prefetch_of) == dict(other.prefetch_of))
 
     def __hash__(self) -> int:
-        return hash((self.recompute, frozenset(self.window_of.items())))
+        return hash((self.recompute, frozenset(self.window_of.items()), self.offload,
+                     frozenset(self.prefetch_of.items())))
 
 
 @dataclass(frozen=True)
@@ -239,3 +261,37 @@ def exposed_recompute_s(problem: StageProblem, assignment: Assignment) -> float:
     for window, used in load.items():
         exposed += max(0.0, used - capacity.get(window, 0.0))
     return exposed
+
+
+# --------------------------------------------------------------------------- who reads what
+
+
+def is_sent(node: ProblemNode) -> bool:
+    """Its saved output goes to a later stage: dropping it frees nothing on this stage.
+
+    The stage holds its outputs until the microbatch's backward is done (they are the roots
+    of that backward), so these bytes stay. Known from ``node.sent``, or, where the problem
+    does not say, from a saved output no in-stage node saves (a later stage does).
+    """
+    return node.output_saved and (node.sent or node.saved_by is not None and not node.saved_by)
+
+
+def savers_of(problem: StageProblem) -> dict[str, tuple[str, ...]]:
+    """In-stage nodes whose backward reads each node's output (every consumer when unknown)."""
+    names = {n.name for n in problem.nodes}
+    consumers = consumers_of(problem)
+    out = {}
+    for n in problem.nodes:
+        known = n.saved_by
+        out[n.name] = tuple(consumers[n.name]) if known is None else tuple(s for s in known if s in names)
+    return out
+
+
+def consumers_of(problem: StageProblem) -> dict[str, list[str]]:
+    """In-stage nodes reading each node's output."""
+    out: dict[str, list[str]] = {n.name: [] for n in problem.nodes}
+    for n in problem.nodes:
+        for src in n.inputs:
+            if src in out:
+                out[src].append(n.name)
+    return out

@@ -19,7 +19,8 @@ Example::
 from __future__ import annotations
 
 from lynx.errors import LynxPlanError
-from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem, group_key, group_ranks
+from lynx.solvers.problem import (Assignment, ProblemNode, ProblemWindow, StageProblem, group_key, group_ranks,
+                                  is_sent)
 
 __all__ = ["validate", "required_recompute_closure"]
 
@@ -53,6 +54,8 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
     unknown = sorted(assignment.recompute - by_name.keys())
     if unknown:
         raise LynxPlanError(f"{where}: recompute names nodes not in the stage: {unknown[:5]}")
+    if assignment.offload or assignment.prefetch_of:
+        _validate_offload(problem, assignment, by_name, windows)
     for (name, mb), wid in assignment.window_of.items():
         if name not in assignment.recompute:
             raise LynxPlanError(f"{where}: node {name!r} is placed in window {wid!r} but is not recomputed")
@@ -98,6 +101,8 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                         f"{where}: recomputing {name!r} needs the output of {src!r}, which is kept but does "
                         f"not keep its output (output_saved=False); recompute {src!r} too"
                     )
+                if src in assignment.offload:
+                    _prefetched_in_time(problem, assignment, name, src, windows)
                 continue
             for mb, (w_src, w_dst) in enumerate(zip(when(producer), when(node))):
                 if w_src > w_dst:
@@ -109,6 +114,59 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                         f"input {src!r} is ({'on demand, ' + group_key(producer) if w_src is None else str(w_src)}); "
                         f"keep {src!r} or prefetch it earlier"
                     )
+
+
+def _validate_offload(problem: StageProblem, assignment: Assignment, by_name: dict[str, ProblemNode],
+                      windows: dict) -> None:
+    """What an offload decision may be: an offloadable node, neither recomputed nor sent on,
+    prefetched (when in a window) in one that serves its microbatch."""
+    where = f"stage {problem.stage}"
+    if problem.copies is None:
+        raise LynxPlanError(f"{where}: the plan offloads {sorted(assignment.offload)[:3]} but the stage was planned "
+                            "without offload; plan with offload=True (`lynx plan --offload`)")
+    unknown = sorted(assignment.offload - by_name.keys())
+    if unknown:
+        raise LynxPlanError(f"{where}: offload names nodes not in the stage: {unknown[:5]}")
+    both = sorted(assignment.offload & assignment.recompute)
+    if both:
+        raise LynxPlanError(f"{where}: {both[0]!r} is both offloaded and recomputed; a node is one or the other")
+    for name in sorted(assignment.offload):
+        node = by_name[name]
+        if node.saved_bytes <= 0:
+            raise LynxPlanError(f"{where}: {name!r} is offloaded but saves nothing for backward")
+        if is_sent(node):
+            raise LynxPlanError(f"{where}: {name!r} is offloaded but its output goes to the next stage, which the "
+                                "stage holds until the backward ends; keep it")
+    slots = problem.copies.slots
+    for (name, mb), wid in assignment.prefetch_of.items():
+        if name not in assignment.offload:
+            raise LynxPlanError(f"{where}: {name!r} is prefetched in window {wid} but is not offloaded")
+        if not 0 <= mb < problem.microbatches:
+            raise LynxPlanError(f"{where}: {name!r} prefetched for microbatch {mb}, stage has {problem.microbatches}")
+        slot = slots[mb] if mb < len(slots) else None
+        if (slot is None or slot.window != wid) and (wid not in windows or windows[wid][1].microbatch != mb):
+            first = "none" if slot is None else str(slot.window)
+            raise LynxPlanError(f"{where}: {name!r} (microbatch {mb}) is prefetched in {wid}, which does not serve "
+                                f"microbatch {mb}'s backward (its first prefetch slot: {first})")
+
+
+def _prefetched_in_time(problem: StageProblem, assignment: Assignment, name: str, src: str, windows: dict) -> None:
+    """A node recomputed in a window that reads an offloaded value needs that value prefetched
+    in the same window or an earlier one (streamed prefetches come during the backward)."""
+    copies = problem.copies
+    for mb in range(problem.microbatches):
+        wid = assignment.window_of.get((name, mb))
+        if wid is None:
+            continue  # on demand: regenerated in the backward, after the streamed prefetch (if slower: waited on)
+        pre = assignment.prefetch_of.get((src, mb))
+        slot = copies.slots[mb] if copies is not None and mb < len(copies.slots) else None
+        ok = pre is not None and ((slot is not None and pre == slot.window) or
+                                  (pre in windows and wid in windows and windows[pre][0] <= windows[wid][0]))
+        if not ok:
+            raise LynxPlanError(
+                f"stage {problem.stage}: for microbatch {mb}, {name!r} is recomputed in {wid} but reads {src!r}, which "
+                f"is offloaded and {'prefetched in ' + str(pre) if pre else 'prefetched only during the backward'}; "
+                f"prefetch {src!r} in the microbatch's first slot, or recompute {name!r} on demand")
 
 
 def _eligible(node: ProblemNode, window: ProblemWindow) -> bool:

@@ -1,0 +1,211 @@
+"""Offload accounting on a stage problem: when prefetches are issued, what stays pending, what is exposed.
+
+The fourth decision beside keep, recompute in a window and recompute on demand
+(:attr:`~lynx.solvers.problem.Assignment.offload`): a node's saved bytes are copied to host
+memory after its forward and prefetched before its backward reads them. This module is the
+one definition the memory model (:mod:`lynx.solvers.memory`), the solvers and the planner share
+of
+
+* **when a prefetch is issued** (:func:`issue_steps`): in the window the assignment names for
+  the microbatch (``prefetch_of``: resident from the backward's start), else when the backward
+  reaches the group (layer or edge block) above the node's *read group* — the latest group
+  among its own, its savers', its consumers' and their savers' (:func:`read_groups`: whatever
+  the plan recomputes, nothing in the backward reads the value earlier) — so the copy has that
+  group's backward to arrive; for what the first-backpropagated group reads, at the backward's
+  start (the solvers name a window for those);
+* **what other microbatches' copies still hold** (:func:`pending_by_group`), from the stage's
+  :class:`~lynx.solvers.copies.StageCopies`;
+* **the exposed copy time** the solvers charge (:func:`copy_exposed_s`): per microbatch, a
+  window prefetch's time beyond its slot's slack and each streamed group's time beyond the
+  backward of the group it is issued in; on a synchronous link (a CPU) every copy's time.
+
+Example::
+
+    >>> from lynx.solvers.problem import Assignment
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> p = make_uniform_problem(layers=2, microbatches=2, in_flight=2)
+    >>> layout, reads = group_layout(p), read_groups(p)
+    >>> layout.groups, reads["l1.fc1"], reads["l0.fc1"]     # layer 1's values are read in layer 1
+    (2, 1, 0)
+    >>> issue_steps(p, frozenset({"l0.fc1", "l1.fc1"})) == {"l0.fc1": layout.first_step[1], "l1.fc1": 0}
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, is_sent, savers_of
+
+__all__ = ["GroupLayout", "group_layout", "read_groups", "issue_group", "issue_steps", "offloadable",
+           "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes", "prefetch_bytes_by_issue"]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Backward steps (node ``i`` of ``N`` at step ``N − 1 − i``) against group ranks."""
+
+    group_of_step: tuple[int, ...]
+    first_step: tuple[int, ...]   # per group rank: the step its backward starts at
+
+    @property
+    def groups(self) -> int:
+        return len(self.first_step)
+
+
+_LAYOUTS: dict[int, tuple[tuple, GroupLayout]] = {}
+
+
+def group_layout(problem: StageProblem) -> GroupLayout:
+    """The stage's groups in backward steps (cached per node tuple)."""
+    key = id(problem.nodes)
+    found = _LAYOUTS.get(key)
+    if found is not None and found[0] is problem.nodes:
+        return found[1]
+    ranks = group_ranks(problem)
+    last = len(problem.nodes) - 1
+    of_step = [0] * len(problem.nodes)
+    first = [last + 1] * len(ranks)
+    for i, n in enumerate(problem.nodes):
+        g = ranks[group_key(n)]
+        of_step[last - i] = g
+        first[g] = min(first[g], last - i)
+    layout = GroupLayout(tuple(of_step), tuple(first))
+    if len(_LAYOUTS) > 256:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = (problem.nodes, layout)
+    return layout
+
+
+_READS: dict[int, tuple[tuple, dict[str, int]]] = {}
+
+
+def read_groups(problem: StageProblem) -> dict[str, int]:
+    """Per node, the latest group rank whose backward may read its saved values: its own, its
+    savers' (every consumer's when unknown), its consumers' and their savers' (a consumer
+    regenerated on demand for a later group's saver reads it there). Cached per node tuple."""
+    key = id(problem.nodes)
+    found = _READS.get(key)
+    if found is not None and found[0] is problem.nodes:
+        return found[1]
+    ranks = group_ranks(problem)
+    group = {n.name: ranks[group_key(n)] for n in problem.nodes}
+    savers = savers_of(problem)
+    consumers: dict[str, list[str]] = {n.name: [] for n in problem.nodes}
+    for n in problem.nodes:
+        for src in n.inputs:
+            if src in consumers:
+                consumers[src].append(n.name)
+    out = {}
+    for n in problem.nodes:
+        readers = [n.name, *savers[n.name]]
+        for c in consumers[n.name]:
+            readers += [c, *savers[c]]
+        out[n.name] = max(group[r] for r in readers if r in group)
+    if len(_READS) > 256:
+        _READS.clear()
+    _READS[key] = (problem.nodes, out)
+    return out
+
+
+def issue_group(read_group: int, layout: GroupLayout) -> int:
+    """The group whose backward's start issues a streamed prefetch read in ``read_group``
+    (-1: none, the read group is backpropagated first: at the backward's start)."""
+    above = read_group + 1
+    return above if above < layout.groups else -1
+
+
+def issue_steps(problem: StageProblem, offload: frozenset[str] | set[str]) -> dict[str, int]:
+    """The backward step each offloaded node's streamed prefetch is issued at."""
+    layout, reads = group_layout(problem), read_groups(problem)
+    out = {}
+    for name in offload:
+        g = issue_group(reads[name], layout)
+        out[name] = layout.first_step[g] if g >= 0 else 0
+    return out
+
+
+def offloadable(problem: StageProblem) -> list[str]:
+    """Nodes the stage may offload: something saved, and not a value the stage sends on (held
+    until the backward ends whatever the plan); none without copy lanes."""
+    if problem.copies is None:
+        return []
+    return [n.name for n in problem.nodes if n.saved_bytes > 0 and not is_sent(n)]
+
+
+def offloaded_by_group(problem: StageProblem, offload: frozenset[str] | set[str]) -> list[int]:
+    """Per group rank: the bytes its forward copies to the host, per microbatch."""
+    ranks = group_ranks(problem)
+    out = [0] * len(ranks)
+    for n in problem.nodes:
+        if n.name in offload:
+            out[ranks[group_key(n)]] += n.saved_bytes
+    return out
+
+
+def pending_by_group(problem: StageProblem, assignment: Assignment) -> list[int] | None:
+    """Per group rank, the bytes other microbatches' device→host copies may still hold while
+    the group is backpropagated (the solvers' bound; None: nothing can be pending)."""
+    copies = problem.copies
+    if copies is None or copies.synchronous or not assignment.offload:
+        return None
+    per_group = offloaded_by_group(problem, assignment.offload)
+    pending = copies.pending_bytes(per_group)
+    if pending <= 0:
+        return None
+    return [copies.pending_during(pending, g, len(per_group)) for g in range(len(per_group))]
+
+
+def prefetch_bytes_by_issue(problem: StageProblem, assignment: Assignment, microbatch: int
+                            ) -> tuple[int, dict[int, int]]:
+    """For one microbatch: the bytes prefetched in its window, and the bytes each group's
+    backward start issues (group rank ``-1``: read by the first group backpropagated, issued at
+    the backward's start with no time to arrive)."""
+    layout, reads = group_layout(problem), read_groups(problem)
+    size = {n.name: n.saved_bytes for n in problem.nodes}
+    window = 0
+    streamed: dict[int, int] = {}
+    for name in assignment.offload:
+        if (name, microbatch) in assignment.prefetch_of:
+            window += size[name]
+        else:
+            g = issue_group(reads[name], layout)
+            streamed[g] = streamed.get(g, 0) + size[name]
+    return window, streamed
+
+
+def copy_exposed_s(problem: StageProblem, assignment: Assignment) -> float:
+    """Copy seconds the backwards of one step wait for (the solvers' estimate; the simulator
+    replays the lanes): see the module docstring."""
+    copies = problem.copies
+    if copies is None or not assignment.offload:
+        return 0.0
+    size = {n.name: n.saved_bytes for n in problem.nodes}
+    total = sum(size[n] for n in assignment.offload)
+    exposed = 0.0
+    cache: dict[tuple, float] = {}
+    for mb in range(problem.microbatches):
+        slot = copies.slots[mb] if mb < len(copies.slots) else None
+        slack = slot.slack_s if slot is not None else 0.0
+        cache_key = (frozenset(n for (n, j) in assignment.prefetch_of if j == mb), slack)
+        if cache_key in cache:
+            exposed += cache[cache_key]
+            continue
+        window, streamed = prefetch_bytes_by_issue(problem, assignment, mb)
+        if copies.synchronous:
+            here = copies.d2h_s(total) + copies.h2d_s(window) + sum(copies.h2d_s(b) for b in streamed.values())
+        else:
+            here = max(0.0, copies.h2d_s(window) - slack)
+            for g, nbytes in streamed.items():
+                room = copies.group_backward_s[g] if 0 <= g < len(copies.group_backward_s) else 0.0
+                here += max(0.0, copies.h2d_s(nbytes) - room)
+        cache[cache_key] = here
+        exposed += here
+    return exposed
+
+
+def host_bytes(problem: StageProblem, assignment: Assignment) -> int:
+    """Pinned host memory the stage's offloaded values need at most: every microbatch in flight's."""
+    if not assignment.offload:
+        return 0
+    return problem.in_flight * sum(n.saved_bytes for n in problem.nodes if n.name in assignment.offload)
