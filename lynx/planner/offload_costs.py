@@ -59,8 +59,9 @@ def prefetch_slot_id(device: int, microbatch: int) -> WindowId:
 
 def check_offload_schedule(schedule: str, virtual: int) -> None:
     if schedule not in OFFLOAD_SCHEDULES or virtual != 1:
-        raise LynxConfigError(f"offload is planned for one model chunk per device (schedule {' or '.join(OFFLOAD_SCHEDULES)}), "
-                              f"not {schedule!r}; use schedule='1f1b' or 'gpipe', or offload=False")
+        raise LynxConfigError(f"offload is planned for one model chunk per device (schedule "
+                              f"{' or '.join(OFFLOAD_SCHEDULES)}), not {schedule!r}; use schedule='1f1b' or "
+                              "'gpipe', or offload=False")
 
 
 def stage_copies(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, stage: int,

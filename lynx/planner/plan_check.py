@@ -44,6 +44,7 @@ from lynx.planner.problems import (
     stage_layout,
     static_bytes,
 )
+from lynx.planner.offload_costs import offload_decision_fields
 from lynx.planner.simulator import SimResult, config_from_record, simulate_assignments
 from lynx.planner.timeline import run_timeline
 from lynx.units import format_size
@@ -64,10 +65,12 @@ def recheck_plan(plan: Any, graph: nx.DiGraph) -> SimResult:
     if sorted(indices) != list(range(pp)):
         raise LynxPlanError(f"plan stages are {indices} but config.pp is {pp}: every stage 0..{pp - 1} once; {_ADVICE}")
     pipe = build_pipeline(graph, pp=pp, microbatches=m, schedule=config.schedule, virtual=config.virtual,
-                          tp=config.tp, dp=config.dp, optimizer=config.optimizer, hardware=config.hardware_spec())
+                          tp=config.tp, dp=config.dp, optimizer=config.optimizer, hardware=config.hardware_spec(),
+                          offload=config.offload)
     static = static_bytes(graph, pipe, optimizer=config.optimizer)
     budget = config.budget_bytes()
-    problems = build_problems(graph, pipe, run_timeline(pipe), budget_bytes=budget, static=static, tp=config.tp)
+    problems = build_problems(graph, pipe, run_timeline(pipe), budget_bytes=budget, static=static, tp=config.tp,
+                              offload=config.offload, host_budget_bytes=config.host_budget_bytes())
     window_stage = {w.id: w.stage for w in plan.windows}
     for problem in problems:
         s = problem.stage
@@ -81,6 +84,12 @@ def recheck_plan(plan: Any, graph: nx.DiGraph) -> SimResult:
         _as_built(s, "in_flight", stage.in_flight, problem.in_flight)
         _check_decisions(s, stage.decisions, {n.name for n in problem.nodes}, m, window_stage)
     assignments = [assignment_from_decisions(plan.stage(s).decisions, m) for s in range(pp)]
+    for problem, assignment in zip(problems, assignments):   # where a streamed prefetch is issued follows
+        if assignment.offload and problem.copies is not None:   # from the graph: the plan must say the same
+            for d in plan.stage(problem.stage).decisions:
+                if d.action == "offload":
+                    _as_built(problem.stage, f"prefetch_at of {d.node!r}", d.prefetch_at,
+                              offload_decision_fields(problem, assignment, d.node).get("prefetch_at"))
     try:
         sim = simulate_assignments(graph, pipe, problems, assignments, static=static, budget_bytes=budget)
     except LynxPlanError as err:
@@ -93,16 +102,27 @@ def recheck_plan(plan: Any, graph: nx.DiGraph) -> SimResult:
         _as_replayed(s, "peak_memory_bytes", stage.peak_memory_bytes, sim.peak_memory_bytes[s])
         _close(f"plan stage {s}", "exposed_recompute_s", stage.exposed_recompute_s, sim.exposed_per_stage[s], step)
         _close(f"plan stage {s}", "hidden_recompute_s", stage.hidden_recompute_s, sim.hidden_per_stage[s], step)
+        _as_replayed(s, "offloaded_bytes", stage.offloaded_bytes, sim.offloaded_bytes[s])
+        _as_replayed(s, "host_bytes", stage.host_bytes, sim.host_bytes[s])
+        _close(f"plan stage {s}", "exposed_copy_s", stage.exposed_copy_s, sim.exposed_copy_per_stage[s], step)
     p = plan.predicted
     for field, stored, replayed in (("step_time_s", p.step_time_s, step),
                                     ("exposed_recompute_s", p.exposed_recompute_s, sim.exposed_recompute_s),
                                     ("hidden_recompute_s", p.hidden_recompute_s, sim.hidden_recompute_s),
+                                    ("exposed_copy_s", p.exposed_copy_s, sim.exposed_copy_s),
                                     ("bubble_s", p.bubble_s, sim.bubble_s)):
         _close("plan", f"predicted.{field}", stored, replayed, step)
     if list(p.peak_memory_bytes) != sim.peak_memory_bytes or p.fits_budget != sim.fits_budget:
         raise LynxPlanError(f"plan predicted.peak_memory_bytes / fits_budget ({p.peak_memory_bytes}, "
                             f"{p.fits_budget}) are not its decisions' ({sim.peak_memory_bytes}, {sim.fits_budget}); "
                             f"{_ADVICE}")
+    host_budget = sim.host_budget_bytes
+    over_host = [s for s in range(pp) if host_budget is not None and sim.host_bytes[s] > host_budget]
+    if over_host and host_budget is not None:
+        s = over_host[0]
+        raise LynxPlanError(f"plan stage {s}: its offload needs {format_size(sim.host_bytes[s])} of pinned host "
+                            f"memory, over the host_memory_budget {format_size(host_budget)} it was made for; "
+                            f"make a plan that fits (solver heu or opt) or raise host_memory_budget")
     over = [s for s in range(pp) if sim.peak_memory_bytes[s] > budget]
     if over:
         s = over[0]
@@ -152,6 +172,8 @@ def _check_decisions(stage: int, decisions: list[Any], nodes: set[str], microbat
                                 f"(another model, partition or stage); {_ADVICE}")
         if d.action == "keep" and (d.window is not None or d.windows):
             raise LynxPlanError(f"{where}: node {d.node!r} is kept but given a window; {_ADVICE}")
+        if d.action != "offload" and d.prefetch_at is not None:
+            raise LynxPlanError(f"{where}: node {d.node!r} is not offloaded but has a prefetch_at; {_ADVICE}")
         placed = dict(d.windows or {})
         for j, wid in sorted(placed.items()):
             if not 0 <= j < microbatches:
