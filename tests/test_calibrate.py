@@ -13,7 +13,8 @@ from lynx.planner.hardware_cache import auto_path
 from lynx.planner.hardware_files import load_hardware_file
 
 MEASURED = ("peak_flops.float32", "peak_flops.bfloat16", "memory_bandwidth", "op_overhead_s", "rng_s_per_element",
-            "optimizer_s_per_param.demo", "links.alpha_s", "links.beta_bytes_per_s")
+            "optimizer_s_per_param.demo", "links.alpha_s", "links.beta_bytes_per_s", "host_link.d2h_bytes_per_s",
+            "host_link.alpha_s")
 
 
 def test_repeated_median_and_spread() -> None:
@@ -36,6 +37,8 @@ def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> Non
     assert all(r > 0 for r in spec.peak_flops.values()) and spec.memory_bandwidth > 0 and spec.op_overhead_s > 0
     assert set(spec.optimizer_s_per_param) == {"adamw", "demo", "lion"}
     assert spec.links["pp"] == spec.links["dp"] and spec.links["pp"].alpha_s > 0
+    # offload on a CPU: a memcpy on the compute thread, measured
+    assert spec.host_link.synchronous and spec.host_link.h2d_bytes_per_s > 1e8 and spec.host_memory_bytes > 0
     assert load_hardware_file(auto_path()).model_dump() == spec.model_dump()  # the cache `auto` reads
     bad = CliRunner().invoke(app, ["calibrate", "--repeats", "0"])
     assert bad.exit_code == 2 and "--repeats must be >= 1" in bad.output

@@ -66,6 +66,7 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     from lynx.calibrate.cpu import OPTIMIZERS, ReferenceModel, generated_graphs_s, generated_op_overhead_s
     from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s
     from lynx.calibrate.cpu import optimizer_s_per_param
+    from lynx.calibrate.host_copies import memcpy_link
     from lynx.calibrate.links import measure_link
 
     say.total(2 + repeats)
@@ -76,7 +77,7 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     reference = ReferenceModel()
     m = {name: Repeated(name) for name in (
         "op_overhead_s", "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
-        "rng_s_per_element", *(f"optimizer_s_per_param.{o}" for o in OPTIMIZERS))}
+        "rng_s_per_element", *(f"optimizer_s_per_param.{o}" for o in OPTIMIZERS), *_HOST_LINK)}
     graphs_s: list[float] = []
     eager_overheads: list[float] = []
     for r in range(repeats):
@@ -95,6 +96,8 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
             m[f"peak_flops.{dtype}"].values.append(rates["matmul_flops"] * ratios[dtype])
         for name in OPTIMIZERS:
             m[f"optimizer_s_per_param.{name}"].values.append(steps[name])
+        for name, value in memcpy_link().items():
+            m[f"host_link.{name}"].values.append(value)
     # the generated code's per-op cost on the median rates: its spread is the timing's alone
     rates = {"matmul_flops": m["peak_flops.float32"].median, "memory_bandwidth": m["memory_bandwidth"].median,
              "rng_s_per_element": m["rng_s_per_element"].median}
@@ -108,18 +111,22 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         "memory_bytes": _physical_memory(), "links": {"pp": link, "tp": link, "dp": link},
         "op_overhead_s": m["op_overhead_s"].median, "rng_s_per_element": m["rng_s_per_element"].median,
         "optimizer_s_per_param": {o: m[f"optimizer_s_per_param.{o}"].median for o in OPTIMIZERS},
+        "host_link": {**{k.split(".", 1)[1]: m[k].median for k in _HOST_LINK}, "synchronous": True},
+        "host_memory_bytes": _physical_memory() // 2,
     }
     measured = [*m.values(), Repeated("links.alpha_s", alphas), Repeated("links.beta_bytes_per_s", betas)]
     notes = ["one thread per process, as a training rank runs; rates fitted to gpt-tiny's own nodes",
              "op overhead: per op of the generated graphs, fitted on gpt-tiny compiled as one stage (4 in flight)",
              "links: gloo between two processes of this host; pp, tp and dp all use it",
-             "bfloat16/float16 matmul: float32's fitted rate × their speed on a (512, 128) @ (128, 512) matmul"]
+             "bfloat16/float16 matmul: float32's fitted rate × their speed on a (512, 128) @ (128, 512) matmul",
+             "host link (offload): one thread copying 64 MiB between two buffers; host memory: half the RAM"]
     return fields, measured, notes, 1
 
 
 # ------------------------------------------------------------------------------- GPU
 def _measure_gpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     from lynx.calibrate.gpu import device_memory_bytes, launch_overhead_s, matmul_flops, memory_bandwidth
+    from lynx.calibrate.host_copies import pinned_link
     from lynx.calibrate.links import measure_link
 
     gpus = torch.cuda.device_count()
@@ -133,13 +140,15 @@ def _measure_gpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     device = torch.device("cuda", 0)
     name = torch.cuda.get_device_name(device)
     m = {n: Repeated(n) for n in ("peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16",
-                                  "memory_bandwidth", "op_overhead_s")}
+                                  "memory_bandwidth", "op_overhead_s", *_HOST_LINK)}
     for r in range(repeats):
         say.step(f"repeat {r + 1} of {repeats}: matmul per dtype, memory bandwidth, launch overhead on {name}")
         for dtype, rate in matmul_flops(device).items():
             m[f"peak_flops.{dtype}"].values.append(rate)
         m["memory_bandwidth"].values.append(memory_bandwidth(device))
         m["op_overhead_s"].values.append(launch_overhead_s(device))
+        for key, value in pinned_link(device).items():
+            m[f"host_link.{key}"].values.append(value)
     measured = list(m.values())
     if links_measured is not None:
         link = LinkSpec(alpha_s=statistics.median(links_measured[0]),
@@ -164,9 +173,16 @@ def _measure_gpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         "memory_bytes": device_memory_bytes(device),
         "links": links,
         "op_overhead_s": m["op_overhead_s"].median,
+        "host_link": {k.split(".", 1)[1]: m[k].median for k in _HOST_LINK},
+        "host_memory_bytes": _physical_memory() // max(1, gpus) // 2,
     }
     notes.append(f"GPU 0: {name}; float32 matmul with allow_tf32={torch.backends.cuda.matmul.allow_tf32}")
+    notes.append("host link (offload): pinned 256 MiB copies each way on a side stream, 4 KiB for the latency; "
+                 "host memory: half of the RAM's share per GPU")
     return fields, measured, notes, torch.get_num_threads()
+
+
+_HOST_LINK = ("host_link.alpha_s", "host_link.d2h_bytes_per_s", "host_link.h2d_bytes_per_s")
 
 
 def _closest_preset(gpu_name: str) -> str:

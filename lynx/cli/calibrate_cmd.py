@@ -23,6 +23,7 @@ _UNITS = {  # field prefix -> (scale, unit)
     "peak_flops": (1e-9, "GFLOP/s"), "memory_bandwidth": (1e-9, "GB/s"), "op_overhead_s": (1e6, "µs"),
     "rng_s_per_element": (1e9, "ns/number"), "optimizer_s_per_param": (1e9, "ns/param"),
     "links.alpha_s": (1e6, "µs"), "links.beta_bytes_per_s": (1e-9, "GB/s"),
+    "host_link.alpha_s": (1e6, "µs"), "host_link.d2h": (1e-9, "GB/s"), "host_link.h2d": (1e-9, "GB/s"),
 }
 
 
@@ -35,6 +36,9 @@ def calibration_rows(spec: Any) -> list[tuple[str, float, str, Optional[float]]]
                    "rng_s_per_element": spec.rng_s_per_element,
                    **{f"optimizer_s_per_param.{k}": v for k, v in spec.optimizer_s_per_param.items()},
                    "links.alpha_s": link.alpha_s, "links.beta_bytes_per_s": link.beta_bytes_per_s})
+    if spec.host_link is not None:
+        values.update({f"host_link.{k}": getattr(spec.host_link, k)
+                       for k in ("alpha_s", "d2h_bytes_per_s", "h2d_bytes_per_s")})
     rows = []
     for field, value in values.items():
         scale, unit = next(u for prefix, u in _UNITS.items() if field.startswith(prefix))
