@@ -65,7 +65,8 @@ plan's path or a :class:`lynx.Plan`) is used
     memory_budget: Optional[int] = None
     hardware: Any = "h100-sxm"
     optimizer: Literal["adamw", "demo", "lion"] = "adamw"
-    solver: Literal["opt", "heu", "none", "full", "full-block", "selective", "checkmate"] = "heu"
+    solver: Literal["opt", "heu", "none", "full", "full-block", "selective", "checkmate", "offload-all",
+                    "offload-modules"] = "heu"
     time_limit_s: float = 60.0
     plan: Any = None
     target: Optional[Literal["cuda", "cpu"]] = None
@@ -184,6 +185,8 @@ plan's path or a :class:`lynx.Plan`) is used
                 raise ValueError(str(err)) from None
         elif self.host_memory_budget is not None:
             raise ValueError("host_memory_budget is the pinned host memory offload may fill: set offload=True with it")
+        elif self.solver in ("offload-all", "offload-modules"):
+            raise ValueError(f"solver {self.solver!r} is an offload baseline: set offload=True with it")
         if self.schedule == "interleaved1f1b":
             if self.pp < 2:
                 raise ValueError("schedule 'interleaved1f1b' needs pp >= 2; use '1f1b' for one stage")

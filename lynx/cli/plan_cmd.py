@@ -227,8 +227,12 @@ def compare_records(graph: Any, config: CompileConfig, solvers: tuple[str, ...] 
     """Plan ``graph`` with every solver and baseline under one config; one record each."""
     from lynx.planner.loop import plan_graph_outcome
 
+    from lynx.solvers.setup import OFFLOAD_SOLVERS
+
     records = []
     for solver in solvers:
+        if solver in OFFLOAD_SOLVERS and not config.offload:
+            continue   # (offload baselines: with --offload)
         try:
             out = plan_graph_outcome(graph, config.replace(solver=solver), check_budget=False, progress=progress,
                                      pipeline=pipeline)

@@ -46,7 +46,8 @@ from lynx.planner.problems import (
 )
 from lynx.planner.simulator import SimResult, simulate_assignments
 from lynx.planner.timeline import PipelineCosts, run_timeline
-from lynx.solvers.problem import StageProblem, exposed_recompute_s
+from lynx.solvers.offload import total_exposed_s
+from lynx.solvers.problem import StageProblem
 from lynx.solvers.setup import REGISTRY, prepare, setup_seconds
 from lynx.solvers.validate import validate
 from lynx.units import format_size
@@ -230,7 +231,7 @@ def _still_hidden(problem: StageProblem, result: Any) -> Any:
         validate(problem, result.assignment)
     except LynxPlanError:
         return None
-    if exposed_recompute_s(problem, result.assignment) > 0:
+    if total_exposed_s(problem, result.assignment) > 0:
         return None
     return dataclasses.replace(result, search_time_s=0.0)
 
@@ -249,8 +250,9 @@ def _replay_agrees(results: list[Any], sim: SimResult) -> bool:
     its windows are still far from the plan's and the next round gains more (with 32
     microbatches, neighbouring stages' windows take several rounds: ``docs/planner.md``)."""
     tolerance = CONVERGED_REL * sim.step_time_s
-    return all(abs(exposed - result.objective_s) <= tolerance
-               for exposed, result in zip(sim.exposed_per_stage, results))
+    copies = getattr(sim, "exposed_copy_per_stage", None) or [0.0] * len(results)
+    return all(abs(exposed + copy - result.objective_s) <= tolerance
+               for exposed, copy, result in zip(sim.exposed_per_stage, copies, results))
 
 
 def _static_line(breakdown: list[dict[str, int]], stage: int) -> str:

@@ -214,7 +214,13 @@ def loads_from_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: lis
     on_demand: dict[tuple[int, int, int], float] = {}
     for problem, assignment in zip(problems, assignments):
         for node in problem.nodes:
-            if node.name not in assignment.recompute or node.recompute_s <= 0:
+            if node.name not in assignment.recompute:
+                continue
+            if node.recompute_s <= 0:   # (a view placed in a window: the window is still the plan's)
+                for j in range(problem.microbatches):
+                    wid = assignment.window_of.get((node.name, j))
+                    if wid is not None:
+                        window.setdefault(wid, 0.0)
                 continue
             block = graph.nodes[node.name]["block"]
             for j in range(problem.microbatches):

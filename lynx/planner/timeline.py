@@ -296,7 +296,7 @@ class _Replay:
         serves = (a.chunk, a.microbatch) if a.kind != "F" else self.served_by_recv_act(s, index)
         load = self.window_load(wid) if serves is not None else 0.0
         capacity = max(0.0, arrival - a.ready)
-        if serves is not None and (capacity > _EPS or load > 0):
+        if serves is not None and (capacity > _EPS or load > 0 or wid in self.loads.window):
             self.windows.append(Window(wid, s, kind, serves[1], a.ready, capacity, self.eligible(s, serves[0]), load))
         a.start = max(arrival, a.ready + load)
         self.account(s, a.ready, load, capacity, str(wid))

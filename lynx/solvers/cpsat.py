@@ -18,6 +18,8 @@
 * window capacity is soft: ``o[c, k] ≥ load − capacity`` counts as exposed.
 * objective: ``Σ_c |c| · (Σ_i cost_i · od[c, i] + Σ_k o[c, k])`` (or the peak, for
   ``minimise="memory"``).
+* offload (a stage with copy lanes): ``f[i]`` beside ``r[i]``, its memory, host-budget, time
+  and validity terms in :mod:`lynx.solvers.cpsat_offload`.
 
 Times are scaled to integers relative to the stage's recompute total, bytes to the tensor
 sizes' common divisor when that is at least ``budget / 2**26`` (exact), else to a unit of
@@ -41,6 +43,7 @@ from collections.abc import Callable
 
 from ortools.sat.python import cp_model
 
+from lynx.solvers.cpsat_offload import OffloadVars, add_offload, forbid_window_readers
 from lynx.solvers.stage_model import ModelSolution, StageModel
 from lynx.solvers.cpsat_symmetry import break_layer_symmetry
 
@@ -126,10 +129,16 @@ def solve_model(
     free = _free_items(model)
     r, x, od = _decision_vars(m, model, free)
     _dependencies(m, model, free, r, x, od)
-    if symmetry:
+    off = None
+    if model.offload is not None and all(it.mult == 1 for it in items):   # the fourth choice (cpsat_offload)
+        off = add_offload(m, model, model.offload, free, r, mem_w, unit, tau)
+        forbid_window_readers(m, model, model.offload, off, x)
+    elif symmetry:   # (identical layers are not interchangeable once copies are pending)
         break_layer_symmetry(m, model, free, r, x)
-    peak = _peak(m, model, free, r, x, od, mem_w, mem_t)
+    peak = _peak(m, model, free, r, x, od, mem_w, mem_t, off)
     exposed = _exposed(m, model, free, x, od, cost, tau)
+    if off is not None:
+        exposed = exposed + off.exposed
     if minimise == "memory":
         m.minimize(peak)
         scale = float(unit)
@@ -139,6 +148,9 @@ def solve_model(
         scale = tau
     if hint is not None:
         _add_hint(m, hint, free, r, x)
+        if off is not None and len(hint) == 3:
+            for i, v in off.f.items():
+                m.add_hint(v, bool(hint[2][i]))
 
     solver = _solver(time_limit_s - (time.perf_counter() - start), workers, deterministic_limit)
     callback = _Progress(progress, scale, start) if progress else None
@@ -155,6 +167,7 @@ def solve_model(
             if solver.value(v):
                 where[i] = k
         placement.append(tuple(where))
+    moved = tuple(bool(solver.value(off.f[i])) if i in off.f else False for i in range(len(items))) if off else ()
     return ModelSolution(
         status,
         rec,
@@ -162,6 +175,7 @@ def solve_model(
         solver.objective_value * scale,
         solver.best_objective_bound * scale,
         time.perf_counter() - start,
+        moved,
     )
 
 
@@ -253,7 +267,7 @@ def _exposed(m: cp_model.CpModel, model: StageModel, free: list[bool], x, od, co
 
 
 def _add_hint(m: cp_model.CpModel, hint, free: list[bool], r, x) -> None:
-    rec, plc = hint
+    rec, plc = hint[0], hint[1]   # (a third part: offload, added by solve_model)
     for i in range(len(r)):
         if free[i]:
             m.add_hint(r[i], bool(rec[i]))
@@ -293,19 +307,20 @@ class _Progress(cp_model.CpSolverSolutionCallback):
         )
 
 
-def _peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t):
+def _peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t, off: OffloadVars | None = None):
     """``in_flight · kept + P + T`` (see the module docstring), T per class including the
-    on-demand items regenerated early by a later group's saver."""
+    on-demand items regenerated early by a later group's saver; with offload, its terms
+    (:mod:`lynx.solvers.cpsat_offload`)."""
     items, classes = model.items, model.classes
     P = m.new_int_var(0, sum(mem_w), "prefetched")
-    T = m.new_int_var(0, max(sum(mem_t), 0), "transient")
+    T = m.new_int_var(0, max(sum(mem_t), 0) * (1 if off is None else model.in_flight + 2), "transient")
     groups: dict[int, list[int]] = {}
     for i, item in enumerate(items):
         if free[i] and mem_t[i] > 0:
             groups.setdefault(item.group, []).append(i)
     for c in range(len(classes)):
-        if x[c]:
-            m.add(P >= sum(mem_w[i] * v for (i, _), v in x[c].items()))
+        if x[c] or off is not None:
+            m.add(P >= sum(mem_w[i] * v for (i, _), v in x[c].items()) + (off.slot_bytes if off else 0))
     on_demand = od if classes else [[r[i] for i in range(len(items))]]
     early_items = [i for i, it in enumerate(items) if free[i] and it.saved_until is not None and it.mult == 1]
     for c, odc in enumerate(on_demand):
@@ -317,9 +332,15 @@ def _peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t):
                 u = m.new_int_var(0, reach, f"early{c}_{i}")
                 m.add(u >= sum(mem_t[k] * odc[k] for k in closure) - reach * (1 - odc[i]))
                 early.append(u)
-        for members in groups.values():
-            m.add(T >= sum(mem_t[i] * odc[i] for i in members) + sum(early))
-    return model.in_flight * (sum(mem_w) - sum(mem_w[i] * r[i] for i in range(len(items)) if free[i])) + P + T
+        if off is None:
+            for members in groups.values():
+                m.add(T >= sum(mem_t[i] * odc[i] for i in members) + sum(early))
+        else:   # every group: its offloaded values streamed back and the copies still pending
+            for q, held in enumerate(off.per_group):
+                members = groups.get(q, [])
+                m.add(T >= sum(mem_t[i] * odc[i] for i in members) + sum(early) + held)
+    freed = off.kept_freed if off is not None else 0
+    return model.in_flight * (sum(mem_w) - sum(mem_w[i] * r[i] for i in range(len(items)) if free[i]) - freed) + P + T
 
 
 def _group_ancestors(items, i: int) -> set[int]:

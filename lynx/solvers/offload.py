@@ -35,10 +35,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, is_sent, savers_of
+from lynx.solvers.problem import (Assignment, StageProblem, exposed_recompute_s, group_key, group_ranks, is_sent,
+                                  savers_of)
 
 __all__ = ["GroupLayout", "group_layout", "read_groups", "issue_group", "issue_steps", "offloadable",
-           "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes", "prefetch_bytes_by_issue"]
+           "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes", "prefetch_bytes_by_issue",
+           "offload_overhead", "total_exposed_s"]
 
 
 @dataclass(frozen=True)
@@ -209,3 +211,29 @@ def host_bytes(problem: StageProblem, assignment: Assignment) -> int:
     if not assignment.offload:
         return 0
     return problem.in_flight * sum(n.saved_bytes for n in problem.nodes if n.name in assignment.offload)
+
+
+def offload_overhead(problem: StageProblem, offload: frozenset[str] | set[str]) -> int:
+    """Device bytes offloading ``offload`` can add to a microbatch's backward at most: what
+    the first group reads (prefetched in the slot, held from the backward's start), plus the
+    largest, over groups, of the streamed values held while that group is backpropagated and
+    the copies of other microbatches still pending then (the solvers' bound, as
+    :mod:`lynx.solvers.cpsat_offload` counts it)."""
+    if not offload:
+        return 0
+    layout, reads = group_layout(problem), read_groups(problem)
+    ranks = group_ranks(problem)
+    size = {n.name: n.saved_bytes for n in problem.nodes}
+    own = {n.name: ranks[group_key(n)] for n in problem.nodes}
+    slot = sum(size[n] for n in offload if issue_group(reads[n], layout) < 0)
+    pending = pending_by_group(problem, Assignment(frozenset(), offload=frozenset(offload))) or [0] * layout.groups
+    worst = 0
+    for q in range(layout.groups):
+        held = sum(size[n] for n in offload if issue_group(reads[n], layout) >= 0 and own[n] <= q <= reads[n] + 1)
+        worst = max(worst, held + pending[q])
+    return slot + worst
+
+
+def total_exposed_s(problem: StageProblem, assignment: Assignment) -> float:
+    """Exposed recomputation plus exposed copy time: what the solvers minimise with offload."""
+    return exposed_recompute_s(problem, assignment) + copy_exposed_s(problem, assignment)

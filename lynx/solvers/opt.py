@@ -28,7 +28,8 @@ from lynx.solvers.budget import budget_error, check_time_limit
 from lynx.solvers.cpsat import ProgressFn, solve_model
 from lynx.solvers.heu.solve import solve_heu
 from lynx.solvers.memory import peak_activation_bytes
-from lynx.solvers.problem import Assignment, SolveResult, StageProblem, exposed_recompute_s
+from lynx.solvers.offload import host_bytes, total_exposed_s
+from lynx.solvers.problem import Assignment, SolveResult, StageProblem
 from lynx.solvers.stage_model import expand_solution, hint_from_assignment, model_from_problem
 from lynx.solvers.validate import validate
 
@@ -72,7 +73,7 @@ def solve_opt(
                 f"stage {problem.stage}: OPT found no plan within time_limit_s={time_limit_s}; "
                 f"raise the time limit or use solver='heu'"
             )
-        exposed = exposed_recompute_s(problem, hint)
+        exposed = total_exposed_s(problem, hint)
         gap = (exposed - sol.bound_s) / exposed if exposed > 0 and math.isfinite(sol.bound_s) else 0.0
         return SolveResult(hint, "FEASIBLE", exposed, max(gap, 0.0), time.perf_counter() - start)
     assignment = expand_solution(problem, model, sol)
@@ -84,10 +85,10 @@ def solve_opt(
                                 f"use solver='heu' and report this") from None
         warnings.warn(f"OPT's plan is invalid ({err}); returning HEU's plan (status FEASIBLE) instead",
                       RuntimeWarning, stacklevel=2)
-        exposed = exposed_recompute_s(problem, hint)
+        exposed = total_exposed_s(problem, hint)
         gap = (exposed - sol.bound_s) / exposed if exposed > 0 and math.isfinite(sol.bound_s) else 0.0
         return SolveResult(hint, "FEASIBLE", exposed, max(gap, 0.0), time.perf_counter() - start)
-    exposed = exposed_recompute_s(problem, assignment)
+    exposed = total_exposed_s(problem, assignment)
     gap = (sol.objective_s - sol.bound_s) / sol.objective_s if sol.objective_s > 0 else 0.0
     return SolveResult(assignment, sol.status, exposed, max(gap, 0.0), time.perf_counter() - start)
 
@@ -97,5 +98,7 @@ def _usable(problem: StageProblem, assignment: Assignment) -> bool:
     try:
         validate(problem, assignment)
     except LynxPlanError:
+        return False
+    if problem.copies is not None and host_bytes(problem, assignment) > problem.copies.host_budget_bytes:
         return False
     return peak_activation_bytes(problem, assignment) <= problem.activation_budget_bytes

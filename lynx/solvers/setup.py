@@ -27,7 +27,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["REGISTRY", "prepare", "cpsat", "setup_seconds"]
+__all__ = ["REGISTRY", "OFFLOAD_SOLVERS", "prepare", "cpsat", "setup_seconds"]
 
 # solver name -> (module, function); the module is imported on first use
 REGISTRY: dict[str, tuple[str, str]] = {
@@ -38,7 +38,12 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "full-block": ("lynx.solvers.baselines", "solve_full_block"),
     "selective": ("lynx.solvers.baselines", "solve_selective"),
     "checkmate": ("lynx.solvers.checkmate", "solve_checkmate"),
+    # offload baselines (offload=True): PipeOffload's policy, Megatron's module offloading
+    "offload-all": ("lynx.solvers.offload_baselines", "solve_offload_all"),
+    "offload-modules": ("lynx.solvers.offload_baselines", "solve_offload_modules"),
 }
+# solvers that decide offload, or need the copy lanes offload=True gives
+OFFLOAD_SOLVERS = ("offload-all", "offload-modules")
 
 _spent = [0.0]  # seconds of first imports so far in this process (see setup_seconds)
 

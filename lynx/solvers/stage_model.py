@@ -22,11 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lynx.planner.windows import WindowId
+from lynx.solvers.copies import StageCopies
 from lynx.solvers.memory import is_sent, savers_of
+from lynx.solvers.offload import offloadable, read_groups
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, microbatch_classes
 from lynx.solvers.validate import required_recompute_closure
 
 __all__ = [
+    "OffloadItems",
+    "offload_items",
     "ModelItem",
     "ModelClass",
     "StageModel",
@@ -61,11 +65,43 @@ class ModelClass:
 
 
 @dataclass(frozen=True)
+class OffloadItems:
+    """The offload side of a :class:`~lynx.solvers.stage_model.StageModel`."""
+
+    allowed: tuple[bool, ...]     # per item: may be offloaded
+    read_group: tuple[int, ...]   # per item: the latest group reading it
+    groups: int
+    copies: StageCopies
+    microbatches: int
+
+    def streamed(self, i: int) -> bool:
+        """Item ``i`` is prefetched during the backward (not in the slot)."""
+        return self.read_group[i] + 1 < self.groups
+
+
+def offload_items(problem: StageProblem, items: tuple[ModelItem, ...]) -> OffloadItems | None:
+    """Per model item what offloading it means (None: the stage has no copy lanes, or holds one
+    microbatch: a stage whose backward follows its forward has no time to copy in)."""
+    if problem.copies is None or problem.in_flight < 2:
+        return None
+    can = set(offloadable(problem))
+    reads = read_groups(problem)
+    allowed, read = [], []
+    for item in items:
+        saving = [n for n in item.nodes if n in can]
+        allowed.append(bool(saving) and not item.sent)
+        read.append(max((reads[n] for n in item.nodes), default=item.group))
+    groups = 1 + max((it.group for it in items), default=0)
+    return OffloadItems(tuple(allowed), tuple(read), groups, problem.copies, problem.microbatches)
+
+
+@dataclass(frozen=True)
 class StageModel:
     items: tuple[ModelItem, ...]
     classes: tuple[ModelClass, ...]
     in_flight: int
     budget_bytes: int
+    offload: OffloadItems | None = None   # the stage's copy lanes (offload=True)
 
 
 @dataclass(frozen=True)
@@ -76,6 +112,7 @@ class ModelSolution:
     objective_s: float  # exposed seconds (or peak bytes when minimising memory)
     bound_s: float
     search_time_s: float
+    offload: tuple[bool, ...] = ()  # per item: offloaded (models with offload)
 
 
 def _contract(problem: StageProblem) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -171,7 +208,9 @@ def model_from_problem(problem: StageProblem) -> StageModel:
             for layers in mc.eligible_layers
         )
         classes.append(ModelClass(len(mc.members), mc.capacities, eligible))
-    return StageModel(tuple(items), tuple(classes), problem.in_flight, problem.activation_budget_bytes)
+    items_t = tuple(items)
+    return StageModel(items_t, tuple(classes), problem.in_flight, problem.activation_budget_bytes,
+                      offload_items(problem, items_t))
 
 
 def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution) -> Assignment:
@@ -211,7 +250,20 @@ def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution
                           and (w := window_of.get((c, mb))) is not None]
                     if ks:
                         window_of[n.name, mb] = mc.window_ids[min(ks)][m_i]
-    return Assignment(frozenset(recompute), window_of)
+    offload: set[str] = set()
+    prefetch_of: dict[tuple[str, int], WindowId] = {}
+    if sol.offload and model.offload is not None and problem.copies is not None:
+        can = set(offloadable(problem))
+        for i, (item, moved) in enumerate(zip(model.items, sol.offload)):
+            if not moved:
+                continue
+            names = [n for n in item.nodes if n in can]
+            offload.update(names)
+            if not model.offload.streamed(i):   # read by the first group: prefetched in each slot
+                for j, slot in enumerate(problem.copies.slots):
+                    if slot is not None:
+                        prefetch_of.update({(n, j): slot.window for n in names})
+    return Assignment(frozenset(recompute), window_of, frozenset(offload), prefetch_of)
 
 
 def hint_from_assignment(problem: StageProblem, model: StageModel, assignment: Assignment):
@@ -224,4 +276,7 @@ def hint_from_assignment(problem: StageProblem, model: StageModel, assignment: A
         where = tuple(position.get(w) if (w := assignment.window_of.get((item.nodes[-1], first))) is not None else None
                       for item in model.items)
         placement.append(where)
+    if model.offload is not None:
+        moved = tuple(any(n in assignment.offload for n in item.nodes) for item in model.items)
+        return rec, tuple(placement), moved
     return rec, tuple(placement)

@@ -13,7 +13,8 @@ DIMS = dict(hidden=256, heads=8, seq=512, micro_batch=1)
 
 
 def test_registry_names():
-    assert SOLVERS == ("opt", "heu", "none", "full", "full-block", "selective", "checkmate")
+    assert SOLVERS == ("opt", "heu", "none", "full", "full-block", "selective", "checkmate", "offload-all",
+                       "offload-modules")
 
 
 def test_none_keeps_everything_and_says_when_it_does_not_fit():

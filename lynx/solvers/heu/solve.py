@@ -57,6 +57,7 @@ from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.solvers.heu.books import Books, Layout
 from lynx.solvers.heu.greedy import boundary_kept, greedy, reverse_greedy
 from lynx.solvers.heu.layers import Family, families, reduced, reduced_classes
+from lynx.solvers.heu.offload import forget_winners, solve_heu_offload
 from lynx.solvers.heu.realise import realise, reserves
 from lynx.solvers.heu.trade import trade
 from lynx.solvers.stage_model import ModelClass, ModelSolution, StageModel, expand_solution, model_from_problem
@@ -110,8 +111,10 @@ _CACHE: OrderedDict[int, list[_Structure]] = OrderedDict()  # by hash of the nod
 
 
 def clear_cache() -> None:
-    """Forget the cached stage structures (benchmarks time cold solves with it)."""
+    """Forget the cached stage structures (benchmarks time cold solves with it), and the offload
+    sets chosen before (:mod:`lynx.solvers.heu.offload`)."""
     _CACHE.clear()
+    forget_winners()
 
 
 def _structure(problem: StageProblem) -> tuple[_Structure, StageModel, Layout, StageModel, Layout]:
@@ -145,8 +148,14 @@ def _structure(problem: StageProblem) -> tuple[_Structure, StageModel, Layout, S
     return cached, model, cached.layout.for_model(model), red, cached.reduced_layout.for_model(red)
 
 
-def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=None) -> SolveResult:
-    """HEU plan for one stage (see module docstring); raises LynxBudgetError when none fits."""
+def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=None, exact: bool = True,
+              quick: bool = False) -> SolveResult:
+    """HEU plan for one stage (see module docstring); raises LynxBudgetError when none fits
+    (``exact=False``: without trying the exact model first). ``quick``: the first policy only,
+    no trade or polish (offload candidates, :mod:`lynx.solvers.heu.offload`). A stage with copy
+    lanes (offload) is planned by :func:`lynx.solvers.heu.offload.solve_heu_offload`."""
+    if problem.copies is not None:
+        return solve_heu_offload(problem, solve_heu, time_limit_s=time_limit_s)
     start = time.perf_counter()
     if problem.in_flight * sum(n.saved_bytes for n in problem.nodes) <= problem.activation_budget_bytes:
         # Keeping everything fits (its peak is in_flight × all saved bytes: lynx.solvers.memory)
@@ -155,7 +164,7 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     cached, model, lay, red, red_lay = _structure(problem)
     # The planner's fixed point re-solves stages whose windows did not change: same answer.
     key = (problem.windows, problem.microbatches, problem.in_flight, problem.activation_budget_bytes, problem.stage,
-           time_limit_s)  # (the time limit matters only to the exact fallback)
+           time_limit_s, quick)  # (the time limit matters only to the exact fallback)
     if key in cached.results:
         hit = cached.results[key]
         return dataclasses.replace(hit, search_time_s=time.perf_counter() - start)
@@ -165,7 +174,7 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     plans: list[tuple[Books, float]] = []  # every realisation, in order, with its exposed seconds
     best_exposed = float("inf")
     reserve = reserves(lay)  # windows that serve some layers only (tp): also fill reserving for them
-    for policy in (*POLICIES, _exact):
+    for policy in (POLICIES[0],) if quick else (*POLICIES, _exact):
         if best_exposed <= 1e-12:
             break  # nothing hidden better than nothing exposed
         if policy is _exact:
@@ -211,12 +220,14 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
             if assignment is not None:
                 break
         else:
+            if not exact:
+                raise LynxBudgetError(f"stage {problem.stage}: HEU's greedy plans do not fit the budget")
             return _remember(cached, key, _fallback(problem, model, time_limit_s, start))
     exposed = exposed_recompute_s(problem, assignment)
-    if exposed > 0:
+    if exposed > 0 and not quick:
         assignment, exposed = _traded(problem, model, lay, books, assignment, exposed, reserve,
                                       drops=reserve and lay.n > POLISH_ITEMS)
-    if exposed > 0 and lay.n <= POLISH_ITEMS:
+    if exposed > 0 and lay.n <= POLISH_ITEMS and not quick:
         assignment, exposed = _polish(problem, model, assignment, exposed, time_limit_s)
     result = SolveResult(assignment, "HEURISTIC", exposed, None, time.perf_counter() - start)
     return _remember(cached, key, result)

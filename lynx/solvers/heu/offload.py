@@ -1,0 +1,264 @@
+"""HEU with offload: pick what to copy to the host, then let the recompute heuristic plan the rest.
+
+Offload costs bandwidth, not compute, so what is worth copying is what is dear to recompute per
+byte (matmul outputs), and what is worth recomputing is what is cheap per byte (softmax, dropout
+masks, norms). :func:`solve_heu_offload`:
+
+1. solves the stage without offload (:func:`~lynx.solvers.heu.solve.solve_heu` on the problem
+   without copy lanes: the same nodes, so the same cached structure) — if it exposes nothing,
+   that is the plan;
+2. tries offload sets: the values a later group reads (:func:`boundaries`: a layer's input,
+   what recomputation keeps at its leanest), and for each share ``φ`` of the copy lanes
+   (``FRACTIONS``) the set :func:`choose_offload` picks — offloadable nodes by recompute
+   seconds per byte, highest first, while the prefetch lane has room: per group, the bytes that
+   arrive within the backward of the group above the one reading them (``φ × h2d bandwidth ×
+   its seconds``), for what the first-backpropagated group reads the microbatches' median slot
+   slack — within the host budget; identical layers get identical picks, so HEU's layer
+   families survive. A set whose rest cannot fit at all (Megatron-full's kept set over the
+   budget left) is skipped before solving;
+3. solves the recompute problem of the rest with the representative's first policy alone
+   (``quick``): the offloaded nodes saved nothing there (they are available, like kept values,
+   to what is recomputed from them) and the budget is smaller by what offloading can add to a
+   backward (:func:`lynx.solvers.offload.offload_overhead`). A stage solved again under the
+   same budget (the planner's next round) solves only what won before (that offload set, or
+   none), with every policy;
+4. joins the two, moves on demand what a window would recompute from a value that comes back
+   only during the backward, checks the whole plan (validity, the memory model's peak with the
+   copies pending, the host budget) and keeps the plan exposing least recompute plus copy time.
+
+Example::
+
+    >>> from lynx.solvers.cpsat_offload import with_copies
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> p = with_copies(make_uniform_problem(layers=4, microbatches=4, in_flight=4, budget_fraction=0.3))
+    >>> from lynx.solvers.heu.solve import solve_heu
+    >>> res = solve_heu_offload(p, solve_heu)
+    >>> bool(res.assignment.offload), res.status
+    (True, 'HEURISTIC')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+
+from lynx.errors import LynxBudgetError, LynxPlanError
+from lynx.solvers.baselines import layer_recompute_set
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.offload import (copy_exposed_s, group_layout, host_bytes, issue_group, offload_overhead, offloadable,
+                                  read_groups, total_exposed_s)
+from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
+from lynx.solvers.validate import validate
+
+__all__ = ["solve_heu_offload", "choose_offload", "boundaries", "forget_winners", "FRACTIONS"]
+
+# shares of the prefetch lane's room an offload set may fill (each is one recompute solve)
+FRACTIONS = (1.0, 0.5, 0.25)
+# offload sets solved per stage, best estimate first (:func:`_estimate`)
+SOLVED = 4
+# per (stage nodes, budget): the offload set that won last time (the planner's fixed point
+# re-solves the same stage with moved windows: only that set and none are tried again)
+_WINNERS: dict[tuple[int, int], tuple[tuple, frozenset[str]]] = {}
+_LEAN: dict[int, tuple[tuple, frozenset[str]]] = {}   # per stage nodes: Megatron-full's recomputed set
+
+
+def choose_offload(problem: StageProblem, fraction: float) -> frozenset[str]:
+    """Offloadable nodes, dearest to recompute per byte first, within ``fraction`` of the
+    prefetch lane's room per issuing group and the host budget (see the module docstring).
+
+    Decided per *position* — the k-th node of a layer class — for every layer at once (taken
+    where every layer's node fits), so identical layers stay identical; edge blocks' nodes on
+    their own."""
+    copies = problem.copies
+    if copies is None or problem.in_flight < 2:
+        return frozenset()
+    layout, reads = group_layout(problem), read_groups(problem)
+    slacks = [s.slack_s for s in copies.slots if s is not None]
+    room = {g: fraction * copies.h2d_bytes_per_s * max(0.0, copies.group_backward_s[g] - copies.alpha_s)
+            for g in range(min(layout.groups, len(copies.group_backward_s)))}
+    room[-1] = fraction * copies.h2d_bytes_per_s * max(0.0, (statistics.median(slacks) if slacks else 0.0)
+                                                       - copies.alpha_s)
+    host = copies.host_budget_bytes // max(1, problem.in_flight)
+    can = set(offloadable(problem))
+    positions: dict[tuple, list] = {}   # position -> its nodes, one per layer
+    index: dict[object, int] = {}
+    for n in problem.nodes:
+        k = index[n.layer] = index.get(n.layer, -1) + 1
+        if n.name in can:
+            key = (n.layer_class, k) if n.layer is not None else ("edge", n.name)
+            positions.setdefault(key, []).append(n)
+    order = sorted(positions.values(), key=lambda ns: (-ns[0].recompute_s / ns[0].saved_bytes, -ns[0].saved_bytes,
+                                                       ns[0].name))
+    chosen: list[str] = []
+    for nodes in order:
+        need: dict[int, int] = {}
+        for n in nodes:
+            g = issue_group(reads[n.name], layout)
+            need[g] = need.get(g, 0) + n.saved_bytes
+        total = sum(need.values())
+        if total <= host and all(nbytes <= room.get(g, 0.0) for g, nbytes in need.items()):
+            for g, nbytes in need.items():
+                room[g] -= nbytes
+            host -= total
+            chosen += [n.name for n in nodes]
+    return frozenset(chosen)
+
+
+def forget_winners() -> None:
+    """Forget the offload sets chosen before (cold solves)."""
+    _WINNERS.clear()
+
+
+def boundaries(problem: StageProblem) -> frozenset[str]:
+    """The offloadable values a later group reads (a layer's input, the residual stream): what
+    recomputation keeps at its leanest, so what offload can take off the device at the tightest
+    budgets (within the host budget)."""
+    if problem.copies is None or problem.in_flight < 2:
+        return frozenset()
+    reads, ranks = read_groups(problem), group_ranks(problem)
+    host = problem.copies.host_budget_bytes // max(1, problem.in_flight)
+    can = set(offloadable(problem))
+    chosen = []
+    for n in problem.nodes:
+        if n.name in can and reads[n.name] > ranks[group_key(n)] and n.saved_bytes <= host:
+            host -= n.saved_bytes
+            chosen.append(n.name)
+    return frozenset(chosen)
+
+
+def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveResult], *,
+                      time_limit_s: float = 10.0) -> SolveResult:
+    """HEU's plan with offload for a stage with copy lanes (see the module docstring);
+    ``solve_plain`` is HEU on a stage without copy lanes (:func:`lynx.solvers.heu.solve.solve_heu`)."""
+    start = time.perf_counter()
+    plain = dataclasses.replace(problem, copies=None)
+    memo = (id(problem.nodes), problem.activation_budget_bytes)
+    last = _WINNERS.get(memo)
+    again = last is not None and last[0] is problem.nodes   # the fixed point's next round
+    won = last[1] if again and last is not None else frozenset()
+    best: tuple[float, Assignment] | None = None
+    base = None
+    if not won:   # (again with an offload set that won: that set alone)
+        try:
+            base = solve_plain(plain, time_limit_s=time_limit_s)
+            best = (base.objective_s, base.assignment)
+        except LynxBudgetError:
+            pass
+    if best is None or best[0] > 0:
+        tried: set[frozenset[str]] = set()
+        candidates: list[tuple[frozenset[str], StageProblem]] = []
+        for chosen in ([won] if won else [] if again else
+                       [choose_offload(problem, fraction) for fraction in FRACTIONS] + [boundaries(problem)]):
+            if chosen and chosen not in tried:
+                tried.add(chosen)
+                rest = _rest(problem, chosen)
+                if rest is not None:
+                    candidates.append((chosen, rest))
+        # solve the SOLVED most promising by a quick estimate (what the rest must recompute at
+        # least, on demand, plus the copy time), not every one: each solve costs a base solve
+        candidates.sort(key=lambda c: _estimate(problem, *c))
+        winner: frozenset[str] = frozenset()
+        for chosen, rest in candidates[:SOLVED]:
+            found = _with_offload(problem, chosen, rest, solve_plain, time_limit_s)
+            if found is not None and (best is None or found[0] < best[0] - 1e-12):
+                best, winner = found, chosen
+        if len(_WINNERS) > 256:
+            _WINNERS.clear()
+        _WINNERS[memo] = (problem.nodes, winner)
+    if best is None:   # (nothing fits with offload either: the recompute plan, or its budget error)
+        return solve_plain(plain, time_limit_s=time_limit_s)
+    return SolveResult(best[1], "HEURISTIC", best[0], None, time.perf_counter() - start)
+
+
+def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_of: dict, streamed: set[str]
+                       ) -> dict:
+    """``window_of`` without the placements that read a streamed value, or (transitively) a
+    value of the same microbatch recomputed on demand."""
+    inputs = {n.name: n.inputs for n in problem.nodes}
+    changed = True
+    while changed:
+        changed = False
+        for (name, mb) in list(window_of):
+            if any(src in streamed or (src in recompute and (src, mb) not in window_of) for src in inputs[name]):
+                del window_of[(name, mb)]
+                changed = True
+    return window_of
+
+
+def _rest(problem: StageProblem, chosen: frozenset[str]) -> StageProblem | None:
+    """The recompute problem of what ``chosen`` leaves on the device (see the module docstring),
+    or None when not even its leanest plan (Megatron-full's kept set) fits."""
+    overhead = offload_overhead(problem, chosen)
+    if overhead >= problem.activation_budget_bytes:
+        return None
+    nodes = tuple(dataclasses.replace(n, saved_bytes=0, output_bytes=None if n.output_bytes is None else 0)
+                  if n.name in chosen else n for n in problem.nodes)
+    rest = dataclasses.replace(problem, nodes=nodes, copies=None,
+                               activation_budget_bytes=problem.activation_budget_bytes - overhead)
+    key = id(problem.nodes)   # (Megatron-full's set follows the groups, not the bytes: once per stage)
+    found = _LEAN.get(key)
+    if found is None or found[0] is not problem.nodes:
+        if len(_LEAN) > 256:
+            _LEAN.clear()
+        found = _LEAN[key] = (problem.nodes, layer_recompute_set(problem))
+    lean = Assignment(found[1] - chosen)
+    if peak_activation_bytes(rest, lean) > rest.activation_budget_bytes:
+        return None
+    return rest
+
+
+def _estimate(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> float:
+    """A quick figure for ranking offload sets: the recompute seconds ``rest`` needs at least —
+    the cheapest bytes per second dropped until every microbatch in flight's kept bytes fit,
+    all on demand — plus the copy time the set exposes."""
+    over = rest.in_flight * sum(n.saved_bytes for n in rest.nodes) - rest.activation_budget_bytes
+    seconds = 0.0
+    if over > 0:
+        for n in sorted((n for n in rest.nodes if n.saved_bytes > 0 and not n.sent),
+                        key=lambda n: n.recompute_s / n.saved_bytes):
+            seconds += n.recompute_s * rest.microbatches
+            over -= rest.in_flight * n.saved_bytes
+            if over <= 0:
+                break
+    layout, reads = group_layout(problem), read_groups(problem)
+    copies = problem.copies
+    assert copies is not None
+    prefetch = {(n, j): slot.window for n in chosen if issue_group(reads[n], layout) < 0
+                for j, slot in enumerate(copies.slots) if slot is not None}
+    return seconds + copy_exposed_s(problem, Assignment(frozenset(), {}, chosen, prefetch))
+
+
+def _with_offload(problem: StageProblem, chosen: frozenset[str], rest: StageProblem,
+                  solve_plain: Callable[..., SolveResult], time_limit_s: float,
+                  quick: bool = False) -> tuple[float, Assignment] | None:
+    """The recompute plan of ``rest`` with ``chosen`` offloaded, joined and checked (None: no fit)."""
+    try:   # (no exact model for a candidate)
+        res = solve_plain(rest, time_limit_s=time_limit_s, exact=False, quick=quick)
+    except LynxBudgetError:
+        return None
+    recompute = res.assignment.recompute
+    offload = chosen - recompute   # a zero-byte helper recomputed with its consumer is recomputed
+    layout, reads = group_layout(problem), read_groups(problem)
+    copies = problem.copies
+    assert copies is not None
+    prefetch = {(n, j): slot.window for n in offload if issue_group(reads[n], layout) < 0
+                for j, slot in enumerate(copies.slots) if slot is not None}
+    # a window may not recompute from a value that comes back only during the backward: there,
+    # recompute on demand instead — and so what reads that, in the same microbatch
+    streamed = {n for n in offload if issue_group(reads[n], layout) >= 0}
+    window_of = _on_demand_readers(problem, recompute, dict(res.assignment.window_of), streamed)
+    assignment = Assignment(recompute, window_of, offload, prefetch)
+    if host_bytes(problem, assignment) > copies.host_budget_bytes:
+        return None
+    if len(window_of) != len(res.assignment.window_of) or offload != chosen:
+        # moved on demand, or a helper recomputed after all: check what the bound no longer covers
+        # (otherwise the rest's plan fits its budget, and offloading adds at most the overhead)
+        try:
+            validate(problem, assignment)
+        except LynxPlanError:
+            return None
+        if peak_activation_bytes(problem, assignment) > problem.activation_budget_bytes:
+            return None
+    return total_exposed_s(problem, assignment), assignment

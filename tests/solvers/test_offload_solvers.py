@@ -1,0 +1,101 @@
+"""OPT, HEU and the offload baselines decide keep / recompute / offload together, under the device
+and host budgets, and every plan is valid and scored by the same accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lynx.config import CompileConfig
+from lynx.errors import LynxConfigError
+from lynx.planner.comm import CommModel
+from lynx.planner.loop import plan_graph_outcome
+from lynx.planner.synthetic import synthetic_graph
+from lynx.solvers import solve
+from lynx.solvers.cpsat_offload import with_copies
+from lynx.solvers.heu.offload import boundaries, choose_offload
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.offload import host_bytes, offloadable, total_exposed_s
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.validate import validate
+
+
+def _tight(fraction=0.3, bytes_per_s=2e11, **copies):
+    return with_copies(make_uniform_problem(layers=4, microbatches=4, in_flight=4, budget_fraction=fraction),
+                       bytes_per_s=bytes_per_s, **copies)
+
+
+def _check(p, res):
+    validate(p, res.assignment)
+    assert peak_activation_bytes(p, res.assignment) <= p.activation_budget_bytes
+    assert host_bytes(p, res.assignment) <= p.copies.host_budget_bytes
+
+
+def test_opt_and_heu_offload_what_recomputation_would_expose() -> None:
+    p = _tight()
+    plain = dataclasses.replace(p, copies=None)
+    for name in ("opt", "heu"):
+        without, with_ = solve(name, plain, time_limit_s=10), solve(name, p, time_limit_s=10)
+        _check(p, with_)
+        assert with_.assignment.offload and not (with_.assignment.offload & with_.assignment.recompute)
+        assert total_exposed_s(p, with_.assignment) < without.objective_s
+    opt, heu = solve("opt", p, time_limit_s=10), solve("heu", p, time_limit_s=10)
+    assert opt.status == "OPTIMAL" and opt.objective_s <= heu.objective_s + 1e-12
+
+
+def test_a_slow_link_or_a_small_host_leaves_offload_out() -> None:
+    slow = _tight(bytes_per_s=1e6)   # a copy of a layer's bytes would take seconds
+    res = solve("opt", slow, time_limit_s=10)
+    _check(slow, res)
+    assert not res.assignment.offload
+    small = _tight(host_budget_bytes=1)
+    for name in ("opt", "heu"):
+        res = solve(name, small, time_limit_s=10)
+        _check(small, res)
+        assert not res.assignment.offload
+
+
+def test_heu_offload_sets_keep_identical_layers_identical() -> None:
+    p = _tight()
+    by = {n.name: n for n in p.nodes}
+    for chosen in (choose_offload(p, 1.0), choose_offload(p, 0.5), boundaries(p)):
+        per_layer: dict[int, list[int]] = {}
+        for n in p.nodes:
+            if n.layer is not None and n.layer < 3:   # (the top layer reads in its slot: its own room)
+                per_layer.setdefault(n.layer, []).append(int(n.name in chosen))
+        assert len({tuple(v) for v in per_layer.values()}) == 1
+        assert chosen <= set(offloadable(p)) and all(by[n].saved_bytes > 0 for n in chosen)
+
+
+def test_offload_baselines() -> None:
+    p = _tight(fraction=1.0)
+    every, modules = solve("offload-all", p), solve("offload-modules", p)
+    assert every.assignment.offload == frozenset(offloadable(p))
+    assert modules.assignment.offload < every.assignment.offload and not modules.assignment.recompute
+    assert every.status == "FEASIBLE"
+    with pytest.raises(LynxConfigError, match="offload=True"):
+        solve("offload-all", dataclasses.replace(p, copies=None))
+    with pytest.raises(LynxConfigError, match="offload baseline"):
+        CompileConfig(solver="offload-all")
+
+
+def test_plans_with_offload_end_to_end_on_a_synthetic_pipeline() -> None:
+    g = synthetic_graph(layers=8)
+    from lynx.planner.hardware import get_hardware
+
+    hw = get_hardware("a100-80g")
+    base = CompileConfig(pp=2, microbatches=8, hardware=hw, solver="none", memory_budget=2**40)
+    comm = CommModel.from_hardware(hw, tp=1, dp=1, optimizer="adamw")
+    none = plan_graph_outcome(g, base, comm=comm, check_budget=False)
+    full = plan_graph_outcome(g, base.replace(solver="full"), comm=comm, check_budget=False)
+    budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes)
+                                                            - max(full.sim.peak_memory_bytes)))
+    cfg = base.replace(memory_budget=budget, offload=True, solver="heu")
+    heu = plan_graph_outcome(g, cfg, comm=comm)
+    recompute_only = plan_graph_outcome(g, cfg.replace(offload=False), comm=comm)
+    assert heu.plan.predicted.fits_budget and heu.sim.step_time_s <= recompute_only.sim.step_time_s * (1 + 1e-9)
+    assert heu.plan.config["offload"] is True and "offload" in heu.plan.config
+    for solver in ("offload-all", "offload-modules"):
+        out = plan_graph_outcome(g, cfg.replace(solver=solver), comm=comm, check_budget=False)
+        assert any(d.action == "offload" for s in out.plan.stages for d in s.decisions)
