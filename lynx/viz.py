@@ -27,26 +27,28 @@ from typing import Any, Sequence, Union
 
 __all__ = ["COLORS", "DETAIL_COLORS", "draw_timeline", "stage_totals", "timeline_bars", "timeline_detail"]
 
-COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "comm": "#55A868", "idle": "#D9D9D9"}
-DETAIL_COLORS = {"forward": "#4C72B0", "backward": "#8172B3", "recompute hidden": "#F2B880",
+COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "runtime": "#8C8C8C", "comm": "#55A868", "idle": "#D9D9D9"}
+DETAIL_COLORS = {"forward": "#4C72B0", "backward": "#8172B3", "runtime": "#8C8C8C", "recompute hidden": "#F2B880",
                  "recompute exposed": "#C44E52", "comm": "#55A868", "optimizer": "#937860", "idle": "#D9D9D9"}
-_DETAIL_NAMES = {"forward": "forward", "backward": "backward", "recompute hidden": "recompute hidden in a window",
+_DETAIL_NAMES = {"forward": "forward", "backward": "backward", "runtime": "the runtime's own host work",
+                 "recompute hidden": "recompute hidden in a window",
                  "recompute exposed": "recompute exposed", "comm": "communication waited for",
                  "optimizer": "optimizer step", "idle": "idle"}
 
 
 def stage_totals(bars: Sequence[tuple[int, str, float, float]], step_time_s: float) -> dict[int, dict[str, float]]:
-    """Seconds of compute, recompute, communication and idle per stage (idle = the rest)."""
+    """Seconds of compute, recompute, the runtime's own work, communication and idle per stage
+    (idle = the rest)."""
     totals: dict[int, dict[str, float]] = {}
     for stage, kind, start, end in bars:
-        entry = totals.setdefault(stage, {"compute": 0.0, "recompute": 0.0, "comm": 0.0, "idle": 0.0})
-        if kind in ("compute", "recompute"):
+        entry = totals.setdefault(stage, {"compute": 0.0, "recompute": 0.0, "runtime": 0.0, "comm": 0.0, "idle": 0.0})
+        if kind in ("compute", "recompute", "runtime"):
             entry[kind] += end - start
     for stage, kind, start, end in bars:
         if kind == "comm":  # collectives overlapping compute are not idle time
             totals[stage]["comm"] += end - start
     for entry in totals.values():
-        entry["idle"] = max(0.0, step_time_s - entry["compute"] - entry["recompute"])
+        entry["idle"] = max(0.0, step_time_s - entry["compute"] - entry["recompute"] - entry["runtime"])
     return totals
 
 
@@ -90,8 +92,8 @@ def draw_timeline(bars: Sequence[tuple[int, str, float, float]], step_time_s: fl
     return written
 
 
-_BAR_KIND = {"forward": "compute", "backward": "compute", "recompute": "recompute", "tp": "comm",
-             "dp": "comm", "wait": "idle", "optimizer": "compute"}
+_BAR_KIND = {"forward": "compute", "backward": "compute", "recompute": "recompute", "runtime": "runtime",
+             "tp": "comm", "dp": "comm", "wait": "idle", "optimizer": "compute"}
 
 
 def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
@@ -117,7 +119,7 @@ def _draw_merged(ax: Any, bars: Sequence[tuple[int, str, float, float]], stages:
     for stage in stages:
         y = len(stages) - 1 - stages.index(stage)
         ax.broken_barh([(0, step_time_s * scale)], (y - 0.4, 0.8), facecolors=COLORS["idle"])
-        for kind in ("compute", "recompute", "idle"):
+        for kind in ("compute", "recompute", "runtime", "idle"):
             spans = [(s * scale, (e - s) * scale) for st, k, s, e in bars if st == stage and k == kind]
             if spans:
                 ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=COLORS[kind], linewidth=0)
@@ -159,8 +161,9 @@ def _microbatch(label: str) -> str:
 def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
     """The replayed step as labelled bars per stage: ``(stage, kind, start_s, end_s, label)``.
 
-    ``kind`` is ``forward``, ``backward``, ``recompute hidden``, ``recompute exposed``, ``comm``
-    (a transfer or collective the stage waits for) or ``optimizer``; the label names the
+    ``kind`` is ``forward``, ``backward``, ``runtime`` (the runtime's own host work for an
+    action), ``recompute hidden``, ``recompute exposed``, ``comm`` (a transfer or collective
+    the stage waits for) or ``optimizer``; the label names the
     microbatch (``F3``, ``B3``, ``R3``). Consecutive bars of one kind and label are merged.
     """
     windows = {(w.device, str(w.id)): w for w in timeline.windows}
@@ -181,6 +184,8 @@ def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
         s = seg.device
         if seg.kind in ("forward", "backward"):
             add(s, seg.kind, seg.start, seg.end, seg.kind[0].upper() + _microbatch(seg.label))
+        elif seg.kind == "runtime":
+            add(s, "runtime", seg.start, seg.end, seg.label.split(" ", 1)[0])
         elif seg.kind == "recompute":
             window = windows.get((s, seg.label))
             if window is None:   # on demand, before the backward that follows it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lynx.errors import LynxConfigError
@@ -141,3 +143,29 @@ def test_more_stages_than_layers_is_refused() -> None:
         partition_graph(g, pp=4)
     with pytest.raises(LynxConfigError, match="virtual_stages"):
         partition_graph(g, pp=2, virtual=2)
+
+
+@pytest.mark.parametrize("schedule,p,m", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 4, 8)])
+def test_the_runtime_cost_is_charged_on_every_action(schedule: str, p: int, m: int) -> None:
+    """Each forward and backward costs ``action_s`` more: on uniform stages the step grows by
+    the critical path's (m + p − 1) forwards and as many backwards, and every device is busy
+    2m × action_s longer, drawn as ``runtime`` segments before the actions' graphs."""
+    plain = PipelineCosts.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0, schedule=schedule)
+    charged = dataclasses.replace(plain, action_s=0.25)
+    t0, t1 = run_timeline(plain), run_timeline(charged)
+    assert t1.step_time_s == pytest.approx(t0.step_time_s + 2 * (m + p - 1) * 0.25)
+    assert t1.busy_s == pytest.approx([b + 2 * m * 0.25 for b in t0.busy_s])
+    runtime = [g for g in t1.segments if g.kind == "runtime"]
+    assert len(runtime) == 2 * m * p and all(g.end - g.start == pytest.approx(0.25) for g in runtime)
+    for g in runtime:  # the action's graphs follow at once
+        assert any(h.device == g.device and h.kind in ("forward", "backward") and h.start == pytest.approx(g.end)
+                   for h in t1.segments)
+
+
+def test_build_pipeline_takes_the_runtime_cost_from_the_hardware() -> None:
+    from lynx.planner.hardware import get_hardware
+
+    spec = get_hardware("cpu-local").model_copy(update={"runtime_action_s": 3e-4})
+    g = synthetic_graph(layers=4)
+    assert build_pipeline(g, pp=2, microbatches=4, hardware=spec).action_s == 3e-4
+    assert build_pipeline(g, pp=2, microbatches=4, hardware=get_hardware("cpu-local")).action_s == 0.0

@@ -3,6 +3,8 @@ apart, recomputation hidden vs exposed, communication where a stage waits for it
 
 from __future__ import annotations
 
+import pytest
+
 import lynx
 from lynx.planner.comm import CommModel
 from lynx.planner.loop import plan_graph
@@ -48,5 +50,21 @@ def test_recomputation_is_split_into_hidden_and_exposed(tmp_path):
     assert mismatch < 1e-9, (hidden, exposed, plan.predicted)
     labels = {label for _, kind, _, _, label in plan.timeline_detail if kind.startswith("recompute")}
     assert labels and all(label.startswith("R") and label[1:].isdigit() for label in labels)
+    written = draw_timeline(plan.timeline, plan.predicted.step_time_s, tmp_path / "t", detail=plan.timeline_detail)
+    assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_the_runtime_cost_is_its_own_bar_kind(tmp_path):
+    from lynx.planner.hardware import get_hardware
+    from lynx.viz import stage_totals
+
+    spec = get_hardware("cpu-local").model_copy(update={"runtime_action_s": 1e-4})
+    config = lynx.CompileConfig(pp=2, microbatches=4, solver="none", memory_budget="80GiB", hardware=spec)
+    plan = plan_graph(synthetic_graph(layers=4), config)
+    runtime = [(s, label) for s, kind, _, _, label in plan.timeline_detail if kind == "runtime"]
+    assert sorted(label for s, label in runtime if s == 0) == sorted([f"F{j}" for j in range(4)] +
+                                                                    [f"B{j}" for j in range(4)])
+    totals = stage_totals(plan.timeline, plan.predicted.step_time_s)
+    assert totals[0]["runtime"] == pytest.approx(8 * 1e-4) and totals[1]["runtime"] == pytest.approx(8 * 1e-4)
     written = draw_timeline(plan.timeline, plan.predicted.step_time_s, tmp_path / "t", detail=plan.timeline_detail)
     assert all(p.stat().st_size > 0 for p in written)

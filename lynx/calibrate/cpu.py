@@ -1,4 +1,4 @@
-"""What a CPU rank costs: eager op overhead, matmul and elementwise rates, random numbers, optimizer steps.
+"""What a CPU rank costs: op overhead of generated code, matmul and elementwise rates, random numbers, optimizer steps.
 
 Rates are fitted to the forward times of a small GPT's own nodes (``gpt-tiny`` at seq 64 × 8,
 ``examples/train_gpt.py``'s shapes) as :func:`lynx.frontend.measure.measure_times` times them, each less
@@ -9,28 +9,38 @@ are fresh memory, so a model's own ops are the reference. bf16 and fp16 matmul r
 fp32 fit scaled by a matmul of gpt-tiny's shape timed in each dtype. Optimizer steps are timed
 on gpt-tiny's parameters (one rank, no exchange).
 
+The host cost of one op of the generated graphs stages run is measured on generated code
+directly: gpt-tiny at seq 4 × 1 compiled as one stage, where an op's arithmetic is a few
+hundred nanoseconds, timed forward and backward and divided by the ops it runs (the little
+arithmetic the rates price is taken off first). Everything here runs on the calling thread and
+is timed by its CPU clock, the fastest of several runs (:func:`lynx.calibrate.repeats.fastest`).
+
 Example::
 
     >>> import torch
     >>> from lynx.calibrate.cpu import op_overhead_s
-    >>> 0 < op_overhead_s(ops=200, runs=2) < 1e-3
+    >>> 0 < op_overhead_s(ops=200, runs=2).seconds < 1e-3
     True
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
-from lynx.calibrate.repeats import best_of
+from lynx.calibrate.repeats import Timing, fastest
 
 __all__ = [
     "MATMUL_OPS",
+    "OPTIMIZERS",
     "ReferenceModel",
     "op_overhead_s",
     "node_rates",
     "generated_graphs_s",
+    "generated_ops",
+    "priced_graphs_s",
     "generated_op_overhead_s",
     "matmul_dtype_ratios",
     "optimizer_s_per_param",
@@ -41,30 +51,36 @@ OPTIMIZERS = ("adamw", "demo", "lion")
 
 
 class ReferenceModel:
-    """gpt-tiny at train_gpt's shapes, captured and profiled once for every repeat."""
+    """gpt-tiny at the given shapes, captured, profiled and planned (``pp`` stages, everything
+    kept) once for every repeat; ``compiled`` is what :class:`lynx.runtime.Pipeline` runs."""
 
-    def __init__(self, seq: int = 64, microbatch: int = 8) -> None:
+    def __init__(self, seq: int = 64, microbatch: int = 8, pp: int = 1, microbatches: int = 4) -> None:
         import lynx
 
         torch.manual_seed(0)
         self.resolved = lynx.models.resolve_model("gpt-tiny", seq=seq, microbatch=microbatch, device="cpu")
-        self.analysis = lynx.analyze(
-            self.resolved.model, self.resolved.example_inputs, target="cpu", hardware="cpu-local"
-        )
+        self.compiled = lynx.compile(self.resolved.model, self.resolved.example_inputs, pp=pp,
+                                     microbatches=microbatches, solver="none", hardware="cpu-local", target="cpu")
+        self.analysis = self.compiled.analysis
 
 
-def op_overhead_s(ops: int = 2000, runs: int = 3) -> float:
+def op_overhead_s(ops: int = 2000, runs: int = 5) -> Timing:
     """Seconds of one eager op on a 4-element tensor: dispatch, allocation, no work to speak of."""
     x = torch.randn(4)
-    return best_of(lambda: [x.add(1.0) for _ in range(ops)], runs) / ops
+    t = fastest(lambda: [x.add(1.0) for _ in range(ops)], runs)
+    return Timing(t.seconds / ops, t.cpu_share)
 
 
-def node_rates(reference: ReferenceModel, overhead_s: float) -> dict[str, float]:
-    """``matmul_flops``, ``memory_bandwidth`` and ``rng_s_per_element`` fitted to the reference's nodes."""
+def node_rates(reference: ReferenceModel, overhead_s: float, runs: int = 5) -> dict[str, float]:
+    """``matmul_flops``, ``memory_bandwidth`` and ``rng_s_per_element`` fitted to the reference's
+    nodes (each the fastest of ``runs`` in CPU time), and ``cpu_share`` of the pass."""
     from lynx.frontend.measure import measure_times
     from lynx.planner.cost import random_elements
 
-    G = measure_times(reference.analysis.graph.copy(), reference.analysis.captured, repeats=3, statistic=min)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    G = measure_times(reference.analysis.graph.copy(), reference.analysis.captured, repeats=runs, statistic=min,
+                      clock=time.thread_time)
+    share = min(1.0, (time.thread_time() - cpu) / max(time.perf_counter() - wall, 1e-9))
     flops = matmul_s = moved = moved_s = 0.0
     random_nodes = []
     for _, attrs in G.nodes(data=True):
@@ -84,11 +100,12 @@ def node_rates(reference: ReferenceModel, overhead_s: float) -> dict[str, float]
         "matmul_flops": flops / max(matmul_s, 1e-12),
         "memory_bandwidth": bandwidth,
         "rng_s_per_element": max(0.0, rng_s) / elements if elements else 0.0,
+        "cpu_share": share,
     }
 
 
-def generated_graphs_s(reference: ReferenceModel, in_flight: int = 4, runs: int = 3) -> float:
-    """Seconds per microbatch of the reference's generated forward and backward graphs.
+def generated_graphs_s(reference: ReferenceModel, in_flight: int = 4, runs: int = 5) -> Timing:
+    """CPU seconds per microbatch of the reference's generated forward and backward graphs.
 
     The reference runs as one compiled stage that keeps everything, ``in_flight`` microbatches
     forward then backward (a pipeline stage holds several); the fastest of ``runs``."""
@@ -105,49 +122,57 @@ def generated_graphs_s(reference: ReferenceModel, in_flight: int = 4, runs: int 
             stage.release(j)
 
     microbatches()  # traces and partitions the joint graph once
-    seconds = best_of(microbatches, runs) / in_flight
+    t = fastest(microbatches, runs)
     for p in stage.parameters():
         p.grad = None
-    return seconds
+    return Timing(t.seconds / in_flight, t.cpu_share)
 
 
-def generated_op_overhead_s(reference: ReferenceModel, rates: dict[str, float], graphs_s: float,
-                            floor_s: float = 0.0) -> float:
-    """Host seconds per op of the generated graphs stages run, fitted on the reference model.
+def generated_ops(reference: ReferenceModel) -> int:
+    """Ops the reference's generated forward and backward graphs run per microbatch (the
+    profile counts them per node from the joint graph: ``forward_ops`` / ``backward_ops``)."""
+    graph = reference.analysis.graph
+    return sum((graph.nodes[n].get("forward_ops") or 0) + (graph.nodes[n].get("backward_ops") or 0) for n in graph)
 
-    From ``graphs_s`` (:func:`generated_graphs_s`) the arithmetic the cost model prices with
-    ``rates`` (:func:`node_rates`) is taken, and the rest shared over the ops the generated
-    forward and backward graphs run (their nodes' ``forward_ops`` and ``backward_ops``): Python
-    calling each op, dispatch, the copies and allocations around the kernels. Never below
-    ``floor_s`` (an eager op's overhead: a generated op is the same dispatch, called from Python).
-    """
+
+def priced_graphs_s(reference: ReferenceModel, rates: dict[str, float], op_s: float = 0.0) -> float:
+    """What the cost model prices one microbatch's forward and backward of the reference at:
+    the arithmetic from ``rates`` (:func:`node_rates`) and ``op_s`` per generated op."""
     from lynx.planner.cost import node_backward_s, node_forward_s
     from lynx.planner.hardware import HardwareSpec, LinkSpec
 
     graph = reference.analysis.graph
-    link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9)  # unused: the arithmetic alone is priced
-    arithmetic = HardwareSpec(name="arithmetic", device="cpu", peak_flops={"float32": rates["matmul_flops"]},
-                              achievable_fraction=1.0, memory_bandwidth=rates["memory_bandwidth"], memory_bytes=2**30,
-                              links={"pp": link, "tp": link, "dp": link},
-                              rng_s_per_element=rates["rng_s_per_element"])
+    link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9)  # unused: no communication is priced
+    spec = HardwareSpec(name="reference", device="cpu", peak_flops={"float32": rates["matmul_flops"]},
+                        achievable_fraction=1.0, memory_bandwidth=rates["memory_bandwidth"], memory_bytes=2**30,
+                        links={"pp": link, "tp": link, "dp": link}, op_overhead_s=op_s,
+                        rng_s_per_element=rates["rng_s_per_element"])
     dtype = str(graph.graph.get("dims", {}).get("dtype") or "float32")
-    priced = sum(node_forward_s(graph.nodes[n], arithmetic, dtype) + node_backward_s(graph.nodes[n], arithmetic, dtype)
-                 for n in graph)
-    ops = sum((graph.nodes[n].get("forward_ops") or 0) + (graph.nodes[n].get("backward_ops") or 0) for n in graph)
-    return max(floor_s, (graphs_s - priced) / max(ops, 1))
+    return sum(node_forward_s(graph.nodes[n], spec, dtype) + node_backward_s(graph.nodes[n], spec, dtype)
+               for n in graph)
 
 
-def matmul_dtype_ratios(m: int = 512, k: int = 128, n: int = 512, runs: int = 5) -> dict[str, float]:
+def generated_op_overhead_s(small: ReferenceModel, rates: dict[str, float], graphs_s: float) -> float:
+    """Host seconds per op of generated code: ``graphs_s`` (:func:`generated_graphs_s` of a
+    reference so small that arithmetic is a few percent of it) less that arithmetic, per op.
+
+    It is what Python calling each op, dispatch, and the allocations around the kernels cost;
+    measured, not the remainder of a large model's time (which is a few percent of it and so
+    as unsteady as the rest of the fit)."""
+    return max(0.0, graphs_s - priced_graphs_s(small, rates)) / max(generated_ops(small), 1)
+
+
+def matmul_dtype_ratios(m: int = 512, k: int = 128, n: int = 512, runs: int = 3) -> dict[str, float]:
     """Per dtype, the speed of a ``(m, k) @ (k, n)`` matmul relative to float32's."""
     times = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)  # (m, k), (k, n)
         torch.mm(a, b)
-        times[str(dtype).removeprefix("torch.")] = best_of(lambda: torch.mm(a, b), runs)
+        times[str(dtype).removeprefix("torch.")] = fastest(lambda: torch.mm(a, b), runs, min_total_s=0.01).seconds
     return {name: times["float32"] / t for name, t in times.items()}
 
 
-def optimizer_s_per_param(reference: ReferenceModel, runs: int = 3) -> dict[str, float]:
+def optimizer_s_per_param(reference: ReferenceModel, runs: int = 5) -> dict[str, Timing]:
     """Seconds per parameter of one step of AdamW, DeMo and DistributedLion on the reference's parameters."""
     from lynx.optim import DeMo, DistributedLion
 
@@ -165,7 +190,8 @@ def optimizer_s_per_param(reference: ReferenceModel, runs: int = 3) -> dict[str,
     for name in OPTIMIZERS:
         opt = makers[name]()
         opt.step()  # state allocation, first-step work
-        out[name] = best_of(opt.step, runs) / count
+        t = fastest(opt.step, runs)
+        out[name] = Timing(t.seconds / count, t.cpu_share)
     with torch.no_grad():
         for p, s in zip(params, saved):
             p.copy_(s)

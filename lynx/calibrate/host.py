@@ -1,13 +1,16 @@
 """``lynx calibrate``: measure this host into a :class:`~lynx.planner.hardware.HardwareSpec`.
 
 On CPU it measures what ``cpu-local`` holds (one thread per rank, as ``examples/train_gpt.py``
-runs): matmul and elementwise rates, eager op overhead, random numbers, optimizer steps
-(:mod:`lynx.calibrate.cpu`) and the gloo link between two processes of this host
+runs): matmul and elementwise rates, the host cost of an op of generated code, random numbers,
+optimizer steps (:mod:`lynx.calibrate.cpu`), the runtime's own work per pipeline action
+(:mod:`lynx.calibrate.runtime`) and the gloo link between two processes of this host
 (:mod:`lynx.calibrate.links`), which pp, tp and dp all use here. With CUDA it measures the
 first GPU instead (:mod:`lynx.calibrate.gpu`) and the NCCL link between the first two GPUs; with
 one GPU no link can be seen, so the links are a datasheet preset's (named in the notes). Every
-quantity is measured ``repeats`` times; the spec holds the medians and its ``calibration``
-block the spread, the time taken and the load average before and after.
+quantity is measured ``repeats`` times, each the fastest of several runs; the spec holds the
+medians and its ``calibration`` block, per figure, the spread and the share of a core it was
+measured with, the figures whose repeats disagree beyond ±10% and why, the time taken and
+the load average before and after.
 
 Example (about 20 s on 2 cores; ``lynx calibrate`` runs it)::
 
@@ -31,9 +34,9 @@ import torch
 
 from lynx.calibrate.repeats import Repeated
 from lynx.errors import LynxRuntimeError
-from lynx.planner.hardware import HARDWARE_PRESETS, Calibration, HardwareSpec, LinkSpec
+from lynx.planner.hardware import HARDWARE_PRESETS, RELIABLE_SPREAD, Calibration, HardwareSpec, LinkSpec
 
-__all__ = ["calibrate_host"]
+__all__ = ["calibrate_host", "unreliable_figures"]
 
 
 def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None = None) -> HardwareSpec:
@@ -53,56 +56,87 @@ def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None =
     finally:
         torch.set_num_threads(threads)
         say.close()
+    load_after, cpus = os.getloadavg()[0], os.cpu_count() or 1
     calibration = Calibration(
         host=socket.gethostname(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        seconds=round(time.perf_counter() - start, 2), repeats=repeats, threads=used_threads, cpus=os.cpu_count() or 1,
-        load_before=round(load_before, 2), load_after=round(os.getloadavg()[0], 2), torch=torch.__version__,
-        spread={m.name: round(m.spread, 4) for m in measured}, notes=notes)
+        seconds=round(time.perf_counter() - start, 2), repeats=repeats, threads=used_threads, cpus=cpus,
+        load_before=round(load_before, 2), load_after=round(load_after, 2), torch=torch.__version__,
+        spread={m.name: round(m.spread, 4) for m in measured},
+        cpu_share={m.name: round(m.cpu_share, 3) for m in measured if m.cpu_share is not None},
+        unreliable=unreliable_figures(measured, max(load_before, load_after), cpus), notes=notes)
     return HardwareSpec(**fields, calibration=calibration)
+
+
+def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict[str, str]:
+    """Each figure with a repeat more than ``RELIABLE_SPREAD`` from the repeats' median, with why."""
+    out = {}
+    busy = f"load {load:.1f} on {cpus} cpus"
+    for m in measured:
+        if len(m.values) < 2 or m.deviation <= RELIABLE_SPREAD:
+            continue
+        why = (f"one of its {len(m.values)} repeats is {m.deviation:.0%} from their median (a repeatable figure "
+               f"keeps every repeat within ±{RELIABLE_SPREAD:.0%})")
+        if m.name.startswith("links."):
+            why += f"; a round trip needs both processes on a core at once, and at {busy} other jobs hold them"
+        elif m.name == "runtime_action_s":
+            why += f"; two ranks and their threads shared the cores with other jobs ({busy})"
+        elif m.cpu_share is not None and m.cpu_share < 0.7:
+            why += (f"; its runs got as little as {m.cpu_share:.0%} of a core ({busy}): other jobs share the "
+                    "caches and memory bandwidth too")
+        else:
+            why += f" ({busy})"
+        out[m.name] = why + ". Measure again on a quieter machine: lynx calibrate"
+    return out
 
 
 # ------------------------------------------------------------------------------- CPU
 def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     from lynx.calibrate.cpu import OPTIMIZERS, ReferenceModel, generated_graphs_s, generated_op_overhead_s
-    from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s
-    from lynx.calibrate.cpu import optimizer_s_per_param
+    from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s, optimizer_s_per_param
+    from lynx.calibrate.cpu import priced_graphs_s
     from lynx.calibrate.host_copies import memcpy_link
     from lynx.calibrate.links import measure_link
+    from lynx.calibrate.runtime import runtime_action_s
 
-    say.total(2 + repeats)
-    say.step("gloo link between two processes (α: 1-element round trips, β: 16 MiB)")
+    say.total(3 + repeats)
+    say.step("gloo link between two processes (α: fastest 1-element round trip, β: 1 MiB)")
     alphas, betas = measure_link("gloo", repeats=repeats)  # first: the workers fork before any thread pool exists
     torch.set_num_threads(1)
-    say.step("capturing the reference model (gpt-tiny, seq 64 × 8)")
+    say.step("capturing the references: gpt-tiny at seq 64 × 8, and at seq 4 × 1 in 2 stages")
     reference = ReferenceModel()
+    small = ReferenceModel(seq=4, microbatch=1, pp=2)
     m = {name: Repeated(name) for name in (
         "op_overhead_s", "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
-        "rng_s_per_element", *(f"optimizer_s_per_param.{o}" for o in OPTIMIZERS), *_HOST_LINK)}
-    graphs_s: list[float] = []
-    eager_overheads: list[float] = []
+        "rng_s_per_element", *(f"optimizer_s_per_param.{o}" for o in OPTIMIZERS), "runtime_action_s", *_HOST_LINK)}
+    small_s = Repeated("small")
     for r in range(repeats):
-        say.step(f"repeat {r + 1} of {repeats}: "
-                 "op overhead, gpt-tiny's nodes and generated graphs, matmul dtypes, optimizer steps")
-        overhead = op_overhead_s()
-        eager_overheads.append(overhead)
-        rates = node_rates(reference, overhead)
+        say.step(f"repeat {r + 1} of {repeats}: gpt-tiny's nodes and generated graphs, matmul dtypes, "
+                 "optimizer steps")
+        eager = op_overhead_s()
+        rates = node_rates(reference, eager.seconds)
         ratios = matmul_dtype_ratios()
         steps = optimizer_s_per_param(reference)
-        graphs_s.append(generated_graphs_s(reference))
-        m["peak_flops.float32"].values.append(rates["matmul_flops"])
-        m["memory_bandwidth"].values.append(rates["memory_bandwidth"])
-        m["rng_s_per_element"].values.append(rates["rng_s_per_element"])
+        timing = generated_graphs_s(small)
+        small_s.add(timing.seconds, timing.cpu_share)
+        m["peak_flops.float32"].add(rates["matmul_flops"], rates["cpu_share"])
+        m["memory_bandwidth"].add(rates["memory_bandwidth"], rates["cpu_share"])
+        m["rng_s_per_element"].add(rates["rng_s_per_element"], rates["cpu_share"])
         for dtype in ("bfloat16", "float16"):
-            m[f"peak_flops.{dtype}"].values.append(rates["matmul_flops"] * ratios[dtype])
+            m[f"peak_flops.{dtype}"].add(rates["matmul_flops"] * ratios[dtype], rates["cpu_share"])
         for name in OPTIMIZERS:
-            m[f"optimizer_s_per_param.{name}"].values.append(steps[name])
+            m[f"optimizer_s_per_param.{name}"].add(steps[name].seconds, steps[name].cpu_share)
         for name, value in memcpy_link().items():
-            m[f"host_link.{name}"].values.append(value)
-    # the generated code's per-op cost on the median rates: its spread is the timing's alone
+            m[f"host_link.{name}"].add(value)
+    # generated code's per-op cost on the median rates: its spread is the timing's alone
     rates = {"matmul_flops": m["peak_flops.float32"].median, "memory_bandwidth": m["memory_bandwidth"].median,
              "rng_s_per_element": m["rng_s_per_element"].median}
-    eager = statistics.median(eager_overheads)
-    m["op_overhead_s"].values.extend(generated_op_overhead_s(reference, rates, t, floor_s=eager) for t in graphs_s)
+    for t, share in zip(small_s.values, small_s.cpu_shares):
+        m["op_overhead_s"].add(generated_op_overhead_s(small, rates, t), share)
+    say.step("lynx.runtime.Pipeline on 2 processes: the runtime's own work per forward and backward; a check")
+    reference_s = generated_graphs_s(reference, runs=3).seconds
+    main, threads = runtime_action_s(small, repeats=repeats)
+    for a, b in zip(main, threads):
+        m["runtime_action_s"].add(a + b)
     link = LinkSpec(alpha_s=statistics.median(alphas), beta_bytes_per_s=statistics.median(betas))
     fields = {
         "name": f"{socket.gethostname()}-cpu", "device": "cpu",
@@ -113,14 +147,31 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         "optimizer_s_per_param": {o: m[f"optimizer_s_per_param.{o}"].median for o in OPTIMIZERS},
         "host_link": {**{k.split(".", 1)[1]: m[k].median for k in _HOST_LINK}, "synchronous": True},
         "host_memory_bytes": _physical_memory() // 2,
+        "runtime_action_s": m["runtime_action_s"].median,
     }
     measured = [*m.values(), Repeated("links.alpha_s", alphas), Repeated("links.beta_bytes_per_s", betas)]
-    notes = ["one thread per process, as a training rank runs; rates fitted to gpt-tiny's own nodes",
-             "op overhead: per op of the generated graphs, fitted on gpt-tiny compiled as one stage (4 in flight)",
+    modelled = priced_graphs_s(reference, rates, fields["op_overhead_s"])
+    notes = ["one thread per process, as a training rank runs; every figure timed on it is the fastest of several "
+             "runs in the thread's CPU time, which other load does not inflate",
+             "rates fitted to gpt-tiny's own nodes (seq 64 × 8); op overhead: per op of generated code, "
+             f"gpt-tiny at seq 4 × 1 as one stage ({statistics.median(small_s.values) * 1e3:.2f} ms for "
+             f"{_ops(small)} ops per microbatch)",
+             f"check: gpt-tiny's generated forward and backward at seq 64 × 8 take {reference_s * 1e3:.2f} ms "
+             f"per microbatch, the figures above price them at {modelled * 1e3:.2f} ms "
+             f"({modelled / reference_s:.2f}×)",
+             f"runtime: lynx.runtime.Pipeline, pp 2 × 4 microbatches on 2 forked processes: "
+             f"{statistics.median(main) * 1e6:.0f} µs per action on the main thread beside the graphs, "
+             f"{statistics.median(threads) * 1e6:.0f} µs in its other threads (p2p waiters, gloo)",
              "links: gloo between two processes of this host; pp, tp and dp all use it",
              "bfloat16/float16 matmul: float32's fitted rate × their speed on a (512, 128) @ (128, 512) matmul",
              "host link (offload): one thread copying 64 MiB between two buffers; host memory: half the RAM"]
     return fields, measured, notes, 1
+
+
+def _ops(reference: Any) -> int:
+    from lynx.calibrate.cpu import generated_ops
+
+    return generated_ops(reference)
 
 
 # ------------------------------------------------------------------------------- GPU
@@ -144,11 +195,11 @@ def _measure_gpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     for r in range(repeats):
         say.step(f"repeat {r + 1} of {repeats}: matmul per dtype, memory bandwidth, launch overhead on {name}")
         for dtype, rate in matmul_flops(device).items():
-            m[f"peak_flops.{dtype}"].values.append(rate)
-        m["memory_bandwidth"].values.append(memory_bandwidth(device))
-        m["op_overhead_s"].values.append(launch_overhead_s(device))
+            m[f"peak_flops.{dtype}"].add(rate)
+        m["memory_bandwidth"].add(memory_bandwidth(device))
+        m["op_overhead_s"].add(launch_overhead_s(device))
         for key, value in pinned_link(device).items():
-            m[f"host_link.{key}"].values.append(value)
+            m[f"host_link.{key}"].add(value)
     measured = list(m.values())
     if links_measured is not None:
         link = LinkSpec(alpha_s=statistics.median(links_measured[0]),

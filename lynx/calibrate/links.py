@@ -2,9 +2,11 @@
 
 Two worker processes join a process group of their own (a ``FileStore`` in a temporary folder,
 no default group, so this also runs inside a rank of a training job) and time point-to-point
-round trips: many of one element give α (half a round trip), a few of 16 MiB give β from
-what is left after α. On CPU the workers are forked (no second torch import); for NCCL they
-are spawned, one per GPU.
+round trips one by one: α is half the fastest of many 1-element round trips, β what a 1 MiB
+message takes one way beyond α in the fastest of several. A round trip needs both processes on a
+core; other load only ever delays one, so the fastest trip is the link's own time and a repeat
+is steady where a mean over trips follows the load. On CPU the workers are forked (no second
+torch import); for NCCL they are spawned, one per GPU.
 
 Example::
 
@@ -30,8 +32,8 @@ from lynx.errors import LynxRuntimeError
 __all__ = ["measure_link"]
 
 
-def measure_link(backend: str, repeats: int = 5, small_trips: int = 50, large_trips: int = 3,
-                 large_numel: int = 4 * 2**20, timeout_s: float = 60.0) -> tuple[list[float], list[float]]:
+def measure_link(backend: str, repeats: int = 5, small_trips: int = 100, large_trips: int = 20,
+                 large_numel: int = 2**18, timeout_s: float = 60.0) -> tuple[list[float], list[float]]:
     """Per repeat, ``(alpha_s, beta_bytes_per_s)`` of one link between two processes."""
     ctx = mp.get_context("fork" if backend == "gloo" and hasattr(os, "fork") else "spawn")
     with tempfile.TemporaryDirectory(prefix="lynx-link-") as folder:
@@ -73,8 +75,8 @@ def _worker(rank: int, queue, backend: str, store_path: str, repeats: int, small
         _trips(group, small, peer, rank, 2, device)  # warm-up: connections, buffers
         _trips(group, large, peer, rank, 1, device)
         for _ in range(repeats):
-            alpha = _trips(group, small, peer, rank, small_trips, device) / (2 * small_trips)
-            one_way = _trips(group, large, peer, rank, large_trips, device) / (2 * large_trips)
+            alpha = _fastest_trip(group, small, peer, rank, small_trips, device) / 2
+            one_way = _fastest_trip(group, large, peer, rank, large_trips, device) / 2
             alphas.append(alpha)
             betas.append(large.numel() * large.element_size() / max(one_way - alpha, 1e-9))
         if rank == 0:
@@ -86,6 +88,14 @@ def _worker(rank: int, queue, backend: str, store_path: str, repeats: int, small
         queue.close()
         queue.join_thread()
         os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
+
+
+def _fastest_trip(group, buf: torch.Tensor, peer: int, rank: int, trips: int, device: torch.device) -> float:
+    """Seconds of the fastest of ``trips`` round trips of ``buf`` (rank 0 sends first)."""
+    best = float("inf")
+    for _ in range(trips):
+        best = min(best, _trips(group, buf, peer, rank, 1, device))
+    return best
 
 
 def _trips(group, buf: torch.Tensor, peer: int, rank: int, trips: int, device: torch.device) -> float:

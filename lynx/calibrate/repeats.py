@@ -1,11 +1,18 @@
 """A measurement taken several times: the median is the value, the spread says how steady it was.
 
+Each repeat is itself the fastest of several timed runs (:func:`fastest`), timed by the
+thread's CPU clock where the work runs on the calling thread: other processes on the machine
+take the core away, which adds wall time but not CPU time, and contention only ever adds time,
+so the fastest run is the one least disturbed. What the runs got of a core (CPU time over wall
+time) is kept beside it: 1.0 had a core to itself, 0.3 shared it with two other jobs.
+
 Example::
 
     >>> m = Repeated("matmul_flops", [90e9, 100e9, 110e9])
-    >>> m.median, round(m.spread, 2)
-    (100000000000.0, 0.2)
-    >>> best_of(lambda: None, runs=3) >= 0.0
+    >>> m.median, round(m.spread, 2), round(m.deviation, 2)
+    (100000000000.0, 0.2, 0.1)
+    >>> t = fastest(lambda: sum(range(1000)), runs=3)
+    >>> t.seconds > 0 and 0 < t.cpu_share <= 1.0
     True
 """
 
@@ -16,15 +23,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Repeated", "best_of"]
+__all__ = ["Repeated", "Timing", "fastest", "best_of"]
 
 
 @dataclass
 class Repeated:
-    """One quantity's values over the repeats."""
+    """One quantity's values over the repeats, and the share of a core each was measured with."""
 
     name: str
     values: list[float] = field(default_factory=list)
+    cpu_shares: list[float] = field(default_factory=list)
+
+    def add(self, value: float, cpu_share: float | None = None) -> None:
+        self.values.append(value)
+        if cpu_share is not None:
+            self.cpu_shares.append(cpu_share)
 
     @property
     def median(self) -> float:
@@ -36,9 +49,42 @@ class Repeated:
         mid = self.median
         return (max(self.values) - min(self.values)) / mid if mid else 0.0
 
+    @property
+    def deviation(self) -> float:
+        """How far the farthest repeat is from the median, as a fraction of it."""
+        mid = self.median
+        return max(abs(v - mid) for v in self.values) / mid if mid else 0.0
+
+    @property
+    def cpu_share(self) -> float | None:
+        """The least share of a core any repeat was measured with (None: not CPU-timed)."""
+        return min(self.cpu_shares) if self.cpu_shares else None
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The fastest of several runs (seconds of the clock used) and the share of a core they got."""
+
+    seconds: float
+    cpu_share: float
+
+
+def fastest(fn: Callable[[], object], runs: int, min_total_s: float = 0.0) -> Timing:
+    """Run ``fn`` at least ``runs`` times, and until ``min_total_s`` of CPU time has passed;
+    the fastest run in this thread's CPU time (``time.thread_time``: time on a core, which
+    other processes do not inflate), and the runs' CPU time over their wall time."""
+    best, cpu_total, wall_total, n = float("inf"), 0.0, 0.0, 0
+    while n < runs or cpu_total < min_total_s:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        fn()
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        best, cpu_total, wall_total, n = min(best, cpu), cpu_total + cpu, wall_total + wall, n + 1
+    return Timing(best, min(1.0, cpu_total / wall_total) if wall_total > 0 else 1.0)
+
 
 def best_of(fn: Callable[[], object], runs: int) -> float:
-    """The fastest of ``runs`` calls of ``fn``, in seconds: the run least disturbed by other load."""
+    """The fastest of ``runs`` calls of ``fn`` in wall seconds (work that leaves the thread:
+    a GPU, another process); work on this thread is timed by :func:`fastest`."""
     times = []
     for _ in range(runs):
         start = time.perf_counter()

@@ -22,7 +22,7 @@ __all__ = ["calibrate_command", "calibration_rows"]
 _UNITS = {  # field prefix -> (scale, unit)
     "peak_flops": (1e-9, "GFLOP/s"), "memory_bandwidth": (1e-9, "GB/s"), "op_overhead_s": (1e6, "µs"),
     "rng_s_per_element": (1e9, "ns/number"), "optimizer_s_per_param": (1e9, "ns/param"),
-    "links.alpha_s": (1e6, "µs"), "links.beta_bytes_per_s": (1e-9, "GB/s"),
+    "links.alpha_s": (1e6, "µs"), "links.beta_bytes_per_s": (1e-9, "GB/s"), "runtime_action_s": (1e6, "µs/action"),
     "host_link.alpha_s": (1e6, "µs"), "host_link.d2h": (1e-9, "GB/s"), "host_link.h2d": (1e-9, "GB/s"),
 }
 
@@ -33,7 +33,7 @@ def calibration_rows(spec: Any) -> list[tuple[str, float, str, Optional[float]]]
     link = spec.links["pp"]
     values = {f"peak_flops.{k}": v for k, v in spec.peak_flops.items()}
     values.update({"memory_bandwidth": spec.memory_bandwidth, "op_overhead_s": spec.op_overhead_s,
-                   "rng_s_per_element": spec.rng_s_per_element,
+                   "rng_s_per_element": spec.rng_s_per_element, "runtime_action_s": spec.runtime_action_s,
                    **{f"optimizer_s_per_param.{k}": v for k, v in spec.optimizer_s_per_param.items()},
                    "links.alpha_s": link.alpha_s, "links.beta_bytes_per_s": link.beta_bytes_per_s})
     if spec.host_link is not None:
@@ -84,15 +84,20 @@ def _print(spec: Any, written: list[Path]) -> None:
     console = table_console()
     table = Table(
         title=f"{spec.name} ({spec.device}): the median of {cal.repeats} measurements",
-        caption="spread: (max − min) / median over the repeats",
+        caption="spread: (max − min) / median over the repeats; core: the least share of a core a repeat's runs "
+                "got (CPU time / wall time); !: not repeatable, see below",
     )
-    for column in ("field", "value", "unit", "spread"):
-        table.add_column(column, justify="left" if column in ("field", "unit") else "right")
+    for column in ("field", "value", "unit", "spread", "core", ""):
+        table.add_column(column, justify="left" if column in ("field", "unit", "") else "right")
     for field, value, unit, spread in calibration_rows(spec):
-        table.add_row(field, f"{value:.4g}", unit, "-" if spread is None else f"{spread:.0%}")
+        share = cal.cpu_share.get(field)
+        table.add_row(field, f"{value:.4g}", unit, "-" if spread is None else f"{spread:.0%}",
+                      "-" if share is None else f"{share:.0%}", "[red]![/]" if field in cal.unreliable else "")
     console.print(table)
     for note in cal.notes:
         console.print(f"  note: {note}")
+    for field, why in cal.unreliable.items():
+        console.print(f"  [red]unreliable[/] {field}: {why}")
     console.print(
         f"calibrated in {cal.seconds:.1f} s at load {cal.load_before:.2f} → {cal.load_after:.2f} "
         f"on {cal.cpus} cpus; written to {', '.join(str(p) for p in written)}"

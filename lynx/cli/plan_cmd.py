@@ -183,8 +183,8 @@ def show_command(
     table = Table(title=f"{plan_path} — {plan.solver}, {plan.config.get('schedule')}, pp={plan.config.get('pp')}, "
                         f"m={plan.config.get('microbatches')}")
     for column in ("stage", "layers", "in flight", "kept", "in windows", "on demand", "static", "activations",
-                   "peak", "budget", "fits", "compute ms", "recompute ms", "hidden ms", "exposed ms", "comm ms",
-                   "idle ms"):
+                   "peak", "budget", "fits", "compute ms", "recompute ms", "hidden ms", "exposed ms", "runtime ms",
+                   "comm ms", "idle ms"):
         table.add_column(column, justify="right")
     for stage in plan.stages:
         kept = sum(d.action == "keep" for d in stage.decisions)
@@ -198,7 +198,7 @@ def show_command(
                       "yes" if stage.peak_memory_bytes <= stage.budget_bytes else "[red]no[/]",
                       f"{t.get('compute', 0.0) * 1e3:.2f}", f"{t.get('recompute', 0.0) * 1e3:.2f}",
                       f"{stage.hidden_recompute_s * 1e3:.2f}", f"{stage.exposed_recompute_s * 1e3:.2f}",
-                      *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("comm", "idle")))
+                      *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("runtime", "comm", "idle")))
     table_console().print(table)
     _summary(plan)
     console.print(f"re-checked against {model}: its decisions replay to these figures" if model is not None else

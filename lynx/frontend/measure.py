@@ -2,8 +2,9 @@
 
 The analytic cost model (:mod:`lynx.planner.cost`) prices nodes from FLOPs and bytes; this
 module replaces those figures by running each node ``repeats`` times through an fx interpreter
-and keeping a statistic of the wall times (``forward_s``; ``backward_s`` from the node's own
-autograd backward where it has one).
+and keeping a statistic of the times (``forward_s``; ``backward_s`` from the node's own
+autograd backward where it has one): wall time by default, or any ``clock`` — ``time.thread_time``
+on a CPU, so that other processes taking the core do not count (``lynx calibrate`` does).
 
 Example::
 
@@ -41,9 +42,10 @@ def _sync(device: torch.device) -> None:
 
 
 class _TimingInterpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, repeats: int, statistic: Callable[[list[float]], float]) -> None:
+    def __init__(self, gm: fx.GraphModule, repeats: int, statistic: Callable[[list[float]], float],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(gm)
-        self.repeats, self.statistic = repeats, statistic
+        self.repeats, self.statistic, self.clock = repeats, statistic, clock
         self.times: dict[str, tuple[float, float]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
@@ -73,32 +75,34 @@ class _TimingInterpreter(fx.Interpreter):
         for _ in range(self.repeats):
             a, k, wrt = fresh()
             _sync(device)
-            start = time.perf_counter()
+            start = self.clock()
             result = getattr(self, n.op)(n.target, a, k)
             _sync(device)
-            forward.append(time.perf_counter() - start)
+            forward.append(self.clock() - start)
             outs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if outs and wrt:
                 seeds = [torch.ones_like(t) for t in outs]
                 _sync(device)
-                start = time.perf_counter()
+                start = self.clock()
                 torch.autograd.grad(outs, wrt, seeds, allow_unused=True)
                 _sync(device)
-                backward.append(time.perf_counter() - start)
+                backward.append(self.clock() - start)
         self.times[n.name] = (self.statistic(forward), self.statistic(backward) if backward else 0.0)
         return out
 
 
 def measure_times(G: nx.DiGraph, captured: Captured, repeats: int = 3,
-                  statistic: Callable[[list[float]], float] = statistics.median) -> nx.DiGraph:
+                  statistic: Callable[[list[float]], float] = statistics.median,
+                  clock: Callable[[], float] = time.perf_counter) -> nx.DiGraph:
     """Time every node for real on the device the model's parameters live on (measure mode);
-    each node's time is ``statistic`` of its ``repeats`` runs (``min``: the least disturbed)."""
+    each node's time is ``statistic`` of its ``repeats`` runs (``min``: the least disturbed),
+    read from ``clock`` (a CPU-time clock only times work on this thread: not a GPU's)."""
     if captured.folded is not None or any(p.is_meta for p in captured.gm.parameters()):
         raise LynxConfigError(
             "measure mode times real ops: build the model with real weights on the device to time "
             "(not on meta), or use the analytic cost model"
         )
-    interp = _TimingInterpreter(captured.gm, repeats, statistic)
+    interp = _TimingInterpreter(captured.gm, repeats, statistic, clock)
     try:
         with torch.enable_grad():
             interp.run(*captured.example_inputs)

@@ -27,8 +27,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from lynx.errors import LynxConfigError
 from lynx.planner.host_link import HOST_MEMORY_PER_GPU, PCIE4_X16, PCIE5_X16, HostLinkSpec
 
-__all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES", "get_hardware",
-           "share_cores"]
+__all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES", "RELIABLE_SPREAD",
+           "get_hardware", "share_cores"]
+
+# A measured figure is repeatable when every repeat is within ±10% of the repeats' median
+# (`lynx calibrate` flags the others, naming why).
+RELIABLE_SPREAD = 0.10
 
 # What a device or link can physically be, per field: (lowest, highest, unit). Far outside
 # anything built (an H200 does ~1e15 dense FLOP/s and 4.8e12 B/s; NVLink 5 moves 9e11 B/s a
@@ -44,6 +48,7 @@ PHYSICAL_RANGES: dict[str, tuple[float, float, str]] = {
     "op_overhead_s": (0.0, 1.0, "s"),
     "rng_s_per_element": (0.0, 1e-3, "s"),
     "optimizer_s_per_param": (0.0, 1e-3, "s"),
+    "runtime_action_s": (0.0, 1.0, "s"),
 }
 
 
@@ -72,7 +77,11 @@ class Calibration(BaseModel):
     """How a measured spec was measured (``lynx calibrate``): where, when, how long, how steady.
 
     ``spread`` is, per measured field, ``(max − min) / median`` over the repeats; the spec
-    holds the medians.
+    holds the medians. ``cpu_share`` is, per field timed on one thread, the least share of a
+    core its runs got (CPU time over wall time: 1.0 had a core to itself; the figure is CPU
+    time, which other load inflates little, so this says how busy the machine was, not how
+    wrong the figure is). ``unreliable`` names each field with a repeat more than
+    :data:`RELIABLE_SPREAD` from the repeats' median, and why.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -86,6 +95,8 @@ class Calibration(BaseModel):
     load_after: float = Field(ge=0.0)
     torch: str
     spread: dict[str, float] = Field(default_factory=dict)
+    cpu_share: dict[str, float] = Field(default_factory=dict)
+    unreliable: dict[str, str] = Field(default_factory=dict)
     notes: list[str] = Field(default_factory=list)
 
 
@@ -114,17 +125,23 @@ class HardwareSpec(BaseModel):
     # pinned host memory one device may fill; None: not described (offload is then refused)
     host_link: Optional[HostLinkSpec] = None
     host_memory_bytes: Optional[_physical("memory_bytes")] = None  # type: ignore[valid-type]
+    # the runtime's own host work per pipeline action (a forward or backward of one microbatch)
+    # beside the generated graphs: scheduling, p2p posting and completion, loss, statistics
+    runtime_action_s: _physical("runtime_action_s") = 0.0  # type: ignore[valid-type]
     source: Optional[str] = Field(default=None, exclude=True)
     calibration: Optional[Calibration] = Field(default=None, exclude=True)
 
     @model_serializer(mode="wrap")
-    def _omit_no_host(self, handler: Any) -> Any:
-        # a spec without a host link records as it did before the field existed (same fingerprint)
+    def _omit_undescribed(self, handler: Any) -> Any:
+        # a spec without a host link or a measured runtime cost records as it did before those
+        # fields existed (same fingerprint)
         data = handler(self)
         if isinstance(data, dict):
             for key in ("host_link", "host_memory_bytes"):
                 if key in data and data[key] is None:
                     del data[key]
+            if data.get("runtime_action_s") == 0.0:
+                del data["runtime_action_s"]
         return data
 
     @field_validator("links")
@@ -279,4 +296,5 @@ def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
         "op_overhead_s": hw.op_overhead_s / share,
         "rng_s_per_element": hw.rng_s_per_element / share,
         "optimizer_s_per_param": {k: v / share for k, v in hw.optimizer_s_per_param.items()},
+        "runtime_action_s": hw.runtime_action_s / share,
     })

@@ -81,9 +81,10 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
         optimizer_s = tuple(optimizer_step_s(sum(costs[b].param_bytes for c in chunks if c.device == s
                                                  for b in c.blocks) // size, optimizer, hardware)
                             for s in range(pp))
+    action_s = hardware.runtime_action_s if hardware is not None else 0.0  # the runtime's own, per action
     return PipelineCosts(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
-                    costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s,
-                    host=host)
+                         costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s,
+                         host=host, action_s=action_s)
 
 
 def static_breakdown(graph: nx.DiGraph, pipe: PipelineCosts, *, optimizer: str) -> list[dict[str, int]]:

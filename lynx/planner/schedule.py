@@ -49,6 +49,7 @@ __all__ = [
     "RUNTIME_SCHEDULES",
     "Op",
     "Action",
+    "POSTS",
     "compute_order",
     "rank_actions",
     "stage_actions",
@@ -80,7 +81,7 @@ class Op(str, Enum):
 
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
-_COMMS = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)
+POSTS = (Op.SEND_ACT, Op.RECV_ACT, Op.SEND_GRAD, Op.RECV_GRAD)   # the sends and receives a device posts
 
 
 @dataclass(frozen=True)

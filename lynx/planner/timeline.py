@@ -11,7 +11,12 @@ forward is done) — each named by the ``R`` action the list puts before the wai
 ``dp_collective`` tail after a device's last backward. A ``W`` runs where the list puts it, so
 it takes from the idle time after it the seconds it costs: what is left is what recomputation
 can fill (``docs/planner.md``). Each device's step ends with its optimizer step
-(``PipelineCosts.optimizer_s``), after its last gradient and data-parallel exchange. Windows are
+(``PipelineCosts.optimizer_s``), after its last gradient and data-parallel exchange. Every
+action of the list the runtime executes — a compute action, a send, a receive posted — also
+costs the device ``PipelineCosts.action_s`` of the runtime's own host work (``runtime``
+segments): a compute action's right before its graphs, the sends and receives that follow a
+compute action as soon as it ends (before the next wait, as the runtime posts them), so the
+step is that of the program that runs. Windows are
 named by their place in the schedule, not their time, so the same ids exist in every replay
 and a plan made on one replay can be scored on another.
 
@@ -34,7 +39,7 @@ from typing import Optional
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.copy_lanes import CopyLoads, CopyReplay, HostCopies
 from lynx.planner.partition import BlockCost, Chunk
-from lynx.planner.schedule import Op, rank_actions
+from lynx.planner.schedule import POSTS, Op, rank_actions
 from lynx.planner.windows import WindowId, as_window_id
 
 __all__ = ["PipelineCosts", "Loads", "TimedAction", "Window", "Segment", "Timeline", "run_timeline"]
@@ -55,6 +60,7 @@ class PipelineCosts:
     virtual: int = 1
     optimizer_s: tuple[float, ...] = ()    # per device: its optimizer step, after its last gradient (empty: 0)
     host: Optional[HostCopies] = None      # the host link's copy lanes (offload; lynx.planner.copy_lanes)
+    action_s: float = 0.0                  # the runtime's host work per action of a device's list
 
     @staticmethod
     def uniform(*, pp: int, microbatches: int, forward_s: float, backward_s: float,
@@ -94,6 +100,7 @@ class TimedAction:
     chunk: int
     microbatch: int
     window: Optional[WindowId] = None   # the window of its wait (the R action before it), if any
+    posts: int = 0       # sends and receives the list has the device post after the previous compute action
     ready: float = 0.0   # when the device was free to start it
     arrival: float = 0.0  # when its input (activation or gradient) was available
     start: float = 0.0
@@ -115,7 +122,7 @@ class Window:
 @dataclass(frozen=True)
 class Segment:
     device: int
-    kind: str     # forward | backward | recompute | tp | wait | dp | send | optimizer
+    kind: str     # forward | backward | weight | runtime | recompute | tp | wait | dp | send | optimizer
     start: float
     end: float
     label: str = ""
@@ -182,8 +189,9 @@ class _Replay:
 
     def __init__(self, pipe: PipelineCosts, loads: Loads, record: bool) -> None:
         self.pipe, self.loads, self.record = pipe, loads, record
-        self.actions = [_timed(s, acts) for s, acts in
-                        enumerate(rank_actions(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual))]
+        lists = rank_actions(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
+        self.actions = [_timed(s, acts) for s, acts in enumerate(lists)]
+        self.trailing_posts = [_trailing_posts(acts) for acts in lists]   # after the last compute action
         self.n_chunks = len(pipe.chunks)
         self.chunk_of = {c.index: c for c in pipe.chunks}
         # the action after which a chunk's weight gradients are final: its last B, or W
@@ -275,9 +283,18 @@ class _Replay:
                 raise LynxConfigError(f"schedule {self.pipe.schedule!r} deadlocks for pp={self.pipe.pp}, "
                                       f"m={self.pipe.microbatches}")
 
+    def runtime(self, s: int, start: float, actions: int, label: str) -> float:
+        """The runtime's own host work for ``actions`` actions of the list, from ``start``."""
+        cost = actions * self.pipe.action_s
+        if cost > 0:
+            self.segment(s, "runtime", start, start + cost, label)
+            self.busy[s] += cost
+        return start + cost
+
     def wait_before(self, s: int, index: int, a: TimedAction, arrival: float) -> None:
-        """The wait for the action's input: a window, filled with the recomputation placed in it."""
-        a.ready, a.arrival = self.free[s], arrival
+        """The sends and receives posted since the last compute action, then the wait for the
+        action's input: a window, filled with the recomputation placed in it."""
+        a.ready, a.arrival = self.runtime(s, self.free[s], a.posts, f"{a.kind}{a.microbatch} posts"), arrival
         wid = a.window
         copy_s = 0.0
         if self.copies is not None:   # prefetches named here; before a first stage's forward, at its start
@@ -316,7 +333,7 @@ class _Replay:
         return spent
 
     def forward(self, s: int, a: TimedAction) -> float:
-        t = a.start
+        t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
         for b in self.chunk_of[a.chunk].blocks:
             cost = self.pipe.costs[b]
             self.segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}")
@@ -335,7 +352,7 @@ class _Replay:
 
     def weight(self, s: int, a: TimedAction) -> float:
         """A deferred weight-gradient ``W``: each block's weight part of its backward."""
-        t = a.start
+        t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
         for b in reversed(self.chunk_of[a.chunk].blocks):
             cost = self.pipe.costs[b]
             self.segment(s, "weight", t, t + cost.backward_weight_s, f"W{a.microbatch} {cost.name}")
@@ -348,7 +365,7 @@ class _Replay:
     def backward(self, s: int, a: TimedAction) -> float:
         """Per block in reverse: on-demand recomputation, the backward (its input-gradient part
         for ``I``), its tp all-reduces (a window)."""
-        t = a.start
+        t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
         copies = self.copies
         if copies is not None and a.kind in ("B", "I"):
             t = self.copy_wait(s, a, None, self.issue_streamed(s, a, None, t))
@@ -421,6 +438,8 @@ class _Replay:
         """Per device: gradient collectives (one bucket per block, in gradient order), then the
         optimizer step once every gradient is exchanged. Returns each device's end of step."""
         pipe = self.pipe
+        for s in range(pipe.pp):   # the sends the list posts after the last compute action
+            self.free[s] = self.runtime(s, self.free[s], self.trailing_posts[s], "posts")
         device_end = list(self.free)
         for s in range(pipe.pp):
             link = 0.0
@@ -461,15 +480,25 @@ def _chunk_of_block(pipe: PipelineCosts, block: int) -> int:
 
 
 def _timed(device: int, actions: list) -> list[TimedAction]:
-    """The compute actions of a device's list, each with the window its ``R`` action names."""
-    out, window = [], None
+    """The compute actions of a device's list, each with the window its ``R`` action names and
+    the sends and receives posted since the compute action before it."""
+    out, window, posts = [], None, 0
     for a in actions:
         if a.op is Op.RECOMPUTE:
             window = a.window
+        elif a.op in POSTS:
+            posts += 1
         elif a.is_compute:
-            out.append(TimedAction(device=device, kind=a.kind, chunk=a.chunk, microbatch=a.microbatch, window=window))
-            window = None
+            out.append(TimedAction(device=device, kind=a.kind, chunk=a.chunk, microbatch=a.microbatch, window=window,
+                                   posts=posts))
+            window, posts = None, 0
     return out
+
+
+def _trailing_posts(actions: list) -> int:
+    """Sends and receives a device's list posts after its last compute action."""
+    last = max((i for i, a in enumerate(actions) if a.is_compute), default=-1)
+    return sum(1 for a in actions[last + 1:] if a.op in POSTS)
 
 
 def _in_flight(actions: list[list[TimedAction]], virtual: int) -> list[int]:
