@@ -5,7 +5,10 @@ Runs ``scripts/main_job.sh``'s training (torchrun, 2 processes, gpt-tiny seq 64 
 this machine as ``lynx calibrate`` measured it; ``--calibrate`` measures again first), and
 prints per run the load average before and after, the measured median step (the first left
 out) against the plan's prediction, the fastest step's ratio, the busiest rank's CPU time
-against its predicted busy time, and each stage's measured/predicted peak activation bytes.
+against its predicted busy time, the runtime's own work per rank and step as modelled
+(``runtime_action_s`` × its forwards and backwards) beside as measured (the main thread outside
+graphs and waits, and the other threads' CPU time), and each stage's measured/predicted peak
+activation bytes.
 The bars (issue 13): step time within 0.8-1.25 at load below 1.5, memory within 5%. The
 machine is shared: the calibration and each training run in a session of their own whose
 niceness is ``--nice`` (default -10 as root, as ``overlap_cpu.py``'s ranks), so other
@@ -65,6 +68,8 @@ def one_run(hardware: str, steps: int, folder: Path, index: int, nice: int = 0) 
         int(s): summary["peak_saved_bytes"][s] / summary["predicted_activation_bytes"][s]
         for s in summary["peak_saved_bytes"]
     }
+    log_data = json.loads(log.read_text())
+    busiest = max(log_data["per_rank"], key=lambda row: row["runtime_s"])
     return {
         "run": index,
         "load_before": load_before,
@@ -75,6 +80,11 @@ def one_run(hardware: str, steps: int, folder: Path, index: int, nice: int = 0) 
         "fastest_ratio": summary["fastest_step_s"] / summary["predicted_step_s"],
         "cpu_ratio": float(cpu.group(1)) if cpu else None,
         "memory_ratio": ratios,
+        "runtime_modelled_s": log_data.get("runtime_modelled_s"),
+        "runtime_measured_s": busiest["runtime_s"],
+        "runtime_least_s": busiest["runtime_least_s"],
+        "runtime_threads_cpu_s": busiest["threads_cpu_s"],
+        "load": summary.get("load"),
         "hardware": hardware_line,
         "nice": nice,
     }
@@ -102,7 +112,10 @@ def main() -> None:
             print(
                 f"run {r['run']}: load {r['load_before']:.2f} → {r['load_after']:.2f}; step {r['step_s'] * 1e3:.1f} ms "
                 f"vs predicted {r['predicted_step_s'] * 1e3:.1f} ms: measured/predicted {r['step_ratio']:.2f} "
-                f"(fastest {r['fastest_ratio']:.2f}; busiest rank's CPU time {r['cpu_ratio']}); memory {memory}",
+                f"(fastest {r['fastest_ratio']:.2f}; busiest rank's CPU time {r['cpu_ratio']}); memory {memory}; "
+                f"runtime per rank-step: modelled {r['runtime_modelled_s'] * 1e3:.2f} ms, measured "
+                f"{r['runtime_measured_s'] * 1e3:.2f} ms main thread (least {r['runtime_least_s'] * 1e3:.2f}) + "
+                f"{r['runtime_threads_cpu_s'] * 1e3:.2f} ms other threads' CPU",
                 flush=True,
             )
     print(rows[0]["hardware"])

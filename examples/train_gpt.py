@@ -132,8 +132,9 @@ def plan_settings(
     }
 
 
-def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str]:
-    """Rank 0: the spec to plan with (``auto`` may measure this machine first) and a line naming it.
+def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str, Any]:
+    """Rank 0: the spec to plan with (``auto`` may measure this machine first), a line naming
+    it, and how it was measured (its ``Calibration``, None for a preset).
 
     A CPU spec assumes a core per rank; with more ranks than cores each rank gets its share
     (``lynx.planner.hardware.share_cores``). A saved plan's hardware is used as recorded.
@@ -146,7 +147,7 @@ def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         shared = share_cores(spec, ranks, cores)
         hardware = hardware if shared is spec and isinstance(hardware, str) and hardware in HARDWARE_PRESETS else shared
-    return hardware, _hardware_line(spec, hardware)
+    return hardware, _hardware_line(spec, hardware), spec.calibration
 
 
 def _hardware_line(spec: Any, used: Any) -> str:
@@ -161,6 +162,8 @@ def _hardware_line(spec: Any, used: Any) -> str:
             f"; calibrated {cal.date} on {cal.host} in {cal.seconds:.1f} s at load {cal.load_before:.2f}, "
             f"{cal.repeats} repeats, spread (max-min)/median: {spread}"
         )
+        if cal.unreliable:
+            line += f"; not repeatable at that load: {', '.join(cal.unreliable)} (lynx calibrate says why)"
     return line
 
 
@@ -296,6 +299,7 @@ class Setup:
     lr: float
     hardware_line: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)   # what rank 0 found on the way (damaged checkpoints)
+    calibration: Any = None   # how the hardware file was measured (None: a preset)
 
 
 def setup(args: argparse.Namespace) -> Setup:
@@ -328,19 +332,20 @@ def setup(args: argparse.Namespace) -> Setup:
     settings = plan_settings(args, pp, dp, saved_config, device)
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
 
-    def decide() -> tuple[str, str | None, str, list[str]]:
+    def decide() -> tuple[str, str | None, list[str], str, Any]:
         lock_checkpoint_dir(args)   # before anything reads or writes the directory
-        hardware, line = hardware_for_plan(
+        hardware, line, calibration = hardware_for_plan(
             settings["hardware"],
             pp * dp,
             from_plan=args.hardware is None and saved_config is not None and "hardware" in saved_config,
         )
         plan = make_plan(args, {**settings, "hardware": hardware}, device)
-        return plan.to_json(), *find_resume_point(args, run_meta(args, plan, settings, lr)), line
+        return plan.to_json(), *find_resume_point(args, run_meta(args, plan, settings, lr)), line, calibration
 
-    plan_json, resume_from, notes, hardware_line = decided_by_rank0(decide)
+    plan_json, resume_from, notes, hardware_line, calibration = decided_by_rank0(decide)
     plan = Plan.from_json(plan_json)
-    return Setup(plan, settings, run_meta(args, plan, settings, lr), device, resume_from, lr, hardware_line, notes)
+    return Setup(plan, settings, run_meta(args, plan, settings, lr), device, resume_from, lr, hardware_line, notes,
+                 calibration)
 
 
 def global_batch(source: Any, step: int, dp: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,6 +361,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
     from lynx.runtime.rank_state import pipeline_state
 
+    load_start = os.getloadavg()[0]  # before this run compiles or trains: the others' load
     run = setup(args)
     m, rank = run.settings["microbatches"], dist.get_rank()
     torch.manual_seed(args.seed)  # the same weights on every rank
@@ -383,9 +389,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     log: dict[str, Any] = {"meta": run.meta, "start_step": start, "steps": [], "skipped_steps": []}
     history: list[Any] = []
     cpu_s: list[float] = []
+    threads_s: list[float] = []
     progress = _Progress(rank == 0, args.steps, start)
     for step in range(start, args.steps):
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
         for group in optimizer.param_groups:
             group["lr"] = warmup_lr(run.lr, step)
         loss = pipe.step(*global_batch(source, step, topo.dp, m))
@@ -402,6 +409,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             stats.wait_sync_s += opt_s  # the step as the plan counts it: the optimizer step included
             stats.step_s += opt_s
             cpu_s.append(time.process_time() - cpu0)  # this process's CPU time: what other load cannot inflate
+            threads_s.append(max(0.0, cpu_s[-1] - (time.thread_time() - main0)))  # its threads' beyond the main one
             exposed, hidden = _recompute_seconds(stats, topo, run.device)
             wall = time.perf_counter() - t0
             history.append(stats)
@@ -428,8 +436,19 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if rank == 0 and log["skipped_steps"]:
         _say(f"skipped {len(log['skipped_steps'])} step(s) with a non-finite loss or gradient: "
              + ", ".join(str(s["step"] + 1) for s in log["skipped_steps"]))
-    _finish(args, run.plan, history, cpu_s, log, _predicted_optimizer_s(run.plan, list(pipe.parameters())))
+    _finish(args, run.plan, history, (cpu_s, threads_s), log,
+            _predicted_optimizer_s(run.plan, list(pipe.parameters())), _run_load(load_start, run.calibration))
     return log
+
+
+def _run_load(start: float, calibration: Any) -> Any:
+    """The machine's load at calibration and around this run (lynx.runtime.report.RunLoad)."""
+    from lynx.runtime.report import RunLoad
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return RunLoad(start=start, end=os.getloadavg()[0], ranks_here=ranks_here, cpus=os.cpu_count() or 1,
+                   calibrated=calibration.load_before if calibration is not None else None,
+                   calibrated_on=calibration.date if calibration is not None else "")
 
 
 def _banner(args: argparse.Namespace, run: Setup, start: int) -> str:
@@ -461,9 +480,10 @@ def _finish(
     args: argparse.Namespace,
     plan: Any,
     history: list[Any],
-    cpu_s: list[float],
+    cpu_s: tuple[list[float], list[float]],
     log: dict[str, Any],
     optimizer_s: float = 0.0,
+    load: Any = None,
 ) -> None:
     """Rank 0 prints the plan's predictions beside what every rank measured."""
     from lynx.runtime.report import format_summary, run_summary
@@ -477,17 +497,21 @@ def _finish(
         _say(f"nothing to train: the run is already at step {log['start_step']} of --steps {args.steps}")
         return
     per_step = [[ranks[i] for ranks, _, _ in everyone] for i in range(len(history))]
-    summary = run_summary(per_step, plan)
+    summary = run_summary(per_step, plan, load)
     print(format_stats(per_step[-1], plan))
     print(format_summary(summary, plan))
-    cpu = [statistics.median(c[1:] or c) for _, c, _ in everyone]  # per rank, after the warm-up step
+    cpu = [statistics.median(c[1:] or c) for _, (c, _), _ in everyone]  # per rank, after the warm-up step
+    threads = [statistics.median(t[1:] or t) for _, (_, t), _ in everyone]
     print(_cpu_line(plan, per_step[0], cpu, [o for _, _, o in everyone]), flush=True)
+    runtime_line, modelled = _runtime_line(plan, per_step, threads)
+    print(runtime_line, flush=True)
     hardware = log.get("hardware") or "the hardware the plan records"
     print(f"predicted with {hardware}", flush=True)
     log["summary"] = dataclasses.asdict(summary)
     log["per_rank"] = _per_rank_medians(per_step)
-    for row, c in zip(log["per_rank"], cpu):
-        row["cpu_s"] = c
+    for row, c, t in zip(log["per_rank"], cpu, threads):
+        row["cpu_s"], row["threads_cpu_s"] = c, t
+    log["runtime_modelled_s"] = modelled
     log["loadavg"] = os.getloadavg()
     if args.log_json:
         _write_json(args.log_json, log)
@@ -502,7 +526,7 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     predicted = optimizer_s[busiest] + sum(
         end - begin
         for device, kind, begin, end in plan.timeline
-        if device == stage and kind in ("compute", "recompute")
+        if device == stage and kind in ("compute", "recompute", "runtime")
     )
     name = _hardware_name(plan.config.get("hardware"))
     shared = re.fullmatch(r".*-(\d+)on(\d+)", name)  # lynx.planner.hardware.share_cores: a core's share per rank
@@ -510,8 +534,9 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     note = f" × {factor:g} (the model gives each rank 1/{factor:g} of a core)" if shared else ""
     return (
         f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "
-        f"predicted busy time (compute, recompute, optimizer step) {predicted * 1e3:.1f} ms: measured/predicted "
-        f"{cpu[busiest] * factor / predicted:.2f} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+        f"predicted busy time (compute, recompute, runtime, optimizer step) {predicted * 1e3:.1f} ms: "
+        f"measured/predicted {cpu[busiest] * factor / predicted:.2f} "
+        f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
     )
 
 
@@ -522,6 +547,32 @@ def _recompute_seconds(stats: Any, topo: Any, device: torch.device) -> tuple[flo
     ).to(device)  # NCCL reduces device tensors only
     dist.all_reduce(buf)
     return float(buf[0]), float(buf[1])
+
+
+def _runtime_s(s: Any) -> float:
+    """One rank's step outside its graphs, recomputation and waits: the runtime's own main-thread work."""
+    return max(0.0, s.step_s - s.forward_s - s.backward_s - s.wait_act_s - s.wait_grad_s - s.wait_sync_s
+               - s.recompute_hidden_s - s.recompute_window_exposed_s)
+
+
+def _runtime_line(plan: Any, per_step: list[list[Any]], threads: list[float]) -> tuple[str, float]:
+    """The runtime's own work per rank and step: modelled (``runtime_action_s`` per forward and
+    backward) beside measured (the main thread outside graphs and waits, the median and the
+    least over steps, and the other threads' CPU time)."""
+    from lynx.planner.simulator import config_from_record
+
+    config = config_from_record(plan.config)
+    actions = 2 * config.microbatches
+    per_action = config.hardware_spec().runtime_action_s
+    timed = per_step[1:] if len(per_step) > 1 else per_step
+    ranks = range(len(timed[0]))
+    main = [statistics.median(_runtime_s(step[r]) for step in timed) for r in ranks]
+    least = [min(_runtime_s(step[r]) for step in timed) for r in ranks]
+    busiest = max(ranks, key=lambda r: main[r])
+    return (f"runtime's own work per rank and step: modelled {actions * per_action * 1e3:.1f} ms ({actions} actions "
+            f"× {per_action * 1e6:.0f} µs); measured on rank {busiest} {main[busiest] * 1e3:.1f} ms on the main "
+            f"thread outside graphs and waits (least {least[busiest] * 1e3:.1f} ms) + "
+            f"{threads[busiest] * 1e3:.1f} ms of other threads' CPU time"), actions * per_action
 
 
 def _per_rank_medians(per_step: list[list[Any]]) -> list[dict[str, float]]:
@@ -544,6 +595,8 @@ def _per_rank_medians(per_step: list[list[Any]]) -> list[dict[str, float]]:
             "stage": ranks.stage,
             "dp_rank": ranks.dp_rank,
             **{k: statistics.median(getattr(step[i], k) for step in timed) for k in keys},
+            "runtime_s": statistics.median(_runtime_s(step[i]) for step in timed),
+            "runtime_least_s": min(_runtime_s(step[i]) for step in timed),
         }
         for i, ranks in enumerate(timed[0])
     ]

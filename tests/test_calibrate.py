@@ -2,25 +2,53 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from typer.testing import CliRunner
 
-from lynx.calibrate.repeats import Repeated
+from lynx.calibrate.host import unreliable_figures
+from lynx.calibrate.repeats import Repeated, fastest
 from lynx.cli import app
 from lynx.config import CompileConfig
+from lynx.planner.hardware import RELIABLE_SPREAD
 from lynx.planner.hardware_cache import auto_path
 from lynx.planner.hardware_files import load_hardware_file
 
 MEASURED = ("peak_flops.float32", "peak_flops.bfloat16", "memory_bandwidth", "op_overhead_s", "rng_s_per_element",
-            "optimizer_s_per_param.demo", "links.alpha_s", "links.beta_bytes_per_s", "host_link.d2h_bytes_per_s",
-            "host_link.alpha_s")
+            "optimizer_s_per_param.demo", "runtime_action_s", "links.alpha_s", "links.beta_bytes_per_s",
+            "host_link.d2h_bytes_per_s", "host_link.alpha_s")
+CPU_TIMED = ("peak_flops.float32", "memory_bandwidth", "op_overhead_s", "optimizer_s_per_param.demo")
 
 
 def test_repeated_median_and_spread() -> None:
-    m = Repeated("x", [3.0, 1.0, 2.0])
-    assert m.median == 2.0 and m.spread == 1.0
-    assert Repeated("steady", [5.0, 5.0]).spread == 0.0
+    m = Repeated("x", [3.0, 1.0, 2.0], [0.9, 0.4, 1.0])
+    assert m.median == 2.0 and m.spread == 1.0 and m.cpu_share == 0.4
+    assert Repeated("steady", [5.0, 5.0]).spread == 0.0 and Repeated("wall").cpu_share is None
+
+
+def test_fastest_is_the_least_cpu_time_and_reports_the_core_share() -> None:
+    import time
+
+    def sleepy() -> None:   # sleeping takes wall time and no CPU time
+        time.sleep(0.01)
+
+    t = fastest(sleepy, runs=3)
+    assert t.seconds < 0.005 and t.cpu_share < 0.5
+    spins = fastest(lambda: sum(range(20000)), runs=2, min_total_s=0.02)
+    assert spins.seconds > 0 and 0 < spins.cpu_share <= 1.0
+
+
+def test_unreliable_figures_name_the_spread_and_why() -> None:
+    steady = Repeated("peak_flops.float32", [100.0, 104.0, 98.0], [0.9] * 3)
+    busy = Repeated("op_overhead_s", [3.0, 4.0, 3.2], [0.3, 0.5, 0.6])
+    link = Repeated("links.alpha_s", [30e-6, 45e-6, 31e-6])
+    single = Repeated("memory_bandwidth", [1e9])
+    out = unreliable_figures([steady, busy, link, single], load=5.5, cpus=2)
+    assert set(out) == {"op_overhead_s", "links.alpha_s"}
+    assert "repeats is 25% from their median" in out["op_overhead_s"] and "30% of a core" in out["op_overhead_s"]
+    assert "both processes on a core" in out["links.alpha_s"] and "load 5.5 on 2 cpus" in out["links.alpha_s"]
 
 
 def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> None:
@@ -29,11 +57,16 @@ def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> Non
         app, ["calibrate", "--repeats", "2", "--device", "cpu", "-o", str(tmp_path / "me.yaml")]
     )
     assert result.exit_code == 0, result.output
-    assert "spread" in result.output and "calibrated in" in result.output
+    assert "spread" in result.output and "calibrated in" in result.output and "runtime_action_s" in result.output
     spec = load_hardware_file(tmp_path / "me.yaml")
     cal = spec.calibration
     assert spec.device == "cpu" and cal.repeats == 2 and cal.threads == 1 and cal.seconds > 0
     assert set(MEASURED) <= set(cal.spread) and all(v >= 0 for v in cal.spread.values())
+    assert set(CPU_TIMED) <= set(cal.cpu_share) and all(0 < v <= 1 for v in cal.cpu_share.values())
+    assert set(cal.unreliable) <= set(cal.spread)
+    assert all(cal.spread[k] > RELIABLE_SPREAD and "Measure again" in why for k, why in cal.unreliable.items())
+    assert all("±10%" in why for why in cal.unreliable.values())
+    assert 0 < spec.runtime_action_s < 0.01 and any(n.startswith("runtime: lynx.runtime.Pipeline") for n in cal.notes)
     assert all(r > 0 for r in spec.peak_flops.values()) and spec.memory_bandwidth > 0 and spec.op_overhead_s > 0
     assert set(spec.optimizer_s_per_param) == {"adamw", "demo", "lion"}
     assert spec.links["pp"] == spec.links["dp"] and spec.links["pp"].alpha_s > 0
@@ -58,20 +91,27 @@ def test_auto_measures_once_then_reuses(tmp_path, monkeypatch, capfd) -> None:
     again = CompileConfig(hardware="auto", pp=2, microbatches=2)  # reused, not measured again
     assert path.stat().st_mtime_ns == stamp and again.fingerprint_fields() == config.fingerprint_fields()
     assert "measuring" not in capfd.readouterr().err
+    # a measurement older than MAX_AGE_DAYS is taken again, and stderr says why
+    data = json.loads(path.read_text())
+    data["calibration"]["date"] = "2020-01-01T00:00:00+00:00"
+    path.write_text(json.dumps(data))
+    CompileConfig(hardware="auto", pp=2, microbatches=2)
+    assert "days old (measured again after 7); measuring (lynx calibrate)" in capfd.readouterr().err
+    assert load_hardware_file(path).calibration.date != "2020-01-01T00:00:00+00:00"
 
 
-def test_generated_op_overhead_is_the_residual_per_generated_op() -> None:
-    """The reference's generated graphs, timed for real, less the arithmetic the rates price,
-    shared over the ops they run; never below the eager op overhead given as the floor."""
-    from lynx.calibrate.cpu import ReferenceModel, generated_graphs_s, generated_op_overhead_s
+def test_generated_op_overhead_is_measured_on_generated_code() -> None:
+    """gpt-tiny at seq 4 × 1 run as one compiled stage: its time, less the arithmetic the rates
+    price (a few percent of it), per op its generated forward and backward run."""
+    from lynx.calibrate.cpu import ReferenceModel, generated_graphs_s, generated_op_overhead_s, generated_ops
 
-    reference = ReferenceModel()
-    graphs_s = generated_graphs_s(reference, in_flight=2, runs=1)
-    assert 1e-4 < graphs_s < 5.0
-    G = reference.analysis.graph
-    ops = sum(G.nodes[n]["forward_ops"] + G.nodes[n]["backward_ops"] for n in G)
+    small = ReferenceModel(seq=4, microbatch=1)
+    graphs_s = generated_graphs_s(small, in_flight=2, runs=2).seconds
+    assert 1e-5 < graphs_s < 5.0
+    ops = generated_ops(small)
+    assert ops > 100
     # the fastest device HardwareSpec admits (PHYSICAL_RANGES): its arithmetic costs ~nothing
     free = {"matmul_flops": 1e18, "memory_bandwidth": 1e15, "rng_s_per_element": 0.0}
-    assert generated_op_overhead_s(reference, free, graphs_s) == pytest.approx(graphs_s / ops, rel=1e-3)
+    assert generated_op_overhead_s(small, free, graphs_s) == pytest.approx(graphs_s / ops, rel=1e-3)
     slow = {"matmul_flops": 1e6, "memory_bandwidth": 1e6, "rng_s_per_element": 1e-3}  # priced above any time
-    assert generated_op_overhead_s(reference, slow, graphs_s, floor_s=3e-6) == 3e-6
+    assert generated_op_overhead_s(small, slow, graphs_s) == 0.0

@@ -9,6 +9,14 @@ had saved for backward (what plans predict; :attr:`StepStats.peak_saved_bytes`).
 bars they are held to: step time within 25% (:data:`STEP_TIME_TOLERANCE`), peak activation
 bytes within 5% of the prediction (:data:`MEMORY_TOLERANCE`) and never above the budget.
 
+A measured hardware file (``lynx calibrate``, ``--hardware auto``) times each figure in CPU
+time, so a prediction made with it is for the machine as calibrated: a core per rank that
+nothing else takes. :class:`RunLoad` says what the machine did instead: the 1-minute load
+average when it was calibrated and during the run; where other jobs took more than
+``LOAD_MARGIN_PER_CPU`` per cpu (or the two differ by that much), the summary says the
+prediction is for the calibrated state, and the fastest step — the least disturbed — is the
+one to compare with it.
+
 Example::
 
     >>> from lynx.runtime.stats import StepStats
@@ -27,10 +35,45 @@ from typing import Any
 
 from lynx.runtime.stats import StepStats
 
-__all__ = ["RunSummary", "run_summary", "format_summary", "STEP_TIME_TOLERANCE", "MEMORY_TOLERANCE"]
+__all__ = ["RunLoad", "RunSummary", "run_summary", "format_summary", "STEP_TIME_TOLERANCE", "MEMORY_TOLERANCE"]
 
 STEP_TIME_TOLERANCE = 0.25   # measured step time within 25% of the predicted one
 MEMORY_TOLERANCE = 0.05      # measured peak activation bytes within 5% of the predicted ones
+
+
+@dataclass
+class RunLoad:
+    """The machine's load while a run's prediction was made and while it ran (rank 0's host).
+
+    ``start`` / ``end``: the 1-minute load average before the run compiled and after its last
+    step; ``ranks_here``: the run's processes on this host (they count in ``end``);
+    ``calibrated``: the load the hardware file was measured at (None: a preset, no measurement).
+    """
+
+    start: float
+    end: float
+    ranks_here: int
+    cpus: int
+    calibrated: float | None = None
+    calibrated_on: str = ""
+
+    @property
+    def others_run(self) -> float:
+        """Runnable processes other than the run's own, while it ran (the larger estimate)."""
+        return max(self.start, self.end - self.ranks_here, 0.0)
+
+    @property
+    def margin(self) -> float:
+        from lynx.planner.hardware_cache import LOAD_MARGIN_PER_CPU
+
+        return LOAD_MARGIN_PER_CPU * self.cpus
+
+    @property
+    def differs(self) -> bool:
+        """Other load during the run beyond the margin, or beyond it from the calibration's."""
+        if self.others_run > self.margin:
+            return True
+        return self.calibrated is not None and abs(self.others_run - self.calibrated) > self.margin
 
 
 @dataclass
@@ -48,6 +91,7 @@ class RunSummary:
     predicted_compute_s: dict[int, float] = field(default_factory=dict)
     sync_s: dict[int, float] = field(default_factory=dict)       # stage -> optimizer step and its collectives
     activation_budget_bytes: dict[int, int] = field(default_factory=dict)  # stage -> budget less static memory
+    load: RunLoad | None = None
 
     @property
     def step_ratio(self) -> float | None:
@@ -58,8 +102,8 @@ class RunSummary:
         return self.peak_saved_bytes[stage] / planned if planned else None
 
 
-def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
-    """``steps[i]`` holds every rank's stats of step ``i``."""
+def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any, load: RunLoad | None = None) -> RunSummary:
+    """``steps[i]`` holds every rank's stats of step ``i``; ``load``: the machine's, if known."""
     timed = steps[1:] if len(steps) > 1 else steps
     pipeline_steps = [max(s.step_s for s in ranks) for ranks in timed]
     step_s = statistics.median(pipeline_steps)
@@ -71,7 +115,7 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any) -> RunSummary:
     exposed = statistics.median(sum(s.exposed_recompute_s for s in ranks) / dp for ranks in timed)
     hidden = statistics.median(sum(s.recompute_hidden_s for s in ranks) / dp for ranks in timed)
     summary = RunSummary(step_s=step_s, predicted_step_s=None, peak_saved_bytes=peaks, exposed_s=exposed,
-                         hidden_s=hidden, timed_steps=len(timed), fastest_step_s=min(pipeline_steps))
+                         hidden_s=hidden, timed_steps=len(timed), fastest_step_s=min(pipeline_steps), load=load)
     for stage in peaks:
         summary.compute_s[stage] = statistics.median(
             max(s.forward_s + s.backward_s + s.recompute_hidden_s + s.recompute_window_exposed_s
@@ -97,6 +141,30 @@ def _bar(ratio: float, tolerance: float) -> str:
     return f"within {tolerance:.0%}" if abs(ratio - 1.0) <= tolerance else f"NOT within {tolerance:.0%}"
 
 
+def _load_lines(summary: RunSummary) -> list[str]:
+    load = summary.load
+    assert load is not None
+    on = f" ({load.calibrated_on})" if load.calibrated_on else ""
+    when = (f"{load.calibrated:.2f} when this machine was calibrated{on}" if load.calibrated is not None
+            else "no calibration (a preset's figures)")
+    lines = [f"load (1-minute average, {load.cpus} cpus): {when}; {load.start:.2f} before this run, {load.end:.2f} "
+             f"after it (its {load.ranks_here} ranks count up to {load.ranks_here} of that)"]
+    if load.differs and summary.predicted_step_s:
+        fastest = summary.fastest_step_s / summary.predicted_step_s
+        if load.others_run > load.margin:
+            what = f"other jobs took about {load.others_run:.1f} cpus during this run, so its steps ran slower"
+        else:
+            what = (f"the figures were measured at load {load.calibrated:.2f} (their spread says how steadily), other "
+                    f"jobs took {load.others_run:.1f} cpus during this run")
+        lines.append(
+            f"the prediction is for the calibrated state, a core per rank with nothing else running (calibration "
+            f"times CPU time), and this run's load differs from it by more than the margin of {load.margin:.1f} "
+            f"({load.margin / load.cpus:g} per cpu): {what}; the fastest step, the least "
+            f"disturbed, is {fastest:.2f}× the prediction ({_bar(fastest, STEP_TIME_TOLERANCE)}), the median "
+            f"{summary.step_ratio:.2f}×")
+    return lines
+
+
 def format_summary(summary: RunSummary, plan: Any = None) -> str:
     """Plain-text lines: step time and, per stage, activation memory, measured vs predicted."""
     lines = []
@@ -110,6 +178,8 @@ def format_summary(summary: RunSummary, plan: Any = None) -> str:
                      f"{summary.fastest_step_s / summary.predicted_step_s:.2f})")
     else:
         lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps})")
+    if summary.load is not None:
+        lines.extend(_load_lines(summary))
     if plan is not None:
         p = plan.predicted
         lines.append(f"recompute per step: measured exposed {summary.exposed_s * 1e3:.1f} ms, hidden "

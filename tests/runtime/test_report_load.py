@@ -1,0 +1,50 @@
+"""The run summary names the load at calibration and during the run, and says when they differ."""
+
+from __future__ import annotations
+
+import pytest
+
+from lynx.runtime.report import RunLoad, format_summary, run_summary
+from lynx.runtime.stats import StepStats
+
+
+class _Plan:
+    class predicted:
+        step_time_s, exposed_recompute_s, hidden_recompute_s = 0.1, 0.0, 0.0
+
+    stages: list = []
+    timeline: list = []
+
+
+def _summary(load: RunLoad):
+    # the pipeline step is the slowest rank's: 0.11-0.15 s, the fastest 0.105 s
+    steps = [[StepStats(rank=r, stage=r, dp_rank=0, step_s=t + r * 0.005) for r in range(2)]
+             for t in (1.0, 0.15, 0.1, 0.12, 0.14)]
+    return run_summary(steps, _Plan(), load)
+
+
+def test_a_quiet_run_names_both_loads_and_nothing_more() -> None:
+    load = RunLoad(start=0.3, end=1.9, ranks_here=2, cpus=2, calibrated=0.5, calibrated_on="2026-12-04T10:00")
+    assert not load.differs and load.others_run == pytest.approx(0.3)
+    text = format_summary(_summary(load))
+    assert "0.50 when this machine was calibrated (2026-12-04T10:00); 0.30 before this run, 1.90 after it" in text
+    assert "the prediction is for the calibrated state" not in text
+
+
+def test_a_busy_run_says_the_prediction_is_for_the_calibrated_state() -> None:
+    # the 1-minute average lags: 3.2 before the run, or 5.3 after it less its own 2 ranks
+    for start, end in ((3.2, 3.0), (0.5, 5.3)):
+        load = RunLoad(start=start, end=end, ranks_here=2, cpus=2, calibrated=0.4)
+        assert load.differs and load.others_run == pytest.approx(max(start, end - 2))
+        text = format_summary(_summary(load))
+        assert "the prediction is for the calibrated state" in text
+        assert f"other jobs took about {load.others_run:.1f} cpus during this run" in text
+        assert "the fastest step, the least disturbed, is 1.05× the prediction (within 25%), the median 1.35×" in text
+
+
+def test_a_calibration_under_load_is_named_too() -> None:
+    load = RunLoad(start=0.2, end=2.1, ranks_here=2, cpus=2, calibrated=4.5)
+    assert load.differs
+    assert "the figures were measured at load 4.50" in format_summary(_summary(load))
+    preset = RunLoad(start=0.2, end=2.1, ranks_here=2, cpus=2)   # a preset: nothing was measured
+    assert not preset.differs and "no calibration (a preset's figures)" in format_summary(_summary(preset))
