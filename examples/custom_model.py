@@ -37,8 +37,12 @@ This example
 Run it, or point the CLI at its factory::
 
     python examples/custom_model.py
-    lynx inspect examples/custom_model.py:make_model --target cpu --hardware cpu-local
-    lynx compare examples/custom_model.py:make_model --pp 2 -m 4 --hardware cpu-local
+    lynx inspect examples/custom_model.py:make_model --target cpu --hardware auto
+    lynx compare examples/custom_model.py:make_model --pp 2 -m 4 --hardware auto
+
+(``auto``: this machine, measured once by ``lynx calibrate``. The script itself plans with the
+fixed ``cpu-local`` figures, so that what it prints is the same on every machine — the tests
+run it; pass ``hardware="auto"`` to plan for yours.)
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ def plan_and_check(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> lynx.P
     """Steps 4–5: plan for 2 stages, run the rewritten stages, compare gradients bitwise."""
     from lynx.testing import run_local
 
+    # cpu-local: fixed figures, the same plan on every machine (tests run this); "auto" plans for yours
     config = lynx.CompileConfig(pp=2, microbatches=MICROBATCHES, hardware="cpu-local", solver="heu")
     probe = lynx.compile(model, inputs, config.replace(solver="none"))
     budget = budget_forcing_recompute(probe.analysis.graph, config)

@@ -88,6 +88,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--save", default=None, help="write a checkpoint here after the last step")
     ap.add_argument("--load", default=None, help="continue from this checkpoint")
+    ap.add_argument("--hardware", default="auto",
+                    help="the cost model the plan is made for: auto (this machine, measured once by `lynx calibrate`),"
+                         " a preset or a hardware file")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -102,7 +105,7 @@ def main() -> None:
         dp=world // args.pp,
         microbatches=args.microbatches,
         memory_budget=args.memory_budget,
-        hardware="cpu-local",
+        hardware=args.hardware,
         solver="heu",
     )
     pipe = lynx.runtime.Pipeline(compiled)  # joins the job: group, mesh, this stage

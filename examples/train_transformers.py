@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--memory-budget", default="5MiB", help="per device (stage 0 needs 7.3 MiB keeping everything)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--hardware", default="auto",
+                    help="the cost model the plan is made for: auto (this machine, measured once by `lynx calibrate`),"
+                         " a preset or a hardware file")
     args = ap.parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,7 +55,7 @@ def main() -> None:
     ids = torch.zeros(args.microbatch, args.seq, dtype=torch.long)   # one microbatch, by keyword
     compiled = lynx.compile(model, {"input_ids": ids, "labels": ids.clone()}, pp=args.pp, dp=world // args.pp,
                             microbatches=args.microbatches, memory_budget=args.memory_budget,
-                            hardware="cpu-local", solver="heu")
+                            hardware=args.hardware, solver="heu")
     pipe = lynx.runtime.Pipeline(compiled)
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr, weight_decay=0.1)
     cosine = torch.optim.lr_scheduler.LambdaLR(

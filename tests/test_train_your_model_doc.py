@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lynx.planner.hardware import HARDWARE_PRESETS
+from lynx.planner.hardware_cache import auto_path
+from lynx.planner.hardware_files import write_hardware_file
+
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "train_your_model.md"
 
@@ -19,10 +23,15 @@ def _commands() -> list[str]:
     return [line for line in block.splitlines() if line.strip()]
 
 
-def test_the_guides_commands_run_as_written(tmp_path):
+def test_the_guides_commands_run_as_written(tmp_path, monkeypatch):
     commands = _commands()
     assert len(commands) == 3 and all(c.startswith("torchrun ") for c in commands)
     (tmp_path / "examples").symlink_to(ROOT / "examples")
+    # the scripts plan with --hardware auto: here auto is pinned to the fixed cpu-local figures (a
+    # hardware file in this host's cache slot), so the plans are the same on every machine and
+    # nothing is measured
+    monkeypatch.setenv("LYNX_CACHE_DIR", str(tmp_path / "cache"))
+    write_hardware_file(HARDWARE_PRESETS["cpu-local"], auto_path())
     bin_dir = str(Path(sys.executable).parent)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1")
     losses: dict[int, list[float]] = {}
