@@ -93,8 +93,10 @@ def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, steps
         import lynx
 
         torch.set_num_threads(1)
+        for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
+            del os.environ[name]  # under torchrun the store would be its agent's, not this job's own
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank))
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         m = compiled.config.microbatches
         captured = compiled.analysis.captured
         batch = [torch.cat([x] * m) for x in captured.example_inputs]  # the step's m microbatches
