@@ -556,19 +556,20 @@ def _runtime_s(s: Any) -> float:
 
 
 def _runtime_line(plan: Any, per_step: list[list[Any]], threads: list[float]) -> tuple[str, float]:
-    """The runtime's own work per rank and step: modelled (``runtime_action_s`` per forward and
-    backward) beside measured (the main thread outside graphs and waits, the median and the
-    least over steps, and the other threads' CPU time)."""
+    """The runtime's own work per rank and step: modelled (``runtime_action_s`` per action of the
+    rank's list: compute, sends, receives) beside measured (the main thread outside graphs and
+    waits, the median and the least over steps, and the other threads' CPU time)."""
+    from lynx.planner.schedule import list_actions
     from lynx.planner.simulator import config_from_record
 
     config = config_from_record(plan.config)
-    actions = 2 * config.microbatches
     per_action = config.hardware_spec().runtime_action_s
     timed = per_step[1:] if len(per_step) > 1 else per_step
     ranks = range(len(timed[0]))
     main = [statistics.median(_runtime_s(step[r]) for step in timed) for r in ranks]
     least = [min(_runtime_s(step[r]) for step in timed) for r in ranks]
     busiest = max(ranks, key=lambda r: main[r])
+    actions = list_actions(config.schedule, config.pp, config.microbatches, timed[0][busiest].stage, config.virtual)
     return (f"runtime's own work per rank and step: modelled {actions * per_action * 1e3:.1f} ms ({actions} actions "
             f"× {per_action * 1e6:.0f} µs); measured on rank {busiest} {main[busiest] * 1e3:.1f} ms on the main "
             f"thread outside graphs and waits (least {least[busiest] * 1e3:.1f} ms) + "

@@ -11,7 +11,7 @@ from lynx.planner.comm import CommModel
 from lynx.planner.partition import balanced_boundaries, partition_graph
 from lynx.planner.problems import build_pipeline
 from lynx.planner.synthetic import synthetic_graph
-from lynx.planner.schedule import compute_order
+from lynx.planner.schedule import compute_order, list_actions
 from lynx.planner.timeline import PipelineCosts, run_timeline
 
 
@@ -145,21 +145,27 @@ def test_more_stages_than_layers_is_refused() -> None:
         partition_graph(g, pp=2, virtual=2)
 
 
-@pytest.mark.parametrize("schedule,p,m", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 4, 8)])
-def test_the_runtime_cost_is_charged_on_every_action(schedule: str, p: int, m: int) -> None:
-    """Each forward and backward costs ``action_s`` more: on uniform stages the step grows by
-    the critical path's (m + p − 1) forwards and as many backwards, and every device is busy
-    2m × action_s longer, drawn as ``runtime`` segments before the actions' graphs."""
+@pytest.mark.parametrize("schedule,p,m", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 4, 8), ("zbh1", 3, 6)])
+def test_the_runtime_cost_is_charged_on_every_action_of_the_list(schedule: str, p: int, m: int) -> None:
+    """Every action of a device's list — compute, send, receive — costs ``action_s`` more: each
+    device is busy that much longer per action (``runtime`` segments), a compute action's
+    right before its graphs; the step grows by at least the critical path's compute actions
+    and by no more than all of the devices' charges."""
     plain = PipelineCosts.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0, schedule=schedule)
     charged = dataclasses.replace(plain, action_s=0.25)
     t0, t1 = run_timeline(plain), run_timeline(charged)
-    assert t1.step_time_s == pytest.approx(t0.step_time_s + 2 * (m + p - 1) * 0.25)
-    assert t1.busy_s == pytest.approx([b + 2 * m * 0.25 for b in t0.busy_s])
-    runtime = [g for g in t1.segments if g.kind == "runtime"]
-    assert len(runtime) == 2 * m * p and all(g.end - g.start == pytest.approx(0.25) for g in runtime)
-    for g in runtime:  # the action's graphs follow at once
-        assert any(h.device == g.device and h.kind in ("forward", "backward") and h.start == pytest.approx(g.end)
-                   for h in t1.segments)
+    counts = [list_actions(schedule, p, m, s) for s in range(p)]
+    assert counts[0] == (3 if schedule == "zbh1" else 2) * m + 2 * m   # + a SEND_F and a RECV_B per microbatch
+    assert t1.busy_s == pytest.approx([b + n * 0.25 for b, n in zip(t0.busy_s, counts)])
+    for s, n in enumerate(counts):
+        runtime = sum(g.end - g.start for g in t1.segments if g.kind == "runtime" and g.device == s)
+        assert runtime == pytest.approx(n * 0.25)
+    compute_on_path = 2 * (m + p - 1)
+    assert t0.step_time_s + compute_on_path * 0.25 - 1e-9 <= t1.step_time_s <= t0.step_time_s + sum(counts) * 0.25
+    for g in t1.segments:   # a compute action's own share is followed at once by its graphs
+        if g.kind == "runtime" and g.label.endswith(" runtime"):
+            assert any(h.device == g.device and h.kind in ("forward", "backward", "weight")
+                       and h.start == pytest.approx(g.end) for h in t1.segments)
 
 
 def test_build_pipeline_takes_the_runtime_cost_from_the_hardware() -> None:

@@ -190,7 +190,7 @@ def optimizer_s_per_param(reference: ReferenceModel, runs: int = 5) -> dict[str,
     for name in OPTIMIZERS:
         opt = makers[name]()
         opt.step()  # state allocation, first-step work
-        t = fastest(opt.step, runs)
+        t = fastest(opt.step, runs, min_total_s=0.05)   # at least 50 ms of steps: a few ms each
         out[name] = Timing(t.seconds / count, t.cpu_share)
     with torch.no_grad():
         for p, s in zip(params, saved):

@@ -11,6 +11,9 @@ Example::
     >>> m = Repeated("matmul_flops", [90e9, 100e9, 110e9])
     >>> m.median, round(m.spread, 2), round(m.deviation, 2)
     (100000000000.0, 0.2, 0.1)
+    >>> link = Repeated("alpha_s", [31e-6, 30e-6, 45e-6], best="min")
+    >>> link.value, round(link.deviation, 3)
+    (3e-05, 0.033)
     >>> t = fastest(lambda: sum(range(1000)), runs=3)
     >>> t.seconds > 0 and 0 < t.cpu_share <= 1.0
     True
@@ -28,11 +31,17 @@ __all__ = ["Repeated", "Timing", "fastest", "best_of"]
 
 @dataclass
 class Repeated:
-    """One quantity's values over the repeats, and the share of a core each was measured with."""
+    """One quantity's values over the repeats, and the share of a core each was measured with.
+
+    Its :attr:`value` is the median; with ``best`` (``"min"`` or ``"max"``) the best repeat
+    instead — for what is timed in wall time across processes (a link, the runtime's ranks),
+    where other load only ever slows a repeat down, so the best one is the least disturbed and
+    the median follows the load. Such a figure is steady when its two best repeats agree."""
 
     name: str
     values: list[float] = field(default_factory=list)
     cpu_shares: list[float] = field(default_factory=list)
+    best: str | None = None
 
     def add(self, value: float, cpu_share: float | None = None) -> None:
         self.values.append(value)
@@ -44,6 +53,13 @@ class Repeated:
         return statistics.median(self.values)
 
     @property
+    def value(self) -> float:
+        """The figure: the median, or the best repeat (``best``)."""
+        if self.best is None:
+            return self.median
+        return min(self.values) if self.best == "min" else max(self.values)
+
+    @property
     def spread(self) -> float:
         """``(max − min) / median``: 0 for a perfectly steady measurement."""
         mid = self.median
@@ -51,7 +67,11 @@ class Repeated:
 
     @property
     def deviation(self) -> float:
-        """How far the farthest repeat is from the median, as a fraction of it."""
+        """How far the figure may be off, as a fraction of it: the farthest repeat from the
+        median, or (``best``) the second-best repeat from the best."""
+        if self.best is not None:
+            ranked = sorted(self.values, reverse=self.best == "max")
+            return abs(ranked[1] - ranked[0]) / abs(ranked[0]) if len(ranked) > 1 and ranked[0] else 0.0
         mid = self.median
         return max(abs(v - mid) for v in self.values) / mid if mid else 0.0
 

@@ -14,9 +14,10 @@ load, and per repeat keeps the least CPU time of each over ``steps`` rounds:
 - the CPU time of the process's other threads during a step (a waiter per message, gloo's) is
   the work the runtime adds beside it, which takes a core from some rank where none is spare.
 
-Both are divided by the rank's actions (a forward or a backward of one microbatch: 2 per
-microbatch) and averaged over the two ranks. CPU time leaves out the time other processes hold
-the core.
+Both are divided by the actions of the rank's list (:func:`lynx.planner.schedule.rank_actions`:
+its forwards and backwards and the sends and receives it posts, 4 per microbatch here) and
+averaged over the two ranks: the timeline charges that much per action of every device's list.
+CPU time leaves out the time other processes hold the core.
 
 Example (forks two processes; a few seconds)::
 
@@ -46,15 +47,18 @@ __all__ = ["runtime_action_s"]
 
 def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8,
                      timeout_s: float = 120.0) -> tuple[list[float], list[float]]:
-    """Per repeat: the runtime's main-thread seconds per action, and its other threads' CPU
-    seconds per action (module docstring). Needs ``fork`` (Linux, macOS)."""
+    """Per repeat: the runtime's main-thread seconds per action of a rank's list, and its other
+    threads' CPU seconds per action (module docstring). Needs ``fork`` (Linux, macOS)."""
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring the runtime's own cost forks two ranks of this process; this platform "
                                "has no fork")
     from lynx.runtime.topology import free_port
 
+    from lynx.planner.schedule import list_actions
+
     compiled = reference.compiled
-    pp, m = compiled.config.pp, compiled.config.microbatches
+    pp = compiled.config.pp
+    actions = [list_actions(compiled.config.schedule, pp, compiled.config.microbatches, rank) for rank in range(pp)]
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
@@ -80,8 +84,8 @@ def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8
                                f"{'; '.join(errors) or 'a rank sent no result'}")
     main, threads = [], []
     for r in range(repeats):
-        main.append(statistics.mean(results[s][r][0] for s in range(pp)) / (2 * m))
-        threads.append(statistics.mean(results[s][r][1] for s in range(pp)) / (2 * m))
+        main.append(statistics.mean(results[s][r][0] / actions[s] for s in range(pp)))
+        threads.append(statistics.mean(results[s][r][1] / actions[s] for s in range(pp)))
     return main, threads
 
 

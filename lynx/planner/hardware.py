@@ -30,8 +30,8 @@ from lynx.planner.host_link import HOST_MEMORY_PER_GPU, PCIE4_X16, PCIE5_X16, Ho
 __all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES", "RELIABLE_SPREAD",
            "get_hardware", "share_cores"]
 
-# A measured figure is repeatable when every repeat is within ±10% of the repeats' median
-# (`lynx calibrate` flags the others, naming why).
+# A measured figure is repeatable when every repeat is within ±10% of the repeats' median (for a
+# best-of-repeats figure: its two best repeats within 10%); `lynx calibrate` flags the others.
 RELIABLE_SPREAD = 0.10
 
 # What a device or link can physically be, per field: (lowest, highest, unit). Far outside
@@ -77,11 +77,12 @@ class Calibration(BaseModel):
     """How a measured spec was measured (``lynx calibrate``): where, when, how long, how steady.
 
     ``spread`` is, per measured field, ``(max − min) / median`` over the repeats; the spec
-    holds the medians. ``cpu_share`` is, per field timed on one thread, the least share of a
-    core its runs got (CPU time over wall time: 1.0 had a core to itself; the figure is CPU
-    time, which other load inflates little, so this says how busy the machine was, not how
-    wrong the figure is). ``unreliable`` names each field with a repeat more than
-    :data:`RELIABLE_SPREAD` from the repeats' median, and why.
+    holds the medians (the best repeat for the links and the runtime, timed across processes).
+    ``cpu_share`` is, per field timed on one thread, the least share of a core its runs got
+    (CPU time over wall time: 1.0 had a core to itself; the figure is CPU time, which other load
+    inflates little, so this says how busy the machine was, not how wrong the figure is).
+    ``unreliable`` names each field that may be off by more than :data:`RELIABLE_SPREAD` — a
+    repeat that far from the median, or two best repeats that far apart — and why.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
@@ -125,8 +126,9 @@ class HardwareSpec(BaseModel):
     # pinned host memory one device may fill; None: not described (offload is then refused)
     host_link: Optional[HostLinkSpec] = None
     host_memory_bytes: Optional[_physical("memory_bytes")] = None  # type: ignore[valid-type]
-    # the runtime's own host work per pipeline action (a forward or backward of one microbatch)
-    # beside the generated graphs: scheduling, p2p posting and completion, loss, statistics
+    # the runtime's own host work per action of a device's list (a forward or backward of one
+    # microbatch, a send or receive it posts) beside the generated graphs: scheduling, p2p posting
+    # and completion, loss, statistics
     runtime_action_s: _physical("runtime_action_s") = 0.0  # type: ignore[valid-type]
     source: Optional[str] = Field(default=None, exclude=True)
     calibration: Optional[Calibration] = Field(default=None, exclude=True)

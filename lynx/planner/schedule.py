@@ -50,6 +50,7 @@ __all__ = [
     "Op",
     "Action",
     "POSTS",
+    "list_actions",
     "compute_order",
     "rank_actions",
     "stage_actions",
@@ -219,6 +220,19 @@ def rank_actions(schedule: str, pp: int, microbatches: int, virtual: int = 1) ->
         acts.append(Action(Op.OPTIMIZER))
         out.append(acts)
     return out
+
+
+def list_actions(schedule: str, pp: int, microbatches: int, device: int, virtual: int = 1) -> int:
+    """Actions of ``device``'s list the runtime spends host work on: its compute actions and the
+    sends and receives it posts (each costs ``HardwareSpec.runtime_action_s`` in the timeline).
+
+    Example::
+
+        >>> list_actions("1f1b", pp=2, microbatches=4, device=0)   # 4 F, 4 B, 4 SEND_F, 4 RECV_B
+        16
+    """
+    acts = rank_actions(schedule, pp, microbatches, virtual)[device]
+    return sum(1 for a in acts if a.is_compute or a.op in POSTS)
 
 
 def stage_actions(schedule: str, *, stage: int, stages: int, microbatches: int,
