@@ -47,9 +47,12 @@ class Compiled:
     # wall seconds per phase: capture, profile, graph, setup, plan, search, simulate (lynx.phases)
     phases: Phases = field(default_factory=Phases)
     loss: Optional[LossSpec] = None    # which part of the output is the loss
+    # tp > 1: which linear layers are sharded (lynx.frontend.sharding.ShardingPlan)
+    sharding: Any = None
 
-    def stage(self, index: int) -> StageModule:
-        """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied."""
+    def stage(self, index: int, tp_mesh: Any = None) -> StageModule:
+        """Executable ``nn.Module`` for pipeline stage ``index`` with the plan applied; with
+        ``tp_mesh`` (this rank's 1-D tensor-parallel ``DeviceMesh``, tp > 1) the rank's shard of it."""
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.config.pp:
             raise LynxConfigError(
                 f"stage {index!r} is out of range: this compilation has stages 0..{self.config.pp - 1}"
@@ -65,7 +68,7 @@ class Compiled:
             )
         from lynx.rewrite import build_stage_module
 
-        return build_stage_module(self, index)
+        return build_stage_module(self, index, tp_mesh=tp_mesh)
 
     def simulate(self) -> SimResult:
         """Replay the plan on this model's timeline."""
@@ -106,6 +109,7 @@ def compile(
     """
     config = resolve_config(config, settings)
     from lynx.frontend.analyze import analyze
+    from lynx.frontend.tp_profile import apply_sharding
     from lynx.runtime.loss import LossSpec, find_loss, output_structure
 
     loss = LossSpec(None, "").with_loss_fn(loss_fn)  # a loss_fn that is not callable fails here, first
@@ -120,6 +124,7 @@ def compile(
             )
         )
     phases = Phases(analysis.phases)
+    config, sharding = apply_sharding(analysis, config)
     if config.plan is not None:
         plan = config.plan if isinstance(config.plan, Plan) else Plan.load(config.plan)
         check_fingerprint(plan, graph_fingerprint(analysis.graph), config.fingerprint_fields())
@@ -127,9 +132,9 @@ def compile(
 
         with phases.timed("simulate"):
             recheck_plan(plan, analysis.graph)   # its decisions and predictions, not trusted as stored
-        return Compiled(plan=plan, config=config, analysis=analysis, phases=phases, loss=loss)
+        return Compiled(plan=plan, config=config, analysis=analysis, phases=phases, loss=loss, sharding=sharding)
     outcome = plan_graph_outcome(analysis.graph, config)
     assert outcome.plan is not None  # assembled (plan_graph_outcome's default)
     return Compiled(
-        plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases), loss=loss
-    )
+        plan=outcome.plan, config=config, analysis=analysis, phases=phases.update_from(outcome.phases), loss=loss,
+        sharding=sharding)

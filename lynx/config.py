@@ -78,6 +78,9 @@ plan's path or a :class:`lynx.Plan`) is used
     # (None: the hardware's host_memory_bytes)
     offload: bool = False
     host_memory_budget: Optional[int] = None
+    # tensor parallelism: module path (pattern) -> ColwiseParallel() / RowwiseParallel() or
+    # "colwise" / "rowwise"; None: the default found from the repeated layer (lynx.frontend.sharding)
+    tp_plan: Optional[dict[str, Any]] = None
 
     def __init__(self, **data: Any) -> None:
         unknown = sorted(set(data) - set(type(self).model_fields))
@@ -111,6 +114,16 @@ plan's path or a :class:`lynx.Plan`) is used
             return parse_size(value)
         except LynxConfigError as err:
             raise ValueError(str(err)) from None
+
+    @field_validator("tp_plan", mode="before")
+    @classmethod
+    def _tp_plan(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not value or not all(isinstance(k, str) for k in value):
+            raise ValueError(f"tp_plan must be a non-empty dict of module paths to ColwiseParallel() / "
+                             f"RowwiseParallel() (or 'colwise' / 'rowwise'), got {value!r}")
+        return dict(value)
 
     @field_validator("time_limit_s")
     @classmethod
@@ -169,6 +182,8 @@ plan's path or a :class:`lynx.Plan`) is used
             if device not in ("cpu", "cuda"):
                 device = "cpu" if str(self.hardware).startswith("cpu") else "cuda"
             object.__setattr__(self, "target", device)
+        if self.tp_plan is not None and self.tp == 1:
+            raise ValueError("tp_plan shards layers across tensor-parallel ranks: it needs tp > 1 (got tp=1)")
         if self.schedule == "1f1b" and self.microbatches < self.pp:
             raise ValueError(
                 f"schedule '1f1b' needs microbatches >= pp ({self.microbatches} < {self.pp}): "
@@ -233,15 +248,18 @@ plan's path or a :class:`lynx.Plan`) is used
 
     def record(self) -> dict[str, Any]:
         """JSON-ready dict of the settings (the plan field left out; the offload settings only
-        when offload is on)."""
-        data = self.model_dump(mode="python", exclude={"plan", "hardware"})
+        when offload is on; a tp_plan's styles by name)."""
+        data = self.model_dump(mode="python", exclude={"plan", "hardware", "tp_plan"})
         if not self.offload:
             del data["offload"], data["host_memory_budget"]
         data["hardware"] = self.hardware_record()
+        if self.tp_plan is not None:
+            data["tp_plan"] = {path: _style_record(style) for path, style in self.tp_plan.items()}
         return data
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        """The settings a plan depends on (see :data:`FINGERPRINT_FIELDS`)."""
+        """The settings a plan depends on (see :data:`FINGERPRINT_FIELDS`; with tp > 1 the sharding
+        plan too, as :func:`lynx.compile` resolved it)."""
         record = self.record()
         if self.memory_budget is None:
             record["memory_budget"] = self.budget_bytes()
@@ -249,6 +267,8 @@ plan's path or a :class:`lynx.Plan`) is used
         if self.offload:   # only then: plans made before offload existed keep their fingerprints
             fields["offload"] = True
             fields["host_memory_budget"] = self.host_budget_bytes()
+        if self.tp > 1:
+            fields["tp_plan"] = record.get("tp_plan")
         return fields
 
     def replace(self, **changes: Any) -> "CompileConfig":
@@ -256,6 +276,14 @@ plan's path or a :class:`lynx.Plan`) is used
         data = {name: getattr(self, name) for name in type(self).model_fields}
         data.update(changes)
         return CompileConfig(**data)
+
+
+def _style_record(style: Any) -> str:
+    """A tensor-parallel style as a plan records it: ``"colwise"`` / ``"rowwise"`` (strings as given)."""
+    if isinstance(style, str):
+        return style
+    names = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise"}
+    return names.get(type(style).__name__, type(style).__name__)
 
 
 def _explain(err: ValidationError) -> str:

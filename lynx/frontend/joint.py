@@ -38,12 +38,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from lynx.errors import LynxRuntimeError
+from lynx.errors import LynxError, LynxRuntimeError
 from lynx.torch_private import (aot_export_joint, all_op_names, has_kernel, is_forward_node, is_op_overload, kept_whole,
                                 op_schema, output_aliases_input, tree_flatten, tree_map)
 
-__all__ = ["JointGraph", "JointParts", "trace_joint", "signature_of", "is_view_op", "fetch_attr", "classify",
-           "owners_of", "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved",
+__all__ = ["JointGraph", "JointParts", "GraphRunner", "trace_joint", "signature_of", "is_view_op", "fetch_attr",
+           "classify", "owners_of", "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved",
            "input_saver", "on_profile_device", "keep_whole"]
 
 
@@ -74,8 +74,10 @@ def is_view_op(target: Any) -> bool:
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
 
 
-class _Runner(fx.Interpreter):
-    """Runs a stage graph with its attributes taken from ``attrs`` (the primals being traced)."""
+class GraphRunner(fx.Interpreter):
+    """Runs a stage graph with its attributes taken from ``attrs`` (the primals being traced).
+
+    :mod:`lynx.frontend.joint_tp` subclasses it to run the graph tensor-parallel."""
 
     def __init__(self, gm: fx.GraphModule, attrs: dict[str, Any], clone: frozenset[int], meta_to_cpu: bool) -> None:
         super().__init__(gm)
@@ -117,22 +119,27 @@ def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
     return obj
 
 
-def trace_joint(stage_gm: fx.GraphModule, args: list[Any], attrs: dict[str, torch.Tensor] | None = None) -> JointGraph:
+def trace_joint(stage_gm: fx.GraphModule, args: list[Any], attrs: dict[str, torch.Tensor] | None = None, *,
+                tp: Any = None) -> JointGraph:
     """The joint graph of ``stage_gm`` on inputs like ``args`` (cached per input signature).
 
     ``attrs`` replaces the graph's parameters and buffers by name (e.g. fake tensors while
-    profiling a model that lives on the meta device); such traces are not cached.
+    profiling a model that lives on the meta device, or a tensor-parallel rank's local shards);
+    traces with ``attrs`` are cached only with ``tp``. ``tp`` (a
+    :class:`lynx.frontend.joint_tp.TPContext`) runs the graph tensor-parallel: the primals are
+    this rank's shards and the joint graph holds the TP collectives.
     """
-    if attrs is not None:
+    if attrs is not None and tp is None:
         return _trace(stage_gm, args, attrs)
-    key = signature_of(args)
+    key = (signature_of(args), None if tp is None else tp.key)
     cache = stage_gm.meta.setdefault("lynx_joint", {})
     if key not in cache:
-        cache[key] = _trace(stage_gm, args)
+        cache[key] = _trace(stage_gm, args, attrs, tp)
     return cache[key]
 
 
-def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.Tensor] | None = None) -> JointGraph:
+def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.Tensor] | None = None,
+           tp: Any = None) -> JointGraph:
     for node in stage_gm.graph.nodes:
         node.meta.setdefault("custom", {})["lynx_node"] = node.meta.get("lynx_name", node.name)
     attr_names = list(dict.fromkeys(n.target for n in stage_gm.graph.nodes if n.op == "get_attr"
@@ -144,7 +151,9 @@ def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.
         def stage_fn(*primals: Any) -> tuple:
             env = dict(zip(attr_names, primals[:len(attr_names)]))
             with fx.traceback.preserve_node_meta():
-                return _Runner(stage_gm, env, clone, override is not None).run(*primals[len(attr_names):])
+                if tp is not None:
+                    return tp.runner(stage_gm, env, clone).run(*primals[len(attr_names):])
+                return GraphRunner(stage_gm, env, clone, override is not None).run(*primals[len(attr_names):])
 
         with _quiet(), _eager_kernels():
             return aot_export_joint(stage_fn, tuple(flat), num_params_buffers=len(attr_names))
@@ -154,7 +163,7 @@ def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.
         aliased = frozenset(i for i, o in enumerate(meta.output_info) if output_aliases_input(o))
         if aliased:  # a value sent as well as viewed, or an input passed through: send a copy
             gm, meta = export(aliased)
-    except LynxRuntimeError:
+    except LynxError:
         raise
     except Exception as err:  # noqa: BLE001 - torch raises many kinds here; say what failed
         raise LynxRuntimeError(
