@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import networkx as nx
 
 from lynx.errors import LynxConfigError
+from lynx.planner.tp_costs import device_param_bytes, layer_allreduce_s, marked, time_share
 from lynx.planner.comm import CommModel
 from lynx.planner.cost import weight_grad_share
 from lynx.units import dtype_bytes
@@ -149,17 +150,20 @@ def block_costs(graph: nx.DiGraph, comm: CommModel, *, tp: int, optimizer: str) 
     costs = []
     for block in graph.graph["blocks"]:
         nodes = block["nodes"]
-        forward = sum(graph.nodes[n].get("forward_s", 0.0) for n in nodes) / tp
-        backward = sum(graph.nodes[n].get("backward_s", 0.0) for n in nodes) / tp
+        # per TP rank: sharded ops 1/tp, replicated ones whole (lynx.planner.tp_costs)
+        forward = sum(graph.nodes[n].get("forward_s", 0.0) * time_share(graph.nodes[n], tp) for n in nodes)
+        backward = sum(graph.nodes[n].get("backward_s", 0.0) * time_share(graph.nodes[n], tp) for n in nodes)
         weight = sum(weight_grad_share(graph.nodes[n].get("op", "")) * graph.nodes[n].get("backward_s", 0.0)
-                     for n in nodes) / tp
-        tp_s = 0.0
-        if tp > 1 and block["kind"] == "layer" and nodes:
+                     * time_share(graph.nodes[n], tp) for n in nodes)
+        tp_forward = tp_backward = 0.0
+        if tp > 1 and nodes:
             activation = int(graph.nodes[nodes[-1]].get("output_bytes", 0))  # the layer's output (s, b, h)
-            tp_s = 2 * comm.tp_allreduce(activation)
-        device_params = int(param_bytes[block["index"]]) // tp
+            if block["kind"] == "layer" or any(marked(graph.nodes[n]) for n in nodes):
+                tp_forward, tp_backward = layer_allreduce_s([graph.nodes[n] for n in nodes], comm.tp_allreduce,
+                                                            activation)
+        device_params = device_param_bytes(block, int(param_bytes[block["index"]]), tp)
         costs.append(BlockCost(
             block=block["index"], name=block["name"], layer=block.get("layer"),
-            forward_s=forward, backward_s=backward, tp_forward_s=tp_s, tp_backward_s=tp_s,
+            forward_s=forward, backward_s=backward, tp_forward_s=tp_forward, tp_backward_s=tp_backward,
             param_bytes=device_params, dp_s=comm.dp_gradients(device_params // size), backward_weight_s=weight))
     return costs

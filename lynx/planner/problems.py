@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import networkx as nx
 
+from lynx.planner.tp_costs import bytes_per_rank, marked, time_share
 from lynx.planner.comm import CommModel
 from lynx.planner.copy_lanes import HostCopies
 from lynx.planner.offload_costs import check_offload_schedule, copy_loads, offload_decision_fields, stage_copies
@@ -71,7 +72,7 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
             for n in blocks[b]["nodes"]:
                 if any(chunk_of_node.get(v, -1) > c.index for v in graph.successors(n)):
                     sent.add(n)
-        nbytes = sum(int(graph.nodes[n].get("output_bytes", 0)) for n in sent) // tp
+        nbytes = sum(bytes_per_rank(graph.nodes[n].get("output_bytes", 0), graph.nodes[n], tp) for n in sent)
         boundary.append(comm.p2p(nbytes))
     optimizer_s: tuple[float, ...] = ()
     if hardware is not None:  # each device's optimizer step over its parameters (lynx.planner.cost.optimizer_step_s)
@@ -138,7 +139,8 @@ def build_problems(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, *
         problems.append(StageProblem(
             stage=s, nodes=nodes, windows=_windows(timeline, s), microbatches=pipe.microbatches,
             in_flight=in_flight, activation_budget_bytes=max(0, budget_bytes - static[s] - in_flight * sent_bytes),
-            sent_bytes=sent_bytes, copies=copies))
+            sent_bytes=sent_bytes, copies=copies,
+            backward_in_order=pipe.schedule in ("1f1b", "gpipe") and pipe.virtual == 1))
     return problems
 
 
@@ -150,6 +152,9 @@ def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tup
     sent, sent_bytes = _sent_storages(graph, names)
     # who saves each output: the profile's names hold only in an unfolded graph
     savers_known = not graph.graph.get("folded")
+    # a row-parallel linear's output is all-reduced, and a collective is never recomputed: the
+    # runtime holds it from the forward (lynx.rewrite.lower), so its consumers never re-run it
+    reduced = {n for n in names if tp > 1 and graph.nodes[n].get("tp_allreduce", (0, 0))[0]}
     nodes = []
     for n in names:
         attrs = graph.nodes[n]
@@ -157,18 +162,19 @@ def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tup
         output_bytes = attrs.get("output_saved_bytes")  # absent from graphs built before the profile had it
         nodes.append(ProblemNode(
             name=n,
-            saved_bytes=_per_rank(attrs.get("saved_bytes", 0), tp),
+            saved_bytes=bytes_per_rank(attrs.get("saved_bytes", 0), attrs, tp),
             output_saved=bool(attrs.get("output_saved", False)),
-            recompute_s=float(attrs.get("forward_s", 0.0)) / tp,
-            inputs=tuple(p for p in graph.predecessors(n) if p in members),
+            recompute_s=float(attrs.get("forward_s", 0.0)) * time_share(attrs, tp),
+            inputs=tuple(p for p in graph.predecessors(n) if p in members and p not in reduced),
             layer=attrs.get("layer"),
             layer_class=str(attrs.get("layer_class", "")),
             core_attention=bool(attrs.get("core_attention", False)),
             saved_by=None if saved_by is None else tuple(v for v in saved_by if v in members),
-            output_bytes=None if output_bytes is None else _per_rank(output_bytes, tp),
-            sent=n in sent,
+            output_bytes=None if output_bytes is None else bytes_per_rank(output_bytes, attrs, tp),
+            sent=n in sent or n in reduced,   # held whatever the plan says, as what a stage sends
+            tp_collective=bool(tp > 1 and attrs.get("tp_allreduce", (0, 0))[1]),
         ))
-    return tuple(nodes), _per_rank(sent_bytes, tp)
+    return tuple(nodes), sent_bytes if any(marked(graph.nodes[n]) for n in names) else _per_rank(sent_bytes, tp)
 
 
 def _per_rank(nbytes: Any, tp: int) -> int:

@@ -12,11 +12,12 @@ backward reads it, as softmax's does) and by the re-run of a dropped consumer; a
 (e.g. a dropout mask, layer norm's statistics, a saved model input), read by its own
 backward. For one microbatch j, each part is held:
 
-* from step 0 when the node is kept or recomputed in a window for j; when it is recomputed
-  on demand, from the first step that needs it: a saver's step, its own step when it has a
-  rest, or the re-run of an on-demand consumer (re-running a node first re-runs its dropped
-  inputs). A re-run brings both parts back at once (a multi-output op's result holds every
-  piece until the last is taken);
+* from step 0 when the node is kept or recomputed in a window for j (a tensor-parallel
+  window of layer L: from the backward step of the all-reduce it runs after, inside layer
+  L's backward); when it is recomputed on demand, from the first step that needs it: a
+  saver's step, its own step when it has a rest, or the re-run of an on-demand consumer
+  (re-running a node first re-runs its dropped inputs). A re-run brings both parts back at
+  once (a multi-output op's result holds every piece until the last is taken);
 * the output until its last reader, the rest until the node's own step. A saved output
   the stage sends on (:func:`is_sent`) is held to the end of the backward, kept or not:
   the stage holds what it sent as a root of the backward (values it sends that no stage
@@ -28,8 +29,10 @@ the node itself; ``output_bytes`` None: all of the bytes are held as long as any
 until the node's own step) the model takes the side that holds longer.
 
 :func:`peak_activation_bytes` is the largest, over microbatches j and backward steps, of
-``(in_flight − 1) · held + what j holds at that step``, where ``held`` (:func:`held_bytes`)
-is what a microbatch holds between its forward and its backward. At step 0, j holds all it
+``others(j) · held + what j holds at that step``, where ``held`` (:func:`held_bytes`)
+is what a microbatch holds between its forward and its backward and ``others(j)`` is
+``in_flight − 1`` — at most ``m − 1 − j`` where backwards run in microbatch order (1F1B,
+GPipe: the cool-down's last microbatches have fewer others in flight). At step 0, j holds all it
 kept and everything prefetched for it, so the state just before its backward is covered.
 This is what the simulator reports and what the runtime's saved-bytes meter measures
 (``tests/test_peak_prediction.py``: equal to the byte for every solver's plan of the tiny
@@ -61,6 +64,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lynx.solvers.offload import group_layout, issue_steps, pending_by_group
+from lynx.planner.windows import WindowId
 from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, group_key, group_ranks, is_sent,
                                   savers_of)
 from lynx.solvers.problem import consumers_of as _consumers
@@ -124,8 +128,49 @@ def _signatures(problem: StageProblem, assignment: Assignment) -> dict[frozenset
     return out
 
 
+def _arrival_signatures(problem: StageProblem, assignment: Assignment) -> dict[frozenset[tuple[str, int]], int]:
+    """Distinct sets of (prefetched node, backward step it is there from), each with its first
+    microbatch: step 0 but for recomputation in a tensor-parallel window (:func:`_window_steps`)."""
+    steps = _window_steps(problem)
+    index = {n.name: i for i, n in enumerate(problem.nodes)}
+    by_window: dict[tuple[int, WindowId], list[str]] = {}
+    for (name, mb), window in assignment.window_of.items():
+        by_window.setdefault((mb, window), []).append(name)
+    by_mb: dict[int, set[tuple[str, int]]] = {}
+    for (mb, window), names in by_window.items():
+        at = steps.get(window)
+        names.sort(key=index.__getitem__)
+        share = -(-len(names) // len(at)) if at else 1
+        for k, name in enumerate(names):
+            by_mb.setdefault(mb, set()).add((name, at[k // share] if at else 0))
+    for (name, mb) in assignment.prefetch_of:
+        by_mb.setdefault(mb, set()).add((name, 0))
+    out: dict[frozenset[tuple[str, int]], int] = {}
+    for mb in range(problem.microbatches):
+        out.setdefault(frozenset(by_mb.get(mb, ())), mb)
+    return out
+
+
+def _window_steps(problem: StageProblem) -> dict[WindowId, list[int]]:
+    """Backward steps at which a tensor-parallel window's recomputation runs: a window of layer
+    ``L`` (eligible: the layers below it) runs right after each of layer ``L``'s backward
+    all-reduces, its nodes in forward order split in equal shares over them, the first share
+    after the first all-reduce the backward issues (``lynx.rewrite.tp_windows``); every other
+    window runs before step 0."""
+    last = len(problem.nodes) - 1
+    steps: dict[int, list[int]] = {}
+    for i, n in enumerate(problem.nodes):
+        if n.layer is not None and n.tp_collective:
+            steps.setdefault(n.layer, []).append(last - i)
+    out: dict[WindowId, list[int]] = {}
+    for w in problem.windows:
+        if w.kind == "tp_allreduce" and w.eligible_layers and steps.get(max(w.eligible_layers) + 1):
+            out[w.id] = sorted(steps[max(w.eligible_layers) + 1])
+    return out
+
+
 def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str],
-                          pending: Sequence[int] | None = None) -> int:
+                          pending: Sequence[int] | None = None, arrival: dict[str, int] | None = None) -> int:
     """Most bytes one microbatch holds at any backward step, given the nodes prefetched for it.
 
     Each node's saved bytes are two intervals of backward steps (see the module docstring):
@@ -134,8 +179,10 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
     offloaded node is there from its prefetch's issue (step 0 when prefetched in a window,
     else one group ahead of its read group: :func:`lynx.solvers.offload.issue_steps`);
     ``pending`` adds, per group rank, what other microbatches'
-    offload copies still hold while that group is backpropagated.
+    offload copies still hold while that group is backpropagated; ``arrival``: the step a
+    node prefetched in a tensor-parallel window is there from (else 0).
     """
+    arrival = arrival or {}
     nodes = problem.nodes
     last = len(nodes) - 1
     step = {n.name: last - i for i, n in enumerate(nodes)}
@@ -172,7 +219,7 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
         elif name in offloaded and name not in prefetched:
             at = issue[name]
         else:
-            at = 0
+            at = arrival.get(name, 0)
         if is_sent(n):  # the stage holds what it sent until the microbatch's backward ends
             hold(0, last, out_bytes)
             if name in dropped and at != _NEVER and (n.saved_by is None or n.saved_by):
@@ -211,18 +258,24 @@ def held_bytes(problem: StageProblem, assignment: Assignment) -> int:
 
 def peak_activation_bytes(problem: StageProblem, assignment: Assignment,
                           pending: Sequence[int] | None = None) -> int:
-    """(in_flight − 1) · held + the most one microbatch holds during its backward (see above).
+    """others(j) · held + the most microbatch j holds during its backward, the largest over j (see
+    above: with backwards in microbatch order, j's backward has at most m − 1 − j others in flight).
 
     With offloaded nodes, ``pending`` (per group rank: bytes other microbatches' device→host
     copies still hold while that group is backpropagated) defaults to the solvers' bound from
     ``problem.copies`` (:func:`lynx.solvers.offload.pending_by_group`); the simulator passes
     the replay's own."""
-    others = (problem.in_flight - 1) * held_bytes(problem, assignment)
+    held = held_bytes(problem, assignment)
     if pending is None and assignment.offload:
         pending = pending_by_group(problem, assignment)
-    own = max((microbatch_peak_bytes(problem, assignment, pf, pending) for pf in _signatures(problem, assignment)),
-              default=0)
-    return max(0, others + own)
+    best = 0
+    for pf, mb in _arrival_signatures(problem, assignment).items():
+        others = problem.in_flight - 1
+        if problem.backward_in_order:
+            others = min(others, problem.microbatches - 1 - mb)
+        own = microbatch_peak_bytes(problem, assignment, frozenset(name for name, _ in pf), pending, dict(pf))
+        best = max(best, others * held + own)
+    return max(0, best)
 
 
 def peak_upper_bound_bytes(problem: StageProblem, assignment: Assignment) -> int:

@@ -84,6 +84,9 @@ class ProblemNode:
     # its output (or a view of it) goes to a later stage: the stage holds it until the
     # microbatch's backward ends, so a saved output stays whatever the plan says
     sent: bool = False
+    # its backward issues a tensor-parallel all-reduce (a column-parallel linear's input
+    # gradient): a TP window's recomputation runs right after it (lynx.rewrite.tp_windows)
+    tp_collective: bool = False
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,9 @@ class StageProblem:
     # offload to host memory allowed (``offload=True``): the stage's copy lanes, prefetch slots
     # and host budget (lynx.solvers.copies); None: keep and recompute only
     copies: StageCopies | None = None
+    # the stage runs its backwards in microbatch order, one model chunk per device (1F1B,
+    # GPipe): at B(j) at most m − 1 − j other microbatches are in flight (the cool-down)
+    backward_in_order: bool = False
 
 
 @dataclass(frozen=True)
