@@ -92,9 +92,11 @@ def build_stages(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]],
     return [StageModule(part, drop, out_spec=out_spec, compile=compile) for part, drop in zip(parts, dropped)]
 
 
-def build_chunk_modules(compiled: Compiled, device: int) -> dict[int, StageModule]:
+def build_chunk_modules(compiled: Compiled, device: int, tp_mesh: Any = None) -> dict[int, StageModule]:
     """The model chunks device ``device`` runs, by chunk index, each dropping what the plan drops
-    among its nodes (one chunk, the device's stage, unless the schedule is interleaved)."""
+    among its nodes (one chunk, the device's stage, unless the schedule is interleaved); with
+    ``tp_mesh`` and a sharding plan (tp > 1), this TP rank's shard of each
+    (:func:`lynx.rewrite.shard.shard_stage`), run tensor-parallel."""
     plan = compiled.plan
     _check_stage(plan, device)
     gm = compiled.analysis.captured.gm
@@ -109,19 +111,44 @@ def build_chunk_modules(compiled: Compiled, device: int) -> dict[int, StageModul
     if unknown:
         raise LynxPlanError(f"stage {device}: plan drops nodes that are not in this stage: {unknown[:5]}")
     use_compile = bool(getattr(compiled.config, "compile", False))
-    return {c: StageModule(parts[c], dropped & set(parts[c].spec.nodes), out_spec=out_spec_of(gm),
-                           compile=use_compile)
-            for c in mine}
+    sharding = getattr(compiled, "sharding", None)
+    if tp_mesh is None or sharding is None:
+        return {c: StageModule(parts[c], dropped & set(parts[c].spec.nodes), out_spec=out_spec_of(gm),
+                               compile=use_compile)
+                for c in mine}
+    from lynx.frontend.joint_tp import TPContext
+    from lynx.rewrite.shard import shard_stage
+
+    if int(tp_mesh.size()) != sharding.tp:
+        raise LynxConfigError(f"the tensor-parallel mesh has {int(tp_mesh.size())} ranks but the model was "
+                              f"compiled for tp={sharding.tp}")
+    tp = TPContext(tp_mesh, sharding)
+    # which layer each node is in: which all-reduces a TP window's recompute runs inside
+    graph = getattr(compiled.analysis, "graph", None)
+    layer_of = ({n: a["layer"] for n, a in graph.nodes(data=True) if a.get("layer") is not None}
+                if graph is not None else dict(getattr(compiled.analysis, "layer_of", {})))
+    chunks = {}
+    for c in mine:
+        stage = StageModule(shard_stage(parts[c], sharding, tp.rank), dropped & set(parts[c].spec.nodes),
+                            out_spec=out_spec_of(gm), compile=use_compile, tp=tp)
+        stage.layer_of = layer_of
+        if sharding.collectives:  # what the plan priced for this chunk's layers: the traced graph must issue it
+            layers = {layer_of[n] for n in parts[c].spec.nodes if n in layer_of}
+            stage.expected_collectives = {layer: v for layer, v in sharding.collectives.items()
+                                          if layer is None or layer in layers}
+        chunks[c] = stage
+    return chunks
 
 
-def build_stage_module(compiled: Compiled, index: int) -> StageModule:
-    """Stage ``index`` of ``compiled`` (a :class:`lynx.Compiled`) with its plan applied."""
+def build_stage_module(compiled: Compiled, index: int, tp_mesh: Any = None) -> StageModule:
+    """Stage ``index`` of ``compiled`` (a :class:`lynx.Compiled`) with its plan applied (with
+    ``tp_mesh``: this TP rank's shard of it, see :func:`build_chunk_modules`)."""
     plan = compiled.plan
     _check_stage(plan, index)
     if len(plan.stage(index).chunks) > 1:
         raise LynxConfigError(f"stage {index} runs {len(plan.stage(index).chunks)} model chunks (interleaved "
                               "schedule): build them with lynx.rewrite.build_chunk_modules(compiled, stage)")
-    (chunk,) = build_chunk_modules(compiled, index).values()
+    (chunk,) = build_chunk_modules(compiled, index, tp_mesh=tp_mesh).values()
     return chunk
 
 

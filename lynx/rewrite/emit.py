@@ -43,6 +43,8 @@ from lynx.frontend.joint import JointGraph, fetch_attr
 from lynx.rewrite.graph_calls import (Clock, GradSink, accumulate_grad, clock_start, clock_stop, replay_rng,
                                       save_rng_state)
 from lynx.rewrite.liveness import extra_peak_bytes
+from lynx.rewrite.tp_windows import (TPWindowLog, backward_allreduces, tp_segment_start, tp_segment_stop,
+                                     tp_wait_start, tp_wait_stop)
 from lynx.torch_private import boxed_codegen
 
 if TYPE_CHECKING:
@@ -74,6 +76,8 @@ class BackwardGraph:
     clock: Clock                    # time spent in those recomputations
     extra_peak_bytes: int           # peak of counted storages inside the graph minus its inputs'
     sink: GradSink | None = None    # set: parameter gradients go here, the graph returns None for them
+    tp_log: TPWindowLog | None = None   # recompute and wait seconds of each TP window it runs
+    tp_nodes: frozenset[str] = frozenset()   # captured nodes it recomputes inside TP windows
 
 
 def _ancestors(outputs: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
@@ -199,14 +203,17 @@ def build_recompute(lowered: LoweredStage, targets: frozenset[int], available: f
                           nodes=recomputed, out_bytes=sum(lowered.bytes_of_slot[i] for i in out_slots))
 
 
-def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node]) -> tuple[list[tuple[str, fx.Node]], set[fx.Node]]:
+def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node],
+                       windows: dict[fx.Node, list[fx.Node]] | None = None,
+                       ) -> tuple[list[tuple[str, fx.Node]], set[fx.Node]]:
     """The backward nodes in order (``"bw"``), each forward value they read that is not a source
-    recomputed just before (``"re"``), and the set of those recomputed."""
+    recomputed just before (``"re"``), and the set of those recomputed. ``windows``: after a
+    collective, recompute these values (``"tp"``: inside its window, before its wait)."""
     forward = lowered.forward_nodes
     recomputed: set[fx.Node] = set()
     sequence: list[tuple[str, fx.Node]] = []
 
-    def ensure(n: fx.Node) -> None:
+    def ensure(n: fx.Node, kind: str = "re") -> None:
         stack = [(n, False)]
         while stack:
             node, expanded = stack.pop()
@@ -214,7 +221,7 @@ def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node]) -> tuple[li
                 continue
             if expanded:
                 recomputed.add(node)
-                sequence.append(("re", node))
+                sequence.append((kind, node))
                 continue
             if node.op == "placeholder":
                 raise AssertionError(f"lowering: backward needs primal {node.name} that the forward did not keep")
@@ -227,11 +234,16 @@ def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node]) -> tuple[li
         for a in b.all_input_nodes:
             ensure(a)
         sequence.append(("bw", b))
+        for target in (windows or {}).get(b, ()):
+            ensure(target, "tp")
     return sequence, recomputed
 
 
-def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool) -> BackwardGraph:
-    """Joint backward nodes in order, each dropped value recomputed just before its first reader."""
+def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
+                   tp_windows: tuple[tuple[int, frozenset[int]], ...] = ()) -> BackwardGraph:
+    """Joint backward nodes in order, each dropped value recomputed just before its first reader;
+    ``tp_windows``: ``(k, slots)`` recomputed right after the backward's k-th collective, before
+    its wait (:mod:`lynx.rewrite.tp_windows`)."""
     nodes = lowered.graph_nodes
     slot_names = lowered.slot_names
     n_kept, n_held = len(lowered.kept), len(lowered.held)
@@ -239,7 +251,14 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool)
     avail_slots = sorted(available)
     sources = {nodes[slot_names[i]]: i for i in kept_slots + avail_slots + list(range(n_kept, n_kept + n_held))}
     rng_slot = _rng_slots(lowered)
-    sequence, recomputed = _backward_sequence(lowered, set(sources))
+    windows: dict[fx.Node, list[fx.Node]] = {}
+    if tp_windows:
+        collectives = backward_allreduces(lowered.joint.gm, lowered.forward_nodes)
+        for k, slots in tp_windows:
+            windows[collectives[k]] = [nodes[slot_names[i]] for i in sorted(slots)]
+    sequence, recomputed = _backward_sequence(lowered, set(sources), windows)
+    in_window = {n for kind, n in sequence if kind == "tp"}
+    waits = {u for c in windows for u in c.users if "wait_tensor" in str(u.target)}
     held_used = [i for i in range(n_kept, n_kept + n_held)
                  if any(u in recomputed for u in nodes[slot_names[i]].users)]
     rng_used = [(rng_slot[n], n) for n in lowered.joint.gm.graph.nodes if n in recomputed and n in rng_slot]
@@ -260,29 +279,41 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool)
     sink_after: dict[fx.Node, list[tuple[int, int]]] = {}
     for k, i in sunk.items():
         sink_after.setdefault(lowered.grads[k], []).append((k, i))
-    in_recompute = False
+    tp_log = graph.get_attr("lynx_tp_log") if windows else None
+    in_recompute = in_tp = False
     for kind, n in sequence:
         if (kind == "re") != in_recompute:
             in_recompute = kind == "re"
             graph.call_function(clock_start if in_recompute else clock_stop, (clock,))
-        _copy(graph, n, env, state_of)
+        if (kind == "tp") != in_tp:
+            in_tp = kind == "tp"
+            graph.call_function(tp_segment_start if in_tp else tp_segment_stop, (tp_log,))
+        if n in waits:  # how long the wait after a window blocked: was the collective still in flight?
+            graph.call_function(tp_wait_start, (tp_log,))
+            _copy(graph, n, env, state_of)
+            graph.call_function(tp_wait_stop, (tp_log,))
+        else:
+            _copy(graph, n, env, state_of)
         for _k, i in sink_after.pop(n, ()):
             graph.call_function(accumulate_grad, (sink_node, i, env[n]))
     if in_recompute:
         graph.call_function(clock_stop, (clock,))
+    if in_tp:
+        graph.call_function(tp_segment_stop, (tp_log,))
     for g, pairs in sink_after.items():  # gradients that are inputs (a tangent passed through)
         for _k, i in pairs:
             graph.call_function(accumulate_grad, (sink_node, i, env[g]))
     graph.output(tuple(None if k in sunk else env[g] for k, g in enumerate(lowered.grads)))
     if not lowered.compile:
         graph.set_codegen(boxed_codegen())
-    attrs: dict[str, Any] = {"lynx_clock": Clock(), "lynx_sink": GradSink()}
+    attrs: dict[str, Any] = {"lynx_clock": Clock(), "lynx_sink": GradSink(), "lynx_tp_log": TPWindowLog()}
     for n in graph.nodes:
         if n.op == "get_attr" and n.target not in attrs:
             attrs[n.target] = fetch_attr(lowered.joint.gm, n.target)
     gm = fx.GraphModule(attrs, graph)
     extra = extra_peak_bytes(graph, {v: k for k, v in env.items()}, lowered.stage_roots)
-    origins = frozenset(lowered.origin[n.name] for n in recomputed if n.name in lowered.origin)
+    origins = frozenset(lowered.origin[n.name] for n in recomputed - in_window if n.name in lowered.origin)
+    tp_origins = frozenset(lowered.origin[n.name] for n in in_window if n.name in lowered.origin)
     run: Callable[[list], Any]
     if lowered.compile:
         fn = compiled(gm, True)
@@ -291,7 +322,8 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool)
         run = gm
     return BackwardGraph(gm=gm, run=run, in_slots=in_slots + [i for i, _ in rng_used], nodes=origins,
                          clock=attrs["lynx_clock"], extra_peak_bytes=extra,
-                         sink=attrs["lynx_sink"] if sunk else None)
+                         sink=attrs["lynx_sink"] if sunk else None, tp_log=attrs["lynx_tp_log"],
+                         tp_nodes=tp_origins)
 
 
 def compiled(gm: fx.GraphModule, compile: bool) -> Callable[..., Any]:

@@ -45,6 +45,7 @@ import torch
 from torch import fx
 
 from lynx.frontend.joint import JointGraph, classify, input_saver, storage_nbytes, storage_root
+from lynx.frontend.joint_tp import is_collective
 from lynx.rewrite.emit import BackwardGraph, RecomputeGraph, build_backward, build_forward, build_recompute, compiled
 from lynx.torch_private import is_op_overload
 
@@ -93,7 +94,7 @@ class LoweredStage:
     tangents: list[fx.Node] = field(repr=False)           # its tangent placeholders
     grads: list[fx.Node] = field(repr=False)              # the gradient of each primal in grad_of
     _recompute: dict[tuple[frozenset[int], frozenset[int]], RecomputeGraph] = field(repr=False, default_factory=dict)
-    _backward: dict[tuple[frozenset[int], bool], BackwardGraph] = field(repr=False, default_factory=dict)
+    _backward: dict[tuple, BackwardGraph] = field(repr=False, default_factory=dict)
 
     @property
     def n_slots(self) -> int:
@@ -116,16 +117,23 @@ class LoweredStage:
             graph = self._recompute[key] = build_recompute(self, targets, available)
         return graph
 
-    def backward_graph(self, available: frozenset[int], sink: bool = False) -> BackwardGraph:
+    def backward_graphs(self) -> list[BackwardGraph]:
+        """The backward graphs built so far, one per (prefetched slots, sink, TP windows)."""
+        return list(self._backward.values())
+
+    def backward_graph(self, available: frozenset[int], sink: bool = False,
+                       tp_windows: tuple[tuple[int, frozenset[int]], ...] = ()) -> BackwardGraph:
         """The backward graph when the dropped slots ``available`` were brought back beforehand.
 
         With ``sink`` the graph hands each parameter's gradient to ``graph.sink`` as soon as it
         is final (:func:`~lynx.rewrite.graph_calls.accumulate_grad`) instead of returning it.
+        ``tp_windows`` (:func:`lynx.rewrite.tp_windows.window_targets`): dropped slots
+        recomputed between a backward collective and its wait.
         """
-        key = (available, sink)
+        key = (available, sink, tp_windows)
         graph = self._backward.get(key)
         if graph is None:
-            graph = self._backward[key] = build_backward(self, available, sink)
+            graph = self._backward[key] = build_backward(self, available, sink, tp_windows)
         return graph
 
 
@@ -141,7 +149,9 @@ def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, m
     parts = classify(joint)
     nodes, primals, fw_outs, grads, forward, owner, saved = (parts.nodes, parts.primals, parts.fw_outs, parts.grads,
                                                              parts.forward, parts.owner, parts.saved)
-    is_dropped = {n: owner.get(n) in dropped for n in forward}
+    # a collective is never recomputed (a rank re-issuing it alone would hang its group):
+    # its result is held from the forward where a dropped value needs it
+    is_dropped = {n: owner.get(n) in dropped and not is_collective(n) for n in forward}
     dropped_values = [n for n in saved if is_dropped[n]]
     kept = [n for n in saved if not is_dropped[n]]
     kept_set = set(kept)

@@ -44,10 +44,12 @@ import torch
 from torch import nn
 
 from lynx.errors import LynxPlanError, LynxRuntimeError
-from lynx.frontend.joint import signature_of, trace_joint
+from lynx.frontend.joint import classify, signature_of, trace_joint
+from lynx.frontend.joint_tp import check_collectives, issued_collectives
 from lynx.rewrite.lower import LoweredStage, lower
 from lynx.rewrite.saved import SavedBytesMeter
 from lynx.rewrite.split import StageGraph
+from lynx.rewrite.tp_windows import backward_allreduces, window_targets
 from lynx.torch_private import tree_unflatten
 
 __all__ = ["StageModule", "MicrobatchStats"]
@@ -62,6 +64,9 @@ class MicrobatchStats:
     on_demand_s: float = 0.0
     on_demand_nodes: int = 0
     dropped_handles: int = 0      # dropped saved values (each recomputed once)
+    tp_hidden_s: float = 0.0      # recompute inside TP windows whose all-reduce was still in flight
+    tp_exposed_s: float = 0.0     # ... whose all-reduce had completed (the wait did not block)
+    tp_nodes: int = 0
 
 
 @dataclass
@@ -98,7 +103,7 @@ class _RunStage(torch.autograd.Function):
                                    "not supported by compiled stages)")
         lowered = state.lowered
         sink = stage.on_param_grad is not None
-        graph = lowered.backward_graph(frozenset(state.available), sink)
+        graph = lowered.backward_graph(frozenset(state.available), sink, stage.tp_targets(state))
         if graph.sink is not None:
             graph.sink.params = ctx.attrs
             graph.sink.on_grad = stage.on_param_grad
@@ -110,6 +115,8 @@ class _RunStage(torch.autograd.Function):
         if extra:  # what on-demand recomputation brings back above what the microbatch holds
             stage.meter.hold("stage", extra)
         graph.clock.total_s = 0.0
+        if graph.tp_log is not None:
+            graph.tp_log.reset()
         try:
             computed = graph.run(args)  # boxed: it empties ``args`` as it goes
         finally:
@@ -120,6 +127,11 @@ class _RunStage(torch.autograd.Function):
             state.recomputed |= fresh
             state.stats.on_demand_s += graph.clock.total_s
             state.stats.on_demand_nodes += len(fresh)
+        if graph.tp_nodes and graph.tp_log is not None:
+            state.recomputed |= graph.tp_nodes
+            state.stats.tp_hidden_s += graph.tp_log.hidden_s()
+            state.stats.tp_exposed_s += graph.tp_log.exposed_s()
+            state.stats.tp_nodes += len(graph.tp_nodes)
         state.backward_done = True
         result: list[Any] = [None] * (len(lowered.joint.attr_names) + lowered.joint.n_inputs)
         for index, grad in zip(lowered.grad_of, computed):
@@ -137,9 +149,19 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, part: StageGraph, dropped: Iterable[str] = (), *, producer_of: dict[str, str] | None = None,
-                 out_spec: Any = None, compile: bool = False) -> None:
+                 out_spec: Any = None, compile: bool = False, tp: Any = None) -> None:
         super().__init__()
         self.gm = part.gm
+        # a lynx.frontend.joint_tp.TPContext: the stage runs tensor-parallel (part holds its shards)
+        self.tp = tp
+        # set by the runtime: microbatch -> [(layer L, nodes)] of the plan's TP windows, and each
+        # captured node's layer (which layer's all-reduces a window's recompute runs inside)
+        self.tp_windows: dict[int, list[tuple[int, list[str]]]] = {}
+        self.layer_of: dict[str, int] = {}
+        # per layer, the all-reduces the plan priced (lynx.frontend.tp_profile.expected_collectives):
+        # a traced graph issuing others is refused
+        self.expected_collectives: dict[Any, dict[str, list[int]]] | None = None
+        self._collectives: dict[int, list] = {}
         self.spec = part.spec
         self.index = part.spec.index
         self.dropped = frozenset(dropped)
@@ -161,8 +183,12 @@ class StageModule(nn.Module):
         """The graphs this stage runs for inputs like ``args`` (traced and partitioned once)."""
         key = signature_of(args)
         found = self._lowered.get(key)
+        if found is None and self.tp is not None and self.expected_collectives is not None:
+            joint = trace_joint(self.gm, list(args), tp=self.tp)
+            check_collectives(issued_collectives(joint, classify(joint).forward, self.layer_of),
+                              self.expected_collectives, self.index)
         if found is None:
-            found = self._lowered[key] = lower(trace_joint(self.gm, list(args)), self.dropped,
+            found = self._lowered[key] = lower(trace_joint(self.gm, list(args), tp=self.tp), self.dropped,
                                                compile=self.compile_graphs, model_inputs=len(self.spec.inputs))
         return found
 
@@ -208,6 +234,26 @@ class StageModule(nn.Module):
                 return tree_unflatten(list(out), self._out_spec)
             return out[0] if len(out) == 1 else out
         return out
+
+    def backward_graphs(self) -> list[Any]:
+        """The backward graphs generated so far (:class:`~lynx.rewrite.emit.BackwardGraph`), for
+        inspecting their code (e.g. where a TP window's recompute sits)."""
+        return [g for lowered in self._lowered.values() for g in lowered.backward_graphs()]
+
+    def tp_targets(self, state: _Microbatch) -> tuple[tuple[int, frozenset[int]], ...]:
+        """The dropped slots to recompute inside this microbatch's TP windows (see
+        :func:`lynx.rewrite.tp_windows.window_targets`); ``()`` without TP windows."""
+        microbatch = next((j for j, s in self._states.items() if s is state), None)
+        windows = self.tp_windows.get(microbatch) if microbatch is not None else None
+        if not windows:
+            return ()
+        lowered = state.lowered
+        collectives = self._collectives.get(id(lowered))
+        if collectives is None:
+            collectives = self._collectives[id(lowered)] = backward_allreduces(lowered.joint.gm,
+                                                                               lowered.forward_nodes)
+        return window_targets(collectives, lowered.joint.origin, self.layer_of, windows, lowered.dropped_by_node,
+                              frozenset(state.available))
 
     # --------------------------------------------------------------- recompute
     def recompute(self, microbatch: int, nodes: Iterable[str], *, on_demand: bool = False) -> None:
