@@ -51,7 +51,9 @@ META_FILE = "lynx_meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # What a resumed run must share with the checkpoint: what every rank's state is made of.
 # Step count, learning rate, memory budget and solver may change (plans give bitwise-equal gradients).
-COMPARED_FIELDS = ("model", "model_dims", "pp", "dp", "microbatches", "optimizer", "seed", "stage_layers")
+COMPARED_FIELDS = ("model", "model_dims", "pp", "dp", "tp", "microbatches", "optimizer", "seed", "stage_layers")
+# what a field absent from an older checkpoint's metadata meant
+_ABSENT = {"tp": 1}
 
 
 def _rank_world() -> tuple[int, int]:
@@ -208,7 +210,8 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str = "the checkpoint") -> None:
     """Refuse to resume when the run's configuration differs from the checkpoint's."""
     differ = [f"{name}: checkpoint {saved.get(name)!r}, this run {current.get(name)!r}"
-              for name in COMPARED_FIELDS if saved.get(name) != current.get(name)]
+              for name in COMPARED_FIELDS
+              if saved.get(name, _ABSENT.get(name)) != current.get(name, _ABSENT.get(name))]
     if differ:
         raise LynxCheckpointError(
             f"cannot resume from {where}: it was written by another configuration ({'; '.join(differ)}). "

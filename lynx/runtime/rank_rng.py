@@ -4,6 +4,8 @@ Every (stage, replica) of a run draws from a stream of its own, seeded
 ``rank_seed(seed, stage, replica) = seed + 1009·replica + stage``: stages draw different masks
 (as the layers of one model do), replicas different ones (they train different rows), and
 the stream does not depend on the world size beyond that (:func:`lynx.runtime.topology.rank_seed`).
+The tensor-parallel ranks of a stage share its stream: a dropout on replicated activations
+must draw the same mask on each of them.
 :class:`RankRNG` holds the stream's state — the CPU generator's, and the rank's CUDA device's
 where it runs on one — and swaps it in around each step (:meth:`RankRNG.active`,
 ``torch.random.fork_rng``): what the step draws comes from the stream alone, and the caller's

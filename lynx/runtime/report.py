@@ -111,9 +111,11 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any, load: RunLoad |
     for ranks in steps:
         for s in ranks:
             peaks[s.stage] = max(peaks.get(s.stage, 0), s.peak_saved_bytes)
-    dp = max(1, len({s.dp_rank for s in steps[0]}))
+    # per device as the plan counts it: averaged over the replicas and the TP ranks of a stage
+    dp = max(1, len({(s.dp_rank, s.tp_rank) for s in steps[0]}))
     exposed = statistics.median(sum(s.exposed_recompute_s for s in ranks) / dp for ranks in timed)
-    hidden = statistics.median(sum(s.recompute_hidden_s for s in ranks) / dp for ranks in timed)
+    hidden = statistics.median(sum(s.recompute_hidden_s + s.recompute_tp_hidden_s for s in ranks) / dp
+                               for ranks in timed)
     summary = RunSummary(step_s=step_s, predicted_step_s=None, peak_saved_bytes=peaks, exposed_s=exposed,
                          hidden_s=hidden, timed_steps=len(timed), fastest_step_s=min(pipeline_steps), load=load)
     for stage in peaks:

@@ -158,7 +158,7 @@ class StageRunner:
         for j, entries in schedule.prefetch.items():
             for wid, nodes in entries:
                 if wid.kind in ("tp_allreduce", "dp_collective"):
-                    continue  # served on demand while those collectives run
+                    continue  # TP: inside the backward graph (lynx.runtime.tp); DP: on demand meanwhile
                 by_chunk: dict[int, list[str]] = {}
                 for n in nodes:
                     by_chunk.setdefault(self.node_chunk[n], []).append(n)
@@ -252,7 +252,7 @@ class StageRunner:
         """Reset gradients and peaks."""
         self.monitor.check()
         topo = self.topo
-        stats = StepStats(rank=topo.rank, stage=topo.stage, dp_rank=topo.dp_rank)
+        stats = StepStats(rank=topo.rank, stage=topo.stage, dp_rank=topo.dp_rank, tp_rank=topo.tp_rank)
         for p in self.params:
             p.grad = None
         if self.launcher is not None:
@@ -365,6 +365,8 @@ class StageRunner:
     def _release(self, state: _StepState, c: int, j: int) -> None:
         mb = self.chunks[c].release(j)
         state.stats.recompute_on_demand_s += mb.on_demand_s
+        state.stats.recompute_tp_hidden_s += getattr(mb, "tp_hidden_s", 0.0)   # the backward graph's TP windows
+        state.stats.recompute_tp_exposed_s += getattr(mb, "tp_exposed_s", 0.0)
         if state.armed and self.sync is not None:
             state.stats.recompute_on_demand_dp_s += mb.on_demand_s
 

@@ -35,6 +35,9 @@ class StepStats:
     recompute_window_exposed_s: float = 0.0  # window recompute after it had arrived
     recompute_on_demand_s: float = 0.0     # recompute from the unpack hook, on the critical path
     recompute_on_demand_dp_s: float = 0.0  # part of it run while data-parallel collectives were in flight
+    recompute_tp_hidden_s: float = 0.0     # TP-window recompute while its all-reduce was in flight
+    recompute_tp_exposed_s: float = 0.0    # TP-window recompute its all-reduce did not cover
+    tp_rank: int = 0
     peak_saved_bytes: int = 0              # saved tensors owned by the stage's nodes (what plans predict)
     peak_held_bytes: int = 0               # + received boundary values and recompute inputs held
     peak_saved_bytes_by_chunk: dict[int, int] = field(default_factory=dict)   # several chunks (interleaved)
@@ -49,7 +52,7 @@ class StepStats:
 
     @property
     def exposed_recompute_s(self) -> float:
-        return self.recompute_window_exposed_s + self.recompute_on_demand_s
+        return self.recompute_window_exposed_s + self.recompute_on_demand_s + self.recompute_tp_exposed_s
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -63,15 +66,19 @@ def _mib(n: float | None) -> str:
 
 def format_stats(stats: Sequence[StepStats], plan: Any = None) -> str:
     """A table of ``stats`` (one row per rank), with the plan's predictions when given."""
-    head = (f"{'stage':>5} {'dp':>3} {'step s':>8} {'wait s':>8} {'hidden s':>9} {'exposed s':>10} "
-            f"{'peak MiB':>9}")
+    tp = any(s.tp_rank or s.recompute_tp_hidden_s or s.recompute_tp_exposed_s for s in stats)
+    head = (f"{'stage':>5} {'dp':>3}" + (f" {'tp':>3}" if tp else "") + f" {'step s':>8} {'wait s':>8} "
+            f"{'hidden s':>9}" + (f" {'tp hidden':>9} {'tp exposed':>10}" if tp else "")
+            + f" {'exposed s':>10} {'peak MiB':>9}")
     if plan is not None:
         head += (f" | {'pred step s':>11} {'pred exposed':>12} {'pred hidden':>11} {'pred act MiB':>12} "
                  f"{'budget MiB':>10}")
     rows = [head]
-    for s in sorted(stats, key=lambda x: (x.stage, x.dp_rank)):
-        row = (f"{s.stage:>5} {s.dp_rank:>3} {s.step_s:>8.3f} {s.wait_s:>8.3f} {s.recompute_hidden_s:>9.3f} "
-               f"{s.exposed_recompute_s:>10.3f} {_mib(s.peak_saved_bytes):>9}")
+    for s in sorted(stats, key=lambda x: (x.stage, x.dp_rank, x.tp_rank)):
+        row = (f"{s.stage:>5} {s.dp_rank:>3}" + (f" {s.tp_rank:>3}" if tp else "")
+               + f" {s.step_s:>8.3f} {s.wait_s:>8.3f} {s.recompute_hidden_s:>9.3f}"
+               + (f" {s.recompute_tp_hidden_s:>9.3f} {s.recompute_tp_exposed_s:>10.3f}" if tp else "")
+               + f" {s.exposed_recompute_s:>10.3f} {_mib(s.peak_saved_bytes):>9}")
         if plan is not None:
             sp = plan.stage(s.stage)
             row += (f" | {plan.predicted.step_time_s:>11.3f} {sp.exposed_recompute_s:>12.3f} "

@@ -1,9 +1,12 @@
-"""Where this rank sits: pipeline stage and data-parallel replica on a ``(pp, dp)`` device mesh.
+"""Where this rank sits: pipeline stage, data-parallel replica and tensor-parallel rank on a
+``(pp, dp, tp)`` device mesh.
 
-Ranks are laid out as ``torch.distributed.device_mesh.init_device_mesh(device, (pp, dp),
-mesh_dim_names=("pp", "dp"))`` does: rank ``s * dp + d`` runs stage ``s`` of replica ``d``.
-Weights used by several stages (tied embeddings) get one process group per replica joining
-those stages, so their gradient contributions can be summed.
+Ranks are laid out as ``torch.distributed.device_mesh.init_device_mesh(device, (pp, dp, tp),
+mesh_dim_names=("pp", "dp", "tp"))`` does, tp innermost (the fastest links: one node's GPUs):
+rank ``(s * dp + d) * tp + t`` runs TP rank ``t`` of stage ``s`` of replica ``d``. Pipeline
+messages go between the same ``(d, t)`` of neighbouring stages (each TP rank holds the whole,
+replicated, boundary value). Weights used by several stages (tied embeddings) get one process
+group per ``(d, t)`` joining those stages, so their gradient contributions can be summed.
 
 :func:`select_backend` picks the process-group backend and this rank's device: NCCL and
 ``cuda:<local rank>`` where CUDA is available, gloo and the CPU otherwise (one code path for
@@ -13,8 +16,8 @@ job started on this machine.
 
 Example (inside an initialised process group)::
 
-    topo = make_topology(pp=2, dp=2)
-    topo.stage, topo.dp_rank, topo.prev_rank, topo.next_rank
+    topo = make_topology(pp=2, dp=2, tp=2)
+    topo.stage, topo.dp_rank, topo.tp_rank, topo.prev_rank, topo.next_rank
     >>> select_backend(0, cuda=False)
     ('gloo', device(type='cpu'))
     >>> rank_seed(0, stage=1, dp_rank=0), rank_seed(0, stage=0, dp_rank=1)
@@ -87,29 +90,44 @@ class Topology:
     dp_group: Any
     store: Any
     mesh: Any = None
+    tp: int = 1
+    tp_rank: int = 0
 
-    def rank_of(self, stage: int, dp_rank: int) -> int:
-        return stage * self.dp + dp_rank
+    def rank_of(self, stage: int, dp_rank: int, tp_rank: int | None = None) -> int:
+        """The rank of ``(stage, dp_rank, tp_rank)`` (default: this rank's TP rank)."""
+        return (stage * self.dp + dp_rank) * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
+
+    @property
+    def tp_mesh(self) -> Any:
+        """This rank's 1-D tensor-parallel mesh (``mesh["tp"]``)."""
+        return self.mesh["tp"]
 
 
-def make_topology(pp: int, dp: int = 1, device_type: str = "cpu") -> Topology:
-    """This rank's place on a ``(pp, dp)`` mesh over the default process group."""
+def make_topology(pp: int, dp: int = 1, device_type: str = "cpu", tp: int = 1) -> Topology:
+    """This rank's place on a ``(pp, dp, tp)`` mesh over the default process group."""
     if not dist.is_initialized():
         raise LynxConfigError("torch.distributed is not initialised; launch with torchrun")
     world, rank = dist.get_world_size(), dist.get_rank()
-    if pp < 1 or dp < 1 or pp * dp != world:
-        raise LynxConfigError(f"pp={pp} × dp={dp} must equal the world size {world}")
+    if pp < 1 or dp < 1 or tp < 1 or pp * dp * tp != world:
+        raise LynxConfigError(f"pp={pp} × dp={dp} × tp={tp} = {pp * dp * tp} must equal the world size {world}: "
+                              f"launch pp × dp × tp processes (torchrun --nproc_per_node)")
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    if tp > 1:
+        mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        tp_rank = mesh.get_local_rank("tp")
+    else:  # no TP group to make: the (pp, dp) mesh of a run without tensor parallelism
+        mesh, tp_rank = init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp")), 0
     stage, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    if rank != stage * dp + dp_rank:  # the layout the peers below assume
-        raise LynxConfigError(f"unexpected device-mesh layout: rank {rank} at (pp {stage}, dp {dp_rank})")
+    if rank != (stage * dp + dp_rank) * tp + tp_rank:  # the layout the peers below assume
+        raise LynxConfigError(f"unexpected device-mesh layout: rank {rank} at (pp {stage}, dp {dp_rank}, tp {tp_rank})")
     store = default_store()
-    return Topology(rank=rank, world=world, pp=pp, dp=dp, stage=stage, dp_rank=dp_rank,
-                    prev_rank=(stage - 1) * dp + dp_rank if stage > 0 else None,
-                    next_rank=(stage + 1) * dp + dp_rank if stage < pp - 1 else None,
-                    dp_group=mesh.get_group("dp") if dp > 1 else None, store=store, mesh=mesh)
+    topo = Topology(rank=rank, world=world, pp=pp, dp=dp, stage=stage, dp_rank=dp_rank, prev_rank=None,
+                    next_rank=None, dp_group=mesh.get_group("dp") if dp > 1 else None, store=store, mesh=mesh,
+                    tp=tp, tp_rank=tp_rank)
+    topo.prev_rank = topo.rank_of(stage - 1, dp_rank) if stage > 0 else None
+    topo.next_rank = topo.rank_of(stage + 1, dp_rank) if stage < pp - 1 else None
+    return topo
 
 
 def tied_groups(topo: Topology, stage_param_names: Sequence[set[str]]) -> dict[str, Any]:
@@ -125,7 +143,8 @@ def tied_groups(topo: Topology, stage_param_names: Sequence[set[str]]) -> dict[s
     groups: dict[tuple[int, ...], Any] = {}
     for stages in shared:
         for d in range(topo.dp):
-            group = dist.new_group([topo.rank_of(s, d) for s in stages])
-            if d == topo.dp_rank and topo.stage in stages:
-                groups[stages] = group
+            for t in range(topo.tp):
+                group = dist.new_group([topo.rank_of(s, d, t) for s in stages])
+                if d == topo.dp_rank and t == topo.tp_rank and topo.stage in stages:
+                    groups[stages] = group
     return {name: groups[stages] for name, stages in users.items() if stages in groups}

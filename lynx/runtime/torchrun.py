@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)   # the same weights on every rank
     resolved = resolve_model(args.model, seq=args.seq, microbatch=args.microbatch, device="cpu")
     settings = {k: plan.config[k] for k in FINGERPRINT_FIELDS if k in plan.config}
+    if plan.config.get("tp_plan"):   # tp > 1: shard as the plan was made for
+        settings["tp_plan"] = plan.config["tp_plan"]
     compiled = lynx.compile(resolved.model, resolved.example_inputs, plan=plan, **settings)
     with lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s) as pipe:
         # the example inputs as every microbatch of every replica

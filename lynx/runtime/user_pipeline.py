@@ -72,6 +72,7 @@ from lynx.runtime.runner import RuntimeConfig, StageRunner
 from lynx.runtime.rank_rng import RankRNG
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import make_topology, select_backend, tied_groups
+from lynx.runtime.tp import tp_window_schedule
 
 __all__ = ["Pipeline"]
 
@@ -124,7 +125,9 @@ class Pipeline:
         from lynx.runtime.loss import LossSpec
 
         plan, config = compiled.plan, compiled.config
-        check_executable(plan.config)   # before any process group: a plan run approximately is no plan
+        # before any process group: a plan run approximately is no plan (the stages compile as
+        # this compilation says, whatever the plan was made with)
+        check_executable({**plan.config, "compile": bool(getattr(config, "compile", False))})
         self.compiled = compiled
         self._loss_stage: _LossStage | None = None
         self.loss = (compiled.loss or LossSpec("scalar", "the model's output")).with_loss_fn(loss_fn)
@@ -132,9 +135,13 @@ class Pipeline:
             raise LynxConfigError(f"cannot train: {self.loss.description}")
         pp = len(plan.stages)
         dp, m = int(plan.config.get("dp", config.dp)), int(plan.config.get("microbatches", config.microbatches))
+        tp = int(plan.config.get("tp", config.tp))
+        if tp > 1 and getattr(compiled, "sharding", None) is None:
+            raise LynxConfigError(f"the plan is for tp={tp} but the model was compiled without a sharding plan: "
+                                  f"compile it with tp={tp} (lynx.compile(..., tp={tp}, plan=...))")
         self.microbatches = m
-        self._own_group = _join_job(pp * dp, timeout_s)
-        self.topology = topo = make_topology(pp, dp, device_type=_device_type())
+        self._own_group = _join_job(pp * dp * tp, timeout_s)
+        self.topology = topo = make_topology(pp, dp, device_type=_device_type(), tp=tp)
         _check_same_everywhere(plan.fingerprint, self.loss.form)
         captured = compiled.analysis.captured
         self.input_names = list(captured.input_names)
@@ -143,8 +150,11 @@ class Pipeline:
         schedule = plan.config.get("schedule", "1f1b")
         virtual = int(plan.config.get("virtual_stages", 1)) if schedule == "interleaved1f1b" else 1
         _check_runnable(schedule, pp, m, virtual)
-        # this rank's model chunks (one, or `virtual` under interleaved 1F1B), by pipeline position
-        self.chunks = build_chunk_modules(compiled, topo.stage) if stage is None else {topo.stage: stage}
+        # this rank's model chunks (one, or `virtual` under interleaved 1F1B), by pipeline position;
+        # with tp > 1 this TP rank's shards of them
+        tp_mesh = topo.tp_mesh if tp > 1 else None
+        self.chunks = (build_chunk_modules(compiled, topo.stage, tp_mesh=tp_mesh) if stage is None
+                       else {topo.stage: stage})
         self.device = _rank_device()
         for chunk in self.chunks.values():
             if any(p.device != self.device for p in chunk.parameters()):
@@ -162,6 +172,9 @@ class Pipeline:
                                      loss_scale=1.0 / m, prefetch=prefetch, trace=trace, bucket_bytes=bucket_bytes)
         self._driven = driven
         self._schedule = plan.stage_schedule(topo.stage)
+        if tp > 1 and prefetch:  # the plan's TP windows: run by the backward graph between all-reduce and wait
+            for chunk in self.chunks.values():
+                chunk.tp_windows = tp_window_schedule(self._schedule, topo.stage)
         self.optimizer: Any = None
         self.runner = self._make_runner()
         self._hook = None
@@ -281,7 +294,7 @@ class Pipeline:
         topo, m = self.topology, self.microbatches
         grads = [p.grad for _, p in self.named_parameters() if p.grad is not None]
         both = torch.zeros(topo.dp * m + topo.world, dtype=torch.float32, device=self.device)  # (dp·m + world,)
-        if stats.losses:
+        if stats.losses and topo.tp_rank == 0:   # TP ranks hold the same loss: count it once
             both[topo.dp_rank * m:(topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float32)
         both[topo.dp * m + topo.rank] = nonfinite.flag(grads).to(self.device)
         if topo.world > 1:
@@ -416,19 +429,19 @@ def _join_job(world: int, timeout_s: float) -> bool:
     if dist.is_initialized():
         if dist.get_world_size() != world:
             raise LynxConfigError(f"the process group has {dist.get_world_size()} ranks but the plan needs "
-                                  f"pp × dp = {world}")
+                                  f"pp × dp × tp = {world}")
         return False
     env_world = os.environ.get("WORLD_SIZE")
     if env_world is None:
         if world != 1:
-            raise LynxConfigError(f"this plan runs on pp × dp = {world} processes: launch the script with "
+            raise LynxConfigError(f"this plan runs on pp × dp × tp = {world} processes: launch the script with "
                                   f"`torchrun --nproc_per_node {world} SCRIPT.py` (no torchrun environment found)")
         from lynx.runtime.topology import free_port
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     elif int(env_world) != world:
-        raise LynxConfigError(f"{env_world} processes were started but the plan needs pp × dp = {world}: launch "
-                              f"`torchrun --nproc_per_node {world}` or compile with pp × dp = {env_world}")
+        raise LynxConfigError(f"{env_world} processes were started but the plan needs pp × dp × tp = {world}: "
+                              f"launch `torchrun --nproc_per_node {world}` or compile with pp × dp × tp = {env_world}")
     backend, device = select_backend(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
     if device.type == "cuda":
         torch.cuda.set_device(device)

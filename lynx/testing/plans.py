@@ -36,18 +36,22 @@ from lynx.plan import Decision, Plan, Predicted, StagePlan, StageSchedule, finge
 __all__ = ["with_stages", "captured_with_plan"]
 
 
-def captured_with_plan(model: Any, inputs: Any, plan: Plan, config: Any) -> Any:
+def captured_with_plan(model: Any, inputs: Any, plan: Plan, config: Any, *, sharding: Any = None,
+                       layer_of: dict[str, int] | None = None, captured: Any = None) -> Any:
     """A :class:`lynx.Compiled` of ``model`` holding ``plan`` (made for it by ``config``), from a
-    capture alone (see module docstring)."""
+    capture alone (see module docstring). For tp > 1 pass the parent's ``compiled.sharding``
+    and each node's layer (``layer_of``: where the plan's TP windows run). ``captured``: an
+    earlier capture of the same model to reuse (its stage splits and joint traces with it)."""
     from types import SimpleNamespace
 
     from lynx.compiler import Compiled
     from lynx.frontend.capture import capture
     from lynx.runtime.loss import find_loss, output_structure
 
-    captured = capture(model, inputs)
-    return Compiled(plan=plan, config=config, analysis=SimpleNamespace(captured=captured, graph=None),
-                    loss=find_loss(output_structure(captured.gm)))
+    captured = captured if captured is not None else capture(model, inputs)
+    return Compiled(plan=plan, config=config,
+                    analysis=SimpleNamespace(captured=captured, graph=None, layer_of=dict(layer_of or {})),
+                    loss=find_loss(output_structure(captured.gm)), sharding=sharding)
 
 
 def with_stages(compiled: Any, schedules: Sequence[StageSchedule], *,

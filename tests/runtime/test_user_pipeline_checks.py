@@ -104,13 +104,28 @@ def test_batches_are_split_per_replica_and_checked():
     assert match_layout(sliced, transposed).stride() == transposed.stride()
 
 
+def test_a_tp_plan_asks_for_pp_x_dp_x_tp_processes_before_any_group(monkeypatch):
+    """A tp 2 plan runs sharded (tests/runtime/test_tp_pipeline.py); without torchrun it says how many
+    processes to launch."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model, example = um.build("tuple")
+    compiled = _compile(model, example, tp=2)
+    with pytest.raises(LynxConfigError, match=r"runs on pp × dp × tp = 4 processes: launch the script with"):
+        lynx.runtime.Pipeline(compiled)
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("settings,missing", [
-    (dict(tp=2), "tensor parallelism (the plan is for tp 2"),
     (dict(schedule="interleaved1f1b", microbatches=4), "schedule 'interleaved1f1b' (the runtime executes 1f1b, gpipe"),
+    # what the TP backward graph is not checked under: refused, not run approximately
+    (dict(tp=2, offload=True), "offload with tensor parallelism (tp 2"),
+    (dict(tp=2, compile=True), "compiled stage graphs with tensor parallelism (tp 2"),
 ])
 def test_pipeline_refuses_a_plan_it_cannot_execute_before_any_group(settings, missing):
-    """Issue 22, finding 7: a tp 2 plan trained unsharded without a word; an interleaved plan
-    failed late with a raw traceback per rank."""
+    """Issue 22, finding 7: an interleaved plan failed late with a raw traceback per rank (a tp 2
+    plan trained unsharded without a word: tp now runs sharded)."""
     import torch.distributed as dist
 
     model, example = um.build("tuple")
