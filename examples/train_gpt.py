@@ -1,12 +1,14 @@
-"""Train a GPT across processes with a Lynx plan: pipeline stages × data-parallel replicas.
+"""Train a GPT across processes with a Lynx plan: pipeline stages × data-parallel replicas × tensor-parallel ranks.
 
 Launch with ``torchrun`` (gloo on CPU, NCCL when CUDA is available — the same file)::
 
     torchrun --nproc_per_node 4 examples/train_gpt.py          # pp 2 × dp 2, DeMo, HEU plan
+    torchrun --nproc_per_node 4 examples/train_gpt.py --tp 2 --dp 1 --optimizer adamw   # pp 2 × tp 2
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 20 --checkpoint-dir ckpt --checkpoint-every 10
     torchrun --nproc_per_node 2 examples/train_gpt.py --steps 40 --checkpoint-dir ckpt --resume
 
-The mesh is ``pp × dp`` = the number of processes (``--dp`` defaults to WORLD_SIZE / pp).
+The mesh is ``pp × dp × tp`` = the number of processes (``--dp`` defaults to WORLD_SIZE / (pp · tp);
+``--tp`` shards the layers' linears with the default sharding plan, docs/tensor_parallel.md).
 Rank 0 compiles the plan (or loads ``--plan``, checked against this model and mesh) and
 broadcasts it, so every rank runs the same plan; each rank then builds the same model (same
 seed), compiles it with that plan and trains it through ``lynx.runtime.Pipeline`` from the
@@ -67,7 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=64, help="sequence length (bytes)")
     ap.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch")
     ap.add_argument("--pp", type=int, default=None, help="pipeline stages (default 2, or the plan's)")
-    ap.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default WORLD_SIZE / pp)")
+    ap.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default WORLD_SIZE / (pp · tp))")
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per stage (default 1, or the plan's)")
     ap.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default 4)")
     ap.add_argument("--optimizer", choices=("adamw", "demo", "lion"), default=None, help="default demo")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default per optimizer)")
@@ -99,37 +102,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- settings
-def mesh_from_env(args: argparse.Namespace, plan_config: dict[str, Any] | None) -> tuple[int, int]:
-    """(pp, dp) from the flags, the plan and WORLD_SIZE; refuses a process count that is not the mesh."""
+def mesh_from_env(args: argparse.Namespace, plan_config: dict[str, Any] | None) -> tuple[int, int, int]:
+    """(pp, dp, tp) from the flags, the plan and WORLD_SIZE; refuses a process count that is not the mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pp = args.pp or int((plan_config or {}).get("pp", 2))
-    dp = args.dp or int((plan_config or {}).get("dp", 0)) or max(1, world // pp)
-    if pp * dp != world:
+    tp = args.tp or int((plan_config or {}).get("tp", 1))
+    dp = args.dp or int((plan_config or {}).get("dp", 0)) or max(1, world // (pp * tp))
+    if pp * dp * tp != world:
         source = " (the plan's)" if plan_config and not (args.pp and args.dp) else ""
+        mesh, flags = (f"pp {pp} × dp {dp} × tp {tp}", "--pp/--dp/--tp with pp × dp × tp") if tp > 1 else \
+            (f"pp {pp} × dp {dp}", "--pp/--dp with pp × dp")
         raise LynxConfigError(
             f"{world} {'process was' if world == 1 else 'processes were'} started but the mesh{source} "
-            f"is pp {pp} × dp {dp} = {pp * dp}: start "
-            f"`torchrun --nproc_per_node {pp * dp}` or choose --pp/--dp with pp × dp = {world}"
+            f"is {mesh} = {pp * dp * tp}: start `torchrun --nproc_per_node {pp * dp * tp}` or choose "
+            f"{flags} = {world}"
         )
-    return pp, dp
+    return pp, dp, tp
 
 
 def plan_settings(
-    args: argparse.Namespace, pp: int, dp: int, plan_config: dict[str, Any] | None, device: torch.device
+    args: argparse.Namespace, pp: int, dp: int, plan_config: dict[str, Any] | None, device: torch.device,
+    tp: int = 1,
 ) -> dict[str, Any]:
     """lynx.compile settings: the flags given, else the saved plan's, else the defaults."""
     base = dict(plan_config or {})
     pick = lambda flag, key, default: flag if flag is not None else base.get(key, default)  # noqa: E731
     hardware = pick(args.hardware, "hardware", "h100-sxm" if device.type == "cuda" else "auto")
-    return {
+    settings = {
         "pp": pp,
         "dp": dp,
+        "tp": tp,
         "microbatches": int(pick(args.microbatches, "microbatches", 4)),
         "memory_budget": pick(args.memory_budget, "memory_budget", DEFAULT_BUDGET),
         "optimizer": pick(args.optimizer, "optimizer", "demo"),
         "hardware": hardware,
         "schedule": base.get("schedule", "1f1b"),
     }
+    if tp > 1 and base.get("tp_plan"):
+        settings["tp_plan"] = base["tp_plan"]   # the sharding the plan was made for
+    return settings
 
 
 def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str, Any]:
@@ -231,6 +242,7 @@ def run_meta(args: argparse.Namespace, plan: Any, settings: dict[str, Any], lr: 
         "model_dims": {"seq": args.seq, "microbatch": args.microbatch},
         "pp": settings["pp"],
         "dp": settings["dp"],
+        "tp": settings.get("tp", 1),
         "microbatches": settings["microbatches"],
         "optimizer": settings["optimizer"],
         "seed": args.seed,
@@ -317,7 +329,7 @@ def setup(args: argparse.Namespace) -> Setup:
         from lynx.runtime.executable import check_executable
 
         check_executable(saved_config)
-    pp, dp = mesh_from_env(args, saved_config)
+    pp, dp, tp = mesh_from_env(args, saved_config)
     if "MASTER_ADDR" not in os.environ:  # plain `python train_gpt.py --pp 1`: a world of one
         from lynx.runtime.topology import free_port
 
@@ -329,14 +341,14 @@ def setup(args: argparse.Namespace) -> Setup:
     torch.set_num_threads(args.threads)
     bind_before_init()  # while no group exists: see lynx/process_group_guard.py
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=max(60.0, args.timeout_s)))
-    settings = plan_settings(args, pp, dp, saved_config, device)
+    settings = plan_settings(args, pp, dp, saved_config, device, tp)
     lr = args.lr if args.lr is not None else DEFAULT_LR[settings["optimizer"]]
 
     def decide() -> tuple[str, str | None, list[str], str, Any]:
         lock_checkpoint_dir(args)   # before anything reads or writes the directory
         hardware, line, calibration = hardware_for_plan(
             settings["hardware"],
-            pp * dp,
+            pp * dp * tp,
             from_plan=args.hardware is None and saved_config is not None and "hardware" in saved_config,
         )
         plan = make_plan(args, {**settings, "hardware": hardware}, device)
@@ -367,6 +379,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)  # the same weights on every rank
     model, inputs = build_model(args.model, args.seq, args.microbatch, str(run.device))
     settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
+    if run.plan.config.get("tp_plan"):   # tp > 1: shard as the plan was made for
+        settings["tp_plan"] = run.plan.config["tp_plan"]
     use_compile = args.compile or bool(run.plan.config.get("compile"))
     compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)  # checked against this model
     # the pipe seeds each rank's own dropout stream from --seed (lynx.runtime.rank_rng)
@@ -456,7 +470,8 @@ def _banner(args: argparse.Namespace, run: Setup, start: int) -> str:
     recomputed = sum(d.action == "recompute" for sp in plan.stages for d in sp.decisions)
     return (
         f"plan {plan.solver} ({plan.status}) for {args.model} seq {args.seq} × {args.microbatch}, "
-        f"pp {s['pp']} × dp {s['dp']}, {s['microbatches']} microbatches, {s['optimizer']} lr {run.meta['lr']:g}, "
+        f"pp {s['pp']} × dp {s['dp']}" + (f" × tp {s['tp']}" if s.get("tp", 1) > 1 else "")
+        + f", {s['microbatches']} microbatches, {s['optimizer']} lr {run.meta['lr']:g}, "
         f"budget {format_size(plan.stages[0].budget_bytes)} per device: {recomputed} nodes recomputed, "
         f"predicted step {plan.predicted.step_time_s * 1e3:.1f} ms on {_hardware_name(plan.config.get('hardware'))}"
         + (f"; resuming from {run.resume_from} at step {start}" if run.resume_from else "")
@@ -541,9 +556,12 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
 
 
 def _recompute_seconds(stats: Any, topo: Any, device: torch.device) -> tuple[float, float]:
-    """The step's exposed and hidden recomputation seconds, averaged over the replicas."""
+    """The step's exposed and hidden recomputation seconds (hidden in pipeline and in TP windows),
+    averaged over the replicas and TP ranks (each recomputes its own shard)."""
+    ranks = topo.dp * getattr(topo, "tp", 1)
+    hidden = stats.recompute_hidden_s + stats.recompute_tp_hidden_s
     buf = torch.tensor(
-        [stats.exposed_recompute_s / topo.dp, stats.recompute_hidden_s / topo.dp], dtype=torch.float64
+        [stats.exposed_recompute_s / ranks, hidden / ranks], dtype=torch.float64
     ).to(device)  # NCCL reduces device tensors only
     dist.all_reduce(buf)
     return float(buf[0]), float(buf[1])

@@ -54,6 +54,14 @@ def _config(pp: int, dp: int, tp: int, microbatches: int, schedule: str, virtual
                          seed=seed, max_iterations=iterations, offload=offload, host_memory_budget=host)
 
 
+def apply_sharding(analysis: Any, config: CompileConfig) -> tuple[CompileConfig, Any]:
+    """:func:`lynx.frontend.tp_profile.apply_sharding`: with tp > 1 the default sharding plan,
+    marked on the graph and recorded in the config (a plan then runs as it was priced)."""
+    from lynx.frontend.tp_profile import apply_sharding as shard
+
+    return shard(analysis, config)
+
+
 def analyze_spec(model: str, config: CompileConfig, *, seq: Optional[int] = None, microbatch: Optional[int] = None,
                  dtype: Optional[str] = None, attention: Optional[str] = None) -> Any:
     """Resolve ``model`` (preset or module:factory) on the meta device and analyse it (the
@@ -135,17 +143,34 @@ def plan_command(
                          host_memory_budget).replace(compile=compile_graphs)
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
+            config, _sharding = apply_sharding(analysis, config)   # tp > 1: the default sharding, recorded
             outcome = plan_graph_outcome(analysis.graph, config, progress=lambda msg: status.update(msg))
         phases = Phases() if startup is None else Phases(startup=startup)
         phases.update_from(analysis.phases).update_from(outcome.phases)
         with phases.timed("write"):
             outcome.plan.save(output)
-        return outcome.plan, phases
+        return outcome.plan, phases, _sharding, config
 
-    plan, phases = _run(work)
+    plan, phases, sharding, used = _run(work)
     _summary(plan)
+    if sharding is not None:
+        console.print(_tp_line(sharding, used), soft_wrap=True)
     console.print(f"wrote {output}")
     console.print(f"phases: {phases.format()}", soft_wrap=True)
+
+
+def _tp_line(sharding: Any, config: CompileConfig) -> str:
+    """What one TP rank's layer communicates, as the plan prices it (the first layer's collectives)."""
+    from lynx.planner.comm import CommModel
+
+    comm = CommModel.from_hardware(config.hardware_spec(), tp=config.tp, dp=config.dp, optimizer=config.optimizer)
+    layer = next((k for k in sorted(k for k in sharding.collectives if k is not None)), None)
+    if layer is None:
+        return f"tp {config.tp}: no collectives in the layers"
+    fw, bw = sharding.collectives[layer]["forward"], sharding.collectives[layer]["backward"]
+    each = ", ".join(f"{format_size(b)} {comm.tp_allreduce(b) * 1e3:.3f} ms" for b in fw)
+    return (f"tp {config.tp}: per layer {len(fw)} forward and {len(bw)} backward all-reduces ({each} each on the tp "
+            f"link); sharding {sharding.record()}")
 
 
 def _summary(plan: Any) -> None:
@@ -280,7 +305,8 @@ def compare_command(
                          "heu", time_limit, target, seed, iterations)
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
-            return compare_records(analysis.graph, config, progress=lambda msg: status.update(msg))
+            sharded, _sharding = apply_sharding(analysis, config)
+            return compare_records(analysis.graph, sharded, progress=lambda msg: status.update(msg))
 
     records = _run(work)
     verdict = _requested_verdict(records, solver, memory_budget)

@@ -319,3 +319,27 @@ def test_a_non_finite_loss_stops_every_rank_or_is_skipped(tmp_path) -> None:
             for rank in (0, 1):
                 part = state_files.read_part(step, f"rank{rank}")
                 assert state_files.nan_tensors(part) == [], (step, rank)
+
+
+def test_a_tp_plan_from_the_cli_trains_and_resumes_bitwise(tmp_path) -> None:
+    """``lynx plan ... --tp 2 -o plan.json`` then train_gpt.py --plan: pp 1 × tp 2 on 2 processes, a
+    checkpoint per TP shard, and a run resumed from it continues with bitwise the same losses."""
+    from typer.testing import CliRunner
+
+    from lynx.cli import app
+
+    plan = tmp_path / "tp.json"
+    made = CliRunner().invoke(app, ["plan", "gpt-tiny", "--seq", "32", "--microbatch", "2", "--pp", "1", "--tp", "2",
+                                    "-m", "2", "--optimizer", "adamw", "--hardware", "cpu-local", "-b", "2.8MiB",
+                                    "-o", str(plan)])
+    assert made.exit_code == 0, made.output
+    assert json.loads(plan.read_text())["config"]["tp_plan"]["layers.*.attn.qkv"] == "colwise:3"
+    common = ["--plan", str(plan), "--seq", "32", "--microbatch", "2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    full = launch([*common, "--steps", "4", "--checkpoint-every", "2", "--log-json", str(tmp_path / "full.json")])
+    assert all(code == 0 for code, _, _ in full), [err[-2000:] for _, _, err in full]
+    assert "pp 1 × dp 1 × tp 2" in full[0][1] and " tp " in full[0][1]   # the banner and the per-rank table
+    shutil.rmtree(tmp_path / "ckpt" / "step_4")
+    resumed = launch([*common, "--steps", "4", "--resume", "--log-json", str(tmp_path / "resumed.json")])
+    assert all(code == 0 for code, _, _ in resumed), [err[-2000:] for _, _, err in resumed]
+    assert json.loads((tmp_path / "resumed.json").read_text())["start_step"] == 2
+    assert losses(tmp_path / "resumed.json") == losses(tmp_path / "full.json")[2:]
