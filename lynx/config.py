@@ -60,7 +60,7 @@ plan's path or a :class:`lynx.Plan`) is used
     dp: int = 1
     tp: int = 1
     microbatches: int = 8
-    schedule: Literal["1f1b", "gpipe", "interleaved1f1b"] = "1f1b"
+    schedule: Literal["1f1b", "gpipe", "interleaved1f1b", "zbh1"] = "1f1b"
     virtual_stages: int = 2
     memory_budget: Optional[int] = None
     hardware: Any = "h100-sxm"

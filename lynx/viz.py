@@ -28,12 +28,13 @@ from typing import Any, Sequence, Union
 __all__ = ["COLORS", "DETAIL_COLORS", "draw_timeline", "stage_totals", "timeline_bars", "timeline_detail"]
 
 COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "runtime": "#8C8C8C", "comm": "#55A868", "idle": "#D9D9D9"}
-DETAIL_COLORS = {"forward": "#4C72B0", "backward": "#8172B3", "runtime": "#8C8C8C", "recompute hidden": "#F2B880",
-                 "recompute exposed": "#C44E52", "comm": "#55A868", "optimizer": "#937860", "idle": "#D9D9D9"}
-_DETAIL_NAMES = {"forward": "forward", "backward": "backward", "runtime": "the runtime's own host work",
-                 "recompute hidden": "recompute hidden in a window",
+DETAIL_COLORS = {"forward": "#4C72B0", "backward": "#8172B3", "weight": "#64B5CD", "runtime": "#8C8C8C",
+                 "recompute hidden": "#F2B880", "recompute exposed": "#C44E52", "comm": "#55A868",
+                 "optimizer": "#937860", "window": "#333333", "idle": "#D9D9D9"}
+_DETAIL_NAMES = {"forward": "forward", "backward": "backward (I: input grads)", "weight": "weight grads (W)",
+                 "runtime": "the runtime's own host work", "recompute hidden": "recompute hidden in a window",
                  "recompute exposed": "recompute exposed", "comm": "communication waited for",
-                 "optimizer": "optimizer step", "idle": "idle"}
+                 "optimizer": "optimizer step", "window": "window", "idle": "idle"}
 
 
 def stage_totals(bars: Sequence[tuple[int, str, float, float]], step_time_s: float) -> dict[int, dict[str, float]]:
@@ -78,7 +79,7 @@ def draw_timeline(bars: Sequence[tuple[int, str, float, float]], step_time_s: fl
     ax.set_xlabel(f"time ({unit})")
     ax.set_title(title)
     ax.legend(handles=handles, loc="upper center",
-              bbox_to_anchor=(0.5, -0.25 if len(stages) < 4 else -0.12), ncol=4, frameon=False)
+              bbox_to_anchor=(0.5, -0.25 if len(stages) < 4 else -0.12), ncol=5, frameon=False)
     fig.tight_layout()
     base = Path(path)
     base = base.with_suffix("") if base.suffix in (".png", ".svg") else base
@@ -92,7 +93,8 @@ def draw_timeline(bars: Sequence[tuple[int, str, float, float]], step_time_s: fl
     return written
 
 
-_BAR_KIND = {"forward": "compute", "backward": "compute", "recompute": "recompute", "runtime": "runtime",
+_BAR_KIND = {"forward": "compute", "backward": "compute", "weight": "compute", "recompute": "recompute",
+             "runtime": "runtime",
              "tp": "comm", "dp": "comm", "wait": "idle", "optimizer": "compute"}
 
 
@@ -138,18 +140,22 @@ def _draw_detail(ax: Any, detail: Sequence[tuple[int, str, float, float, str]], 
         for st, kind, start, end, label in detail:
             if st != stage or kind not in DETAIL_COLORS:
                 continue
+            if kind == "window":   # a strip above the lane: where recomputation could run
+                ax.broken_barh([(start * scale, (end - start) * scale)], (y + 0.42, 0.08),
+                               facecolors=DETAIL_COLORS[kind], linewidth=0)
+                continue
             ax.broken_barh([(start * scale, (end - start) * scale)], (y - 0.4, 0.8),
                            facecolors=DETAIL_COLORS[kind], edgecolor="white", linewidth=0.4)
             if label and end - start >= min_width:
-                dark = kind in ("forward", "backward", "recompute exposed", "comm", "optimizer")
+                dark = kind in ("forward", "backward", "weight", "recompute exposed", "comm", "optimizer")
                 ax.text((start + end) / 2 * scale, y, label, ha="center", va="center", fontsize=7,
                         color="white" if dark else "black", clip_on=True)
 
 
 def _microbatch(label: str) -> str:
-    """``"F3 block 2"`` -> ``"3"``; ``"s0.recv_grad.mb3"`` -> ``"3"``; else ``""``."""
+    """``"F3 block 2"`` -> ``"3"``; ``"I3c2 block 5"`` -> ``"3c2"``; ``"s0.recv_grad.mb3"`` -> ``"3"``; else ``""``."""
     head = label.split(" ", 1)[0]
-    if head[:1] in ("F", "B") and head[1:].isdigit():
+    if head[:1] in ("F", "B", "I", "W") and head[1:2].isdigit():
         return head[1:]
     mark = label.rfind(".mb")
     if mark >= 0:
@@ -161,10 +167,12 @@ def _microbatch(label: str) -> str:
 def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
     """The replayed step as labelled bars per stage: ``(stage, kind, start_s, end_s, label)``.
 
-    ``kind`` is ``forward``, ``backward``, ``runtime`` (the runtime's own host work for an
-    action), ``recompute hidden``, ``recompute exposed``, ``comm`` (a transfer or collective
-    the stage waits for) or ``optimizer``; the label names the
-    microbatch (``F3``, ``B3``, ``R3``). Consecutive bars of one kind and label are merged.
+    ``kind`` is ``forward``, ``backward`` (a zero-bubble ``I`` too), ``weight`` (a deferred
+    ``W``), ``runtime`` (the runtime's own host work for an action), ``recompute hidden``,
+    ``recompute exposed``, ``comm`` (a transfer or collective the stage waits for),
+    ``optimizer`` or ``window`` (a window's capacity, labelled with its id); the label names
+    the action (``F3``, ``B3``, ``I3``, ``W3``, ``R3``; ``F3c2`` for chunk 2 under interleaved
+    schedules). Consecutive bars of one kind and label are merged.
     """
     windows = {(w.device, str(w.id)): w for w in timeline.windows}
     sends = [g for g in timeline.segments if g.kind == "send"]
@@ -180,10 +188,13 @@ def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
         else:
             out.append((stage, kind, start, end, label))
 
+    for w in timeline.windows:
+        if w.capacity_s > 1e-15:
+            out.append((w.device, "window", w.start, w.start + w.capacity_s, str(w.id)))
     for i, seg in enumerate(ordered):
         s = seg.device
-        if seg.kind in ("forward", "backward"):
-            add(s, seg.kind, seg.start, seg.end, seg.kind[0].upper() + _microbatch(seg.label))
+        if seg.kind in ("forward", "backward", "weight"):
+            add(s, seg.kind, seg.start, seg.end, seg.label.split(" ", 1)[0])
         elif seg.kind == "runtime":
             add(s, "runtime", seg.start, seg.end, seg.label.split(" ", 1)[0])
         elif seg.kind == "recompute":

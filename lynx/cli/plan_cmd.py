@@ -26,7 +26,8 @@ from lynx.config import SOLVERS, CompileConfig
 from lynx.units import format_size
 from lynx.errors import LynxConfigError, LynxError
 
-__all__ = ["plan_command", "show_command", "compare_command", "bench_search_command", "compare_records",
+__all__ = ["plan_command", "show_command", "schedule_name", "compare_command", "bench_search_command",
+           "compare_records",
            "analyze_spec"]
 
 console = Console(stderr=True)
@@ -96,7 +97,7 @@ _PP = typer.Option(1, "--pp", help="pipeline stages")
 _DP = typer.Option(1, "--dp", help="data-parallel replicas")
 _TP = typer.Option(1, "--tp", help="tensor-parallel degree")
 _M = typer.Option(8, "--microbatches", "-m", help="microbatches per step")
-_SCHED = typer.Option("1f1b", "--schedule", help="1f1b | gpipe | interleaved1f1b")
+_SCHED = typer.Option("1f1b", "--schedule", help="1f1b | gpipe | interleaved1f1b | zbh1")
 _VIRT = typer.Option(2, "--virtual-stages", help="model chunks per device (interleaved1f1b)")
 _BUDGET = typer.Option(None, "--memory-budget", "-b", help="per device, e.g. 60GiB (default: device memory)")
 _HW = typer.Option("h100-sxm", "--hardware", help="a preset (cpu-local, h100-sxm, a100-25gbe, ...), "
@@ -173,10 +174,29 @@ def _tp_line(sharding: Any, config: CompileConfig) -> str:
             f"link); sharding {sharding.record()}")
 
 
+def _blocks(names: list[str]) -> str:
+    """``["pre", "layers.0", "layers.1"]`` -> ``"pre,0-1"``: a chunk's blocks, short."""
+    layers = [int(n.split(".")[-1]) for n in names if n.startswith("layers.")]
+    parts = [n for n in names if not n.startswith("layers.") and names.index(n) == 0]
+    if layers:
+        parts.append(str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}")
+    parts += [n for n in names if not n.startswith("layers.") and names.index(n) > 0]
+    return ",".join(parts)
+
+
+def schedule_name(plan: Any) -> str:
+    """The plan's schedule as people name it: ``1f1b``, ``zbh1``, ``interleaved1f1b (2 chunks per device)``."""
+    schedule = str(plan.config.get("schedule", "1f1b"))
+    if schedule == "interleaved1f1b":
+        return f"{schedule} ({plan.config.get('virtual_stages', 2)} chunks per device)"
+    return schedule
+
+
 def _summary(plan: Any) -> None:
     p = plan.predicted
     console.print(soft_wrap=True, *[
-        f"[bold]{plan.solver}[/] ({plan.status}{'' if plan.gap is None else f', gap {plan.gap:.2%}'}): "
+        f"[bold]{plan.solver}[/] ({plan.status}{'' if plan.gap is None else f', gap {plan.gap:.2%}'}), "
+        f"{schedule_name(plan)}: "
         f"step {p.step_time_s * 1e3:.2f} ms, exposed recompute {p.exposed_recompute_s * 1e3:.2f} ms, "
         f"hidden {p.hidden_recompute_s * 1e3:.2f} ms, bubble {p.bubble_s * 1e3:.2f} ms, "
         f"peak {', '.join(format_size(b) for b in p.peak_memory_bytes)}, "
@@ -205,11 +225,13 @@ def show_command(
     if model is not None:
         _run(lambda: _recheck(plan, model, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention))
     totals = stage_totals(plan.timeline, plan.predicted.step_time_s)
-    table = Table(title=f"{plan_path} — {plan.solver}, {plan.config.get('schedule')}, pp={plan.config.get('pp')}, "
+    schedule = schedule_name(plan)
+    table = Table(title=f"{plan_path} — {plan.solver}, {schedule}, pp={plan.config.get('pp')}, "
                         f"m={plan.config.get('microbatches')}")
-    for column in ("stage", "layers", "in flight", "kept", "in windows", "on demand", "static", "activations",
-                   "peak", "budget", "fits", "compute ms", "recompute ms", "hidden ms", "exposed ms", "runtime ms",
-                   "comm ms", "idle ms"):
+    several = any(len(stage.chunks) > 1 for stage in plan.stages)   # a chunks column only where it says more
+    for column in ("stage", "layers", *(("chunks",) if several else ()), "in flight", "kept", "in windows",
+                   "on demand", "static", "activations", "peak", "budget", "fits", "compute ms", "recompute ms",
+                   "hidden ms", "exposed ms", "runtime ms", "comm ms", "idle ms"):
         table.add_column(column, justify="right")
     for stage in plan.stages:
         kept = sum(d.action == "keep" for d in stage.decisions)
@@ -217,7 +239,9 @@ def show_command(
         on_demand = len(stage.decisions) - kept - windowed
         t = totals.get(stage.index, {})
         layers = f"{stage.layers[0]}–{stage.layers[-1]}" if stage.layers else "-"
-        table.add_row(str(stage.index), layers, str(stage.in_flight), str(kept), str(windowed), str(on_demand),
+        chunks = " ".join(f"c{c.index}({_blocks(c.blocks)})" for c in stage.chunks) or "-"
+        table.add_row(str(stage.index), layers, *((chunks,) if several else ()), str(stage.in_flight), str(kept),
+                      str(windowed), str(on_demand),
                       format_size(stage.static_bytes), format_size(stage.activation_bytes),
                       format_size(stage.peak_memory_bytes), format_size(stage.budget_bytes),
                       "yes" if stage.peak_memory_bytes <= stage.budget_bytes else "[red]no[/]",
@@ -230,7 +254,7 @@ def show_command(
                   "figures as the file records them (not re-checked: --model MODEL replays its decisions)")
     target = picture or plan_path.parent / (plan_path.stem + ".timeline")
     written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target, detail=plan.timeline_detail,
-                            title=f"{plan.solver}: step {plan.predicted.step_time_s * 1e3:.2f} ms")
+                            title=f"{plan.solver}, {schedule}: step {plan.predicted.step_time_s * 1e3:.2f} ms")
     console.print("timeline picture: " + ", ".join(str(p) for p in written))
 
 

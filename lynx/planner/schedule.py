@@ -62,7 +62,7 @@ __all__ = [
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "zbh1")
 # what the multi-process runtime executes
-RUNTIME_SCHEDULES = ("1f1b", "gpipe")
+RUNTIME_SCHEDULES = ("1f1b", "gpipe", "interleaved1f1b", "zbh1")
 
 
 class Op(str, Enum):

@@ -218,6 +218,10 @@ class _Replay:
                 nxt[i] = i if acts[i].kind in ("B", "I") else nxt[i + 1]
             self.next_bwd.append(nxt)
 
+    def tag(self, a: TimedAction) -> str:
+        """How a bar names its action: ``F3``, ``I3``, ``W3``; ``F3c2`` with several chunks per device."""
+        return f"{a.kind}{a.microbatch}" + (f"c{a.chunk}" if self.pipe.virtual > 1 else "")
+
     def segment(self, s: int, kind: str, start: float, end: float, label: str) -> None:
         if self.record:
             self.segments.append(Segment(s, kind, start, end, label))
@@ -336,7 +340,7 @@ class _Replay:
         t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
         for b in self.chunk_of[a.chunk].blocks:
             cost = self.pipe.costs[b]
-            self.segment(s, "forward", t, t + cost.forward_s, f"F{a.microbatch} {cost.name}")
+            self.segment(s, "forward", t, t + cost.forward_s, f"{self.tag(a)} {cost.name}")
             t += cost.forward_s
             self.busy[s] += cost.forward_s
             if self.copies is not None:   # its offloaded values go to the host
@@ -350,14 +354,20 @@ class _Replay:
                 t += cost.tp_forward_s
         return t
 
+    def weight_s(self, chunk: int, cost: BlockCost) -> float:
+        """A block's weight-gradient part; the first chunk's is its whole backward (nothing
+        before it waits for an input gradient)."""
+        return cost.backward_s if chunk == 0 else cost.backward_weight_s
+
     def weight(self, s: int, a: TimedAction) -> float:
         """A deferred weight-gradient ``W``: each block's weight part of its backward."""
         t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
         for b in reversed(self.chunk_of[a.chunk].blocks):
             cost = self.pipe.costs[b]
-            self.segment(s, "weight", t, t + cost.backward_weight_s, f"W{a.microbatch} {cost.name}")
-            t += cost.backward_weight_s
-            self.busy[s] += cost.backward_weight_s
+            w = self.weight_s(a.chunk, cost)
+            self.segment(s, "weight", t, t + w, f"{self.tag(a)} {cost.name}")
+            t += w
+            self.busy[s] += w
             if a.microbatch == self.last_bwd_mb[a.chunk]:
                 self.block_done[(s, b)] = t
         return t
@@ -371,7 +381,7 @@ class _Replay:
             t = self.copy_wait(s, a, None, self.issue_streamed(s, a, None, t))
         for b in reversed(self.chunk_of[a.chunk].blocks):
             cost = self.pipe.costs[b]
-            compute = cost.backward_s - (cost.backward_weight_s if a.kind == "I" else 0.0)
+            compute = cost.backward_s - (self.weight_s(a.chunk, cost) if a.kind == "I" else 0.0)
             if copies is not None and a.kind in ("B", "I"):
                 t = self.issue_streamed(s, a, b, t)
                 t = self.copy_wait(s, a, b, t)
@@ -384,7 +394,7 @@ class _Replay:
                 t += od
                 self.busy[s] += od
                 self.exposed[s] += od
-            self.segment(s, "backward", t, t + compute, f"{a.kind}{a.microbatch} {cost.name}")
+            self.segment(s, "backward", t, t + compute, f"{self.tag(a)} {cost.name}")
             t += compute
             self.busy[s] += compute
             if cost.tp_backward_s > 0 and cost.layer is not None:

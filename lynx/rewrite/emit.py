@@ -11,7 +11,12 @@ from the joint graph:
 * :func:`build_backward` — the joint graph's backward nodes in order, each dropped value not
   brought back beforehand recomputed just before its first reader (timed by a
   :class:`~lynx.rewrite.graph_calls.Clock`), parameter gradients optionally handed to a
-  :class:`~lynx.rewrite.graph_calls.GradSink` as soon as they are final.
+  :class:`~lynx.rewrite.graph_calls.GradSink` as soon as they are final. For zero-bubble
+  schedules the same nodes split in two (:func:`split_backward_nodes`): ``part="input"`` emits
+  those the input gradients need — what the previous stage waits for — and returns, after the
+  gradients, the values the rest reads (*cross* values); ``part="weight"`` emits the rest from
+  them, later, handing every weight gradient to its sink. A dropped value is recomputed in
+  whichever part reads it first (a value only weight gradients read, in the weight part).
 
 A random op is copied in one place (:func:`_copy`): replayed from its saved state where the
 graph takes one, else as it is.
@@ -33,13 +38,13 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx
 
-from lynx.frontend.joint import JointGraph, fetch_attr
+from lynx.frontend.joint import JointGraph, fetch_attr, storage_nbytes, storage_root
 from lynx.rewrite.graph_calls import (Clock, GradSink, accumulate_grad, clock_start, clock_stop, replay_rng,
                                       save_rng_state)
 from lynx.rewrite.liveness import extra_peak_bytes
@@ -50,7 +55,8 @@ from lynx.torch_private import boxed_codegen
 if TYPE_CHECKING:
     from lynx.rewrite.lower import LoweredStage
 
-__all__ = ["RecomputeGraph", "BackwardGraph", "build_forward", "build_recompute", "build_backward", "compiled"]
+__all__ = ["RecomputeGraph", "BackwardGraph", "build_forward", "build_recompute", "build_backward",
+           "split_backward_nodes", "compiled"]
 
 
 @dataclass
@@ -78,6 +84,8 @@ class BackwardGraph:
     sink: GradSink | None = None    # set: parameter gradients go here, the graph returns None for them
     tp_log: TPWindowLog | None = None   # recompute and wait seconds of each TP window it runs
     tp_nodes: frozenset[str] = frozenset()   # captured nodes it recomputes inside TP windows
+    cross: list[str] = field(default_factory=list)   # part="input": joint values returned after the gradients
+    cross_bytes: int = 0            # part="input": counted storages among them (held until the weight part)
 
 
 def _ancestors(outputs: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
@@ -203,12 +211,24 @@ def build_recompute(lowered: LoweredStage, targets: frozenset[int], available: f
                           nodes=recomputed, out_bytes=sum(lowered.bytes_of_slot[i] for i in out_slots))
 
 
+def split_backward_nodes(lowered: LoweredStage) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The joint graph's backward nodes the input gradients need, and the rest (what only the
+    weight gradients need)."""
+    forward, n_attrs = lowered.forward_nodes, len(lowered.joint.attr_names)
+    backward = {n for n in lowered.joint.gm.graph.nodes if n not in forward and n.op not in ("placeholder", "output")}
+    to_inputs = [g for k, g in enumerate(lowered.grads) if lowered.grad_of[k] >= n_attrs and isinstance(g, fx.Node)]
+    to_weights = [g for k, g in enumerate(lowered.grads) if lowered.grad_of[k] < n_attrs and isinstance(g, fx.Node)]
+    inputs = _ancestors(to_inputs, stop=forward) & backward
+    return inputs, (_ancestors(to_weights, stop=forward) & backward) - inputs
+
+
 def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node],
-                       windows: dict[fx.Node, list[fx.Node]] | None = None,
+                       windows: dict[fx.Node, list[fx.Node]] | None = None, only: set[fx.Node] | None = None,
                        ) -> tuple[list[tuple[str, fx.Node]], set[fx.Node]]:
-    """The backward nodes in order (``"bw"``), each forward value they read that is not a source
-    recomputed just before (``"re"``), and the set of those recomputed. ``windows``: after a
-    collective, recompute these values (``"tp"``: inside its window, before its wait)."""
+    """The backward nodes in order (``"bw"``; those in ``only`` when given), each forward value
+    they read that is not a source recomputed just before (``"re"``), and the set of those
+    recomputed. ``windows``: after a collective, recompute these values (``"tp"``: inside its
+    window, before its wait)."""
     forward = lowered.forward_nodes
     recomputed: set[fx.Node] = set()
     sequence: list[tuple[str, fx.Node]] = []
@@ -229,7 +249,7 @@ def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node],
             stack.extend((a, False) for a in reversed(node.all_input_nodes))
 
     for b in lowered.joint.gm.graph.nodes:
-        if b in forward or b.op in ("placeholder", "output"):
+        if b in forward or b.op in ("placeholder", "output") or (only is not None and b not in only):
             continue
         for a in b.all_input_nodes:
             ensure(a)
@@ -240,28 +260,42 @@ def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node],
 
 
 def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
-                   tp_windows: tuple[tuple[int, frozenset[int]], ...] = ()) -> BackwardGraph:
-    """Joint backward nodes in order, each dropped value recomputed just before its first reader;
+                   tp_windows: tuple[tuple[int, frozenset[int]], ...] = (), part: str = "all",
+                   cross: list[str] | None = None) -> BackwardGraph:
+    """Joint backward nodes in order, each dropped value recomputed just before its first reader.
+
     ``tp_windows``: ``(k, slots)`` recomputed right after the backward's k-th collective, before
-    its wait (:mod:`lynx.rewrite.tp_windows`)."""
+    its wait (:mod:`lynx.rewrite.tp_windows`). ``part``: ``"all"``; ``"input"`` (the input
+    gradients, then the cross values); ``"weight"`` (the weight gradients, all into the sink,
+    from the ``cross`` values the input part returned).
+    """
     nodes = lowered.graph_nodes
     slot_names = lowered.slot_names
     n_kept, n_held = len(lowered.kept), len(lowered.held)
     kept_slots = list(range(n_kept))
     avail_slots = sorted(available)
     sources = {nodes[slot_names[i]]: i for i in kept_slots + avail_slots + list(range(n_kept, n_kept + n_held))}
+    crossed = [nodes[name] for name in cross or ()]
+    only = None
+    if part != "all":
+        inputs, weights = split_backward_nodes(lowered)
+        only = inputs if part == "input" else weights
     rng_slot = _rng_slots(lowered)
     windows: dict[fx.Node, list[fx.Node]] = {}
     if tp_windows:
         collectives = backward_allreduces(lowered.joint.gm, lowered.forward_nodes)
         for k, slots in tp_windows:
             windows[collectives[k]] = [nodes[slot_names[i]] for i in sorted(slots)]
-    sequence, recomputed = _backward_sequence(lowered, set(sources), windows)
+    sequence, recomputed = _backward_sequence(lowered, set(sources) | set(crossed), windows, only)
     in_window = {n for kind, n in sequence if kind == "tp"}
     waits = {u for c in windows for u in c.users if "wait_tensor" in str(u.target)}
     held_used = [i for i in range(n_kept, n_kept + n_held)
                  if any(u in recomputed for u in nodes[slot_names[i]].users)]
     rng_used = [(rng_slot[n], n) for n in lowered.joint.gm.graph.nodes if n in recomputed and n in rng_slot]
+    read = {a for _kind, n in sequence for a in n.all_input_nodes}
+    if part == "weight":   # only the slots it reads: the rest is freed after the input part
+        kept_slots = [i for i in kept_slots if nodes[slot_names[i]] in read]
+        avail_slots = [i for i in avail_slots if nodes[slot_names[i]] in read]
     in_slots = kept_slots + avail_slots + held_used
 
     graph = fx.Graph()
@@ -269,12 +303,18 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
     for i in in_slots:
         _placeholder(graph, nodes[slot_names[i]], env)
     state_of = {n: graph.placeholder(f"rng_state_{n.name}") for _i, n in rng_used}
-    for t in lowered.tangents:
+    for t in (lowered.tangents if part != "weight" else crossed):
         _placeholder(graph, t, env)
     clock = graph.get_attr("lynx_clock") if recomputed else None
     n_attrs = len(lowered.joint.attr_names)
+    # the gradients this graph computes (all of them but in a split); the weight part sinks all
+    mine = set(range(len(lowered.grads)))
+    if only is not None:
+        passed = set(lowered.tangents) if part == "input" else set()
+        mine = {k for k, g in enumerate(lowered.grads) if g in only or g in passed}
     # parameter gradients handed over as soon as computed: index in grads -> attribute index
-    sunk = {k: i for k, i in enumerate(lowered.grad_of) if sink and i < n_attrs}
+    sunk = {k: i for k, i in enumerate(lowered.grad_of)
+            if k in mine and i < n_attrs and (sink or part == "weight")}
     sink_node = graph.get_attr("lynx_sink") if sunk else None
     sink_after: dict[fx.Node, list[tuple[int, int]]] = {}
     for k, i in sunk.items():
@@ -303,7 +343,14 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
     for g, pairs in sink_after.items():  # gradients that are inputs (a tangent passed through)
         for _k, i in pairs:
             graph.call_function(accumulate_grad, (sink_node, i, env[g]))
-    graph.output(tuple(None if k in sunk else env[g] for k, g in enumerate(lowered.grads)))
+    outputs: list[Any] = [None if k in sunk or k not in mine else env[g] for k, g in enumerate(lowered.grads)]
+    handed: list[fx.Node] = []
+    if part == "input":   # what the weight part reads that only this part has
+        _inputs, weights = split_backward_nodes(lowered)
+        wanted = {a for w in weights for a in w.all_input_nodes if a not in weights and a in env and a not in sources}
+        handed = [n for n in lowered.joint.gm.graph.nodes if n in wanted]
+        outputs += [env[n] for n in handed]
+    graph.output(tuple(outputs) if part != "weight" else ())
     if not lowered.compile:
         graph.set_codegen(boxed_codegen())
     attrs: dict[str, Any] = {"lynx_clock": Clock(), "lynx_sink": GradSink(), "lynx_tp_log": TPWindowLog()}
@@ -320,10 +367,12 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
         run = lambda args: fn(*args)  # noqa: E731 - Inductor manages its buffers itself
     else:
         run = gm
+    roots = {storage_root(n) for n in handed} & lowered.stage_roots
     return BackwardGraph(gm=gm, run=run, in_slots=in_slots + [i for i, _ in rng_used], nodes=origins,
                          clock=attrs["lynx_clock"], extra_peak_bytes=extra,
                          sink=attrs["lynx_sink"] if sunk else None, tp_log=attrs["lynx_tp_log"],
-                         tp_nodes=tp_origins)
+                         tp_nodes=tp_origins, cross=[n.name for n in handed],
+                         cross_bytes=sum(storage_nbytes(r) for r in roots))
 
 
 def compiled(gm: fx.GraphModule, compile: bool) -> Callable[..., Any]:

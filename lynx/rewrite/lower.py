@@ -95,6 +95,8 @@ class LoweredStage:
     grads: list[fx.Node] = field(repr=False)              # the gradient of each primal in grad_of
     _recompute: dict[tuple[frozenset[int], frozenset[int]], RecomputeGraph] = field(repr=False, default_factory=dict)
     _backward: dict[tuple, BackwardGraph] = field(repr=False, default_factory=dict)
+    _split: dict[tuple[frozenset[int], bool], tuple[BackwardGraph, BackwardGraph]] = field(
+        repr=False, default_factory=dict)
 
     @property
     def n_slots(self) -> int:
@@ -135,6 +137,18 @@ class LoweredStage:
         if graph is None:
             graph = self._backward[key] = build_backward(self, available, sink, tp_windows)
         return graph
+
+    def split_backward_graphs(self, available: frozenset[int], sink: bool = False
+                              ) -> tuple[BackwardGraph, BackwardGraph]:
+        """Zero bubble: the input-gradient graph (gradients, then the values the other reads)
+        and the weight-gradient graph, from the same joint graph, for prefetched ``available``."""
+        key = (available, sink)
+        graphs = self._split.get(key)
+        if graphs is None:
+            first = build_backward(self, available, sink, part="input")
+            graphs = self._split[key] = (first, build_backward(self, available, True, part="weight",
+                                                               cross=first.cross))
+        return graphs
 
 
 def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, model_inputs: int = 0) -> LoweredStage:

@@ -78,6 +78,12 @@ class _Microbatch:
     held: dict[str, int] = field(default_factory=dict)  # meter bytes this microbatch added
     stats: MicrobatchStats = field(default_factory=MicrobatchStats)
     backward_done: bool = False
+    attrs: tuple = ()                            # the parameter and buffer objects the graphs read
+    # zero bubble: the backward runs its input-gradient part; the weight part waits here
+    defer: bool = False
+    weights: Any = None                          # the weight-gradient graph, until it runs
+    weight_args: list[Any] | None = None         # its inputs: slots it reads, then the cross values
+    cross_bytes: int = 0
 
 
 class _RunStage(torch.autograd.Function):
@@ -90,7 +96,7 @@ class _RunStage(torch.autograd.Function):
         n_out = lowered.joint.n_outputs
         state.slots = [*values[n_out:], *([None] * len(lowered.dropped_values))]
         ctx.stage, ctx.state = stage, state
-        ctx.attrs = primals[:len(lowered.joint.attr_names)]
+        ctx.attrs = state.attrs = primals[:len(lowered.joint.attr_names)]
         outs = values[:n_out]
         ctx.mark_non_differentiable(*[o for o, g in zip(outs, lowered.joint.out_requires_grad) if not g])
         return tuple(outs)
@@ -103,12 +109,17 @@ class _RunStage(torch.autograd.Function):
                                    "not supported by compiled stages)")
         lowered = state.lowered
         sink = stage.on_param_grad is not None
-        graph = lowered.backward_graph(frozenset(state.available), sink, stage.tp_targets(state))
+        if state.defer:   # zero bubble (not run with TP: lynx.runtime.executable.TP_SCHEDULES)
+            graph, state.weights = lowered.split_backward_graphs(frozenset(state.available), sink)
+        else:
+            graph = lowered.backward_graph(frozenset(state.available), sink, stage.tp_targets(state))
         if graph.sink is not None:
             graph.sink.params = ctx.attrs
             graph.sink.on_grad = stage.on_param_grad
         slots, state.slots = state.slots, None
         args = [slots[i] for i in graph.in_slots]
+        if state.weights is not None:
+            state.weight_args = [slots[i] for i in state.weights.in_slots]
         del slots
         args += [g for g, needs in zip(grads, lowered.joint.out_requires_grad) if needs]
         extra = graph.extra_peak_bytes
@@ -122,21 +133,31 @@ class _RunStage(torch.autograd.Function):
         finally:
             if extra:
                 stage.meter.free("stage", extra)
-        if graph.nodes:
-            fresh = graph.nodes - state.recomputed
-            state.recomputed |= fresh
-            state.stats.on_demand_s += graph.clock.total_s
-            state.stats.on_demand_nodes += len(fresh)
-        if graph.tp_nodes and graph.tp_log is not None:
-            state.recomputed |= graph.tp_nodes
-            state.stats.tp_hidden_s += graph.tp_log.hidden_s()
-            state.stats.tp_exposed_s += graph.tp_log.exposed_s()
-            state.stats.tp_nodes += len(graph.tp_nodes)
-        state.backward_done = True
+        _count_on_demand(state, graph)
+        if state.weights is not None:   # the cross values wait, with what they hold, for the weight part
+            state.weight_args += list(computed[len(lowered.grad_of):])
+            state.cross_bytes = graph.cross_bytes
+            stage.meter.hold("stage", state.cross_bytes)
+        else:
+            state.backward_done = True
         result: list[Any] = [None] * (len(lowered.joint.attr_names) + lowered.joint.n_inputs)
         for index, grad in zip(lowered.grad_of, computed):
             result[index] = grad
         return (None, None, *result)
+
+
+def _count_on_demand(state: _Microbatch, graph: Any) -> None:
+    """What a backward graph recomputed: on demand, and inside TP windows."""
+    if graph.nodes:
+        fresh = graph.nodes - state.recomputed
+        state.recomputed |= fresh
+        state.stats.on_demand_s += graph.clock.total_s
+        state.stats.on_demand_nodes += len(fresh)
+    if graph.tp_nodes and graph.tp_log is not None:
+        state.recomputed |= graph.tp_nodes
+        state.stats.tp_hidden_s += graph.tp_log.hidden_s()
+        state.stats.tp_exposed_s += graph.tp_log.exposed_s()
+        state.stats.tp_nodes += len(graph.tp_nodes)
 
 
 class StageModule(nn.Module):
@@ -291,6 +312,38 @@ class StageModule(nn.Module):
         else:
             state.stats.prefetch_s += elapsed
             state.stats.prefetch_nodes += len(fresh)
+
+    # -------------------------------------------------------------- zero bubble
+    def defer_weights(self, microbatch: int) -> None:
+        """Make ``microbatch``'s next backward compute only the input gradients (and the weight
+        gradients the same kernels give); :meth:`backward_weight` computes the rest later."""
+        self._state(microbatch).defer = True
+
+    def backward_weight(self, microbatch: int) -> None:
+        """The deferred weight gradients of ``microbatch``, accumulated into the parameters'
+        ``.grad`` (``on_param_grad`` told of each as it is final)."""
+        state = self._states.get(microbatch)
+        if state is None or state.weights is None:
+            raise LynxRuntimeError(f"stage {self.index}: microbatch {microbatch} has no input-gradient backward "
+                                   "waiting for its weight gradients (defer_weights, then backward, first)")
+        graph, args = state.weights, state.weight_args or []
+        state.weights, state.weight_args = None, None
+        if graph.sink is not None:
+            graph.sink.params = state.attrs
+            graph.sink.on_grad = self.on_param_grad
+        extra = graph.extra_peak_bytes
+        if extra:
+            self.meter.hold("stage", extra)
+        graph.clock.total_s = 0.0
+        try:
+            graph.run(args)   # boxed: it empties ``args`` as it goes
+        finally:
+            if extra:
+                self.meter.free("stage", extra)
+            self.meter.free("stage", state.cross_bytes)
+            state.cross_bytes = 0
+        _count_on_demand(state, graph)
+        state.backward_done = True
 
     # ---------------------------------------------------------------- lifecycle
     def _state(self, microbatch: int) -> _Microbatch:

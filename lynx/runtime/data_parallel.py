@@ -136,6 +136,7 @@ class BucketLauncher:
             members[b] = members.get(b, 0) + (1 << 30)
         self._members = members
         self._remaining: dict[int, int] = {}
+        self._final: set[int] = set()   # parameters counted since the counts were reset
         self.launch_times: list[float] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
 
@@ -146,18 +147,23 @@ class BucketLauncher:
         self.armed = True
         if reset or not self._remaining:
             self._remaining = dict(self._members)
+            self._final = set()
 
     def reset(self) -> None:
         """A new step: no gradient is final yet."""
         self._remaining = {}
+        self._final = set()
 
     def param_ready(self, param: torch.Tensor) -> None:
         """``param.grad`` is final for this backward (a compiled stage's backward graph calls this)."""
         self._on_grad(param)
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self.armed:
+        # counted once: autograd runs a parameter's post-accumulate hooks even when a compiled
+        # stage's backward graph already handed its gradient over (and returned none for it)
+        if not self.armed or id(param) in self._final:
             return
+        self._final.add(id(param))
         b = self._bucket[id(param)]
         self._remaining[b] -= 1
         if self._remaining[b] == 0:

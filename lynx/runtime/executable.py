@@ -15,9 +15,11 @@ Example::
 
     >>> missing({"pp": 2, "tp": 2, "schedule": "1f1b"})
     []
-    >>> for gap in missing({"pp": 2, "tp": 2, "schedule": "interleaved1f1b"}):
+    >>> for gap in missing({"pp": 2, "tp": 2, "schedule": "zbh1"}):
     ...     print(gap)
-    schedule 'interleaved1f1b' (the runtime executes 1f1b, gpipe: plan with one of them)
+    schedule 'zbh1' with tensor parallelism (tp 2 runs under 1f1b, gpipe: plan with one of them, or with tp=1)
+    >>> missing({"pp": 2, "schedule": "zbv"})
+    ["schedule 'zbv' (the runtime executes 1f1b, gpipe, interleaved1f1b, zbh1: plan with one of them)"]
     >>> missing({"pp": 2, "tp": 2, "schedule": "1f1b", "offload": True})
     ['offload with tensor parallelism (tp 2: plan with offload off, or with tp=1)']
 """

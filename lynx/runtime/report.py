@@ -170,6 +170,11 @@ def _load_lines(summary: RunSummary) -> list[str]:
 def format_summary(summary: RunSummary, plan: Any = None) -> str:
     """Plain-text lines: step time and, per stage, activation memory, measured vs predicted."""
     lines = []
+    if plan is not None:   # what ran: the schedule and its chunks
+        schedule = plan.config.get("schedule", "1f1b")
+        chunks = {s.index: [c.index for c in s.chunks] for s in plan.stages if len(s.chunks) > 1}
+        lines.append(f"schedule {schedule}" + (f", chunks per stage {chunks}" if chunks else "")
+                     + (", weight gradients deferred (W)" if schedule == "zbh1" else ""))
     steps = (f"median of {summary.timed_steps} steps, the first (warm-up) left out; fastest "
              f"{summary.fastest_step_s * 1e3:.1f} ms" if summary.timed_steps > 1 else "one step")
     if summary.predicted_step_s:

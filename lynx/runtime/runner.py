@@ -343,9 +343,8 @@ class StageRunner:
         t0 = time.perf_counter()
         flight = state.flights.pop((c, j))
         if a.op is Op.BACKWARD_INPUT:
-            in_grads = _input_backward(stage, j, flight, buffers, self.config.loss_scale)
-        else:
-            in_grads = backward_step(stage, j, flight, buffers, self.config.loss_scale)
+            stage.defer_weights(j)   # the backward graph computes the input gradients; W the rest
+        in_grads = backward_step(stage, j, flight, buffers, self.config.loss_scale)
         stats.backward_s += time.perf_counter() - t0
         self._mark(stats, self._what(a.kind, c), j, t0)
         if a.op is Op.BACKWARD:
@@ -424,17 +423,6 @@ class StageRunner:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 self.monitor.wait(dist.all_reduce(p.grad, group=group, async_op=True), f"tied-weight sum of {name}")
-
-
-def _input_backward(stage: Any, microbatch: int, flight: InFlight, grads: Any, loss_scale: float) -> list:
-    """A zero-bubble ``I``: the stage's input-gradient graph; its ``W`` runs later."""
-    if stage.spec.is_last:
-        out = [flight.output]
-        seed = [torch.full_like(flight.output, loss_scale)]
-    else:
-        pairs = [(o, g) for o, g in zip(flight.output, grads or ()) if g is not None and needs_grad(o)]
-        out, seed = [o for o, _ in pairs], [g for _, g in pairs]
-    return stage.backward_input(microbatch, flight, out, seed)
 
 
 def _to(batch: Mapping[str, torch.Tensor], device: torch.device) -> Mapping[str, torch.Tensor]:

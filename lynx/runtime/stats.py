@@ -7,6 +7,9 @@ Example::
     0.0
     >>> print(format_stats([s]).splitlines()[0].split()[:3])
     ['stage', 'dp', 'step']
+    >>> c = StepStats(rank=0, stage=0, dp_rank=0, peak_saved_bytes_by_chunk={0: 2**20, 2: 2**21})
+    >>> format_stats([c]).splitlines()[1].split()[-2:]
+    ['c0:1.00', 'c2:2.00']
 """
 
 from __future__ import annotations
@@ -65,15 +68,26 @@ def _mib(n: float | None) -> str:
 
 
 def format_stats(stats: Sequence[StepStats], plan: Any = None) -> str:
-    """A table of ``stats`` (one row per rank), with the plan's predictions when given."""
+    """A table of ``stats`` (one row per rank), with the plan's predictions when given: the
+    schedule first, then per rank its measured figures (and each model chunk's peak when a rank
+    runs several)."""
     tp = any(s.tp_rank or s.recompute_tp_hidden_s or s.recompute_tp_exposed_s for s in stats)
     head = (f"{'stage':>5} {'dp':>3}" + (f" {'tp':>3}" if tp else "") + f" {'step s':>8} {'wait s':>8} "
             f"{'hidden s':>9}" + (f" {'tp hidden':>9} {'tp exposed':>10}" if tp else "")
             + f" {'exposed s':>10} {'peak MiB':>9}")
+    chunked = any(s.peak_saved_bytes_by_chunk for s in stats)
     if plan is not None:
         head += (f" | {'pred step s':>11} {'pred exposed':>12} {'pred hidden':>11} {'pred act MiB':>12} "
                  f"{'budget MiB':>10}")
+    if chunked:
+        head += f" {'per chunk MiB':>22}"
     rows = [head]
+    if plan is not None:
+        schedule = plan.config.get("schedule", "1f1b")
+        chunks = f", {plan.config.get('virtual_stages')} chunks per rank" if schedule == "interleaved1f1b" else ""
+        rows.insert(0, f"schedule {schedule}{chunks}, pp {plan.config.get('pp')}, dp {plan.config.get('dp', 1)}"
+                       + (f", tp {plan.config.get('tp')}" if int(plan.config.get("tp", 1) or 1) > 1 else "")
+                       + f", {plan.config.get('microbatches')} microbatches")
     for s in sorted(stats, key=lambda x: (x.stage, x.dp_rank, x.tp_rank)):
         row = (f"{s.stage:>5} {s.dp_rank:>3}" + (f" {s.tp_rank:>3}" if tp else "")
                + f" {s.step_s:>8.3f} {s.wait_s:>8.3f} {s.recompute_hidden_s:>9.3f}"
@@ -83,5 +97,7 @@ def format_stats(stats: Sequence[StepStats], plan: Any = None) -> str:
             sp = plan.stage(s.stage)
             row += (f" | {plan.predicted.step_time_s:>11.3f} {sp.exposed_recompute_s:>12.3f} "
                     f"{sp.hidden_recompute_s:>11.3f} {_mib(sp.activation_bytes):>12} {_mib(sp.budget_bytes):>10}")
+        if chunked:   # last, as in the header
+            row += " " + f"{' '.join(f'c{c}:{_mib(b)}' for c, b in sorted(s.peak_saved_bytes_by_chunk.items())):>22}"
         rows.append(row)
     return "\n".join(rows)

@@ -1,14 +1,19 @@
 """lynx.runtime.Pipeline under torchrun: a user's own loop trains like single-process PyTorch.
 
-Two models nobody here wrote the runtime for — a plain ``nn.Module`` returning
-``(logits, loss)`` and a ``transformers`` Qwen2 from a config (``.loss``; eager attention: its
-sdpa path runs another program under torch.export, see tests/test_transformers_models.py) — are compiled with an
-HEU plan that recomputes, trained 3 steps with AdamW from the user's loop under ``torchrun``
-(2 processes: pp 2; 4 processes: pp 2 × dp 2), and compared with single-process PyTorch on
-the same batches (:func:`user_models.reference`): per-step losses, first-step gradients and
-final parameters **bitwise** equal (same ops in the same order: microbatch losses scaled by
-1/m and accumulated in microbatch order, replicas' gradients summed then halved, the loss the
-float32 mean of the microbatch losses in order; one thread per process on both sides). The
+Models nobody here wrote the runtime for — a plain ``nn.Module`` returning ``(logits, loss)``,
+the same with attention (a plain GPT), ``transformers`` Qwen2 and Llama from configs
+(``.loss``; eager attention: the sdpa path runs another program under torch.export, see
+tests/test_transformers_models.py) — and Lynx's gpt-tiny are compiled with an HEU plan that
+recomputes, trained 3 steps with AdamW from the user's loop under ``torchrun`` (2 processes:
+pp 2; 4 processes: pp 2 × dp 2) under 1F1B, interleaved 1F1B (2 chunks per rank) and ZB-H1
+(each backward split into its input- and weight-gradient graphs, lowered from one joint graph,
+the weight part deferred), and compared with single-process PyTorch on the same batches
+(:func:`user_models.reference`): per-step losses, first-step gradients and final parameters
+**bitwise** equal (same ops in the same order: microbatch losses scaled by 1/m and each
+parameter's gradient accumulated in microbatch order — a parameter belongs to one chunk,
+whose backward, or weight-gradient part, runs the microbatches in order —, replicas'
+gradients summed then halved, the loss the float32 mean of the microbatch losses in order; one
+thread per process on both sides). The trace shows each rank ran its schedule's action list. The
 failure path: a rank raising in its loop at step 2 ends every process non-zero within 10 s,
 naming that rank, with torchrun's root cause on it.
 """
@@ -38,34 +43,68 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 240) -> subpr
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def _kinds() -> list[str]:
+SCHEDULES = ("interleaved1f1b", "zbh1")
+
+
+def _cases(nproc: int) -> list[str]:
+    """pp 2: the plain module and Qwen2 under 1F1B, and gpt-tiny, Llama and the plain GPT under
+    each of interleaved 1F1B and ZB-H1; pp 2 × dp 2: the plain module, Qwen2, and gpt-tiny
+    interleaved (data parallelism over a rank's two chunks, whose gradients become final in
+    different actions)."""
     try:
         import transformers  # noqa: F401
+        hf = True
     except ImportError:
-        return ["tuple"]
-    return ["tuple", "qwen2"]
+        hf = False
+    cases = ["tuple:1f1b"] + (["qwen2:1f1b"] if hf else [])
+    if nproc > 2:
+        return cases + ["gpt-tiny:interleaved1f1b"]
+    return cases + [f"{k}:{s}" for k in ("gpt-tiny", "llama", "gpt") if hf or k != "llama" for s in SCHEDULES]
 
 
 @pytest.mark.parametrize("nproc,pp", [(2, 2), (4, 2)], ids=["pp2", "pp2xdp2"])
 def test_user_loop_matches_single_process_pytorch(tmp_path, nproc, pp):
-    kinds = _kinds()
-    run = torchrun(nproc, "user_pipeline_worker.py", str(tmp_path), str(pp), *kinds)
+    cases = _cases(nproc)
+    run = torchrun(nproc, "user_pipeline_worker.py", str(tmp_path), str(pp), *cases, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     dp = nproc // pp
-    for kind in kinds:
+    for case in cases:
+        kind, schedule = case.split(":")
         losses, grads, params = um.reference(kind, dp)
         seen: set[str] = set()
         for rank in range(nproc):
-            got = torch.load(tmp_path / f"{kind}.rank{rank}.pt")
-            assert got["recomputed"] > 0, f"{kind}: the plan recomputes nothing"
-            assert got["form"] == ("tuple" if kind == "tuple" else "attribute")
-            assert got["losses"] == losses, f"{kind} rank {rank}: {got['losses']} vs PyTorch {losses}"
+            got = torch.load(tmp_path / f"{kind}.{schedule}.rank{rank}.pt", weights_only=False)
+            where = f"{kind} {schedule} rank {rank}"
+            assert got["recomputed"] > 0, f"{where}: the plan recomputes nothing"
+            assert got["form"] == {"tuple": "tuple", "gpt": "tuple", "gpt-tiny": "scalar"}.get(kind, "attribute")
+            assert got["losses"] == losses, f"{where}: {got['losses']} vs PyTorch {losses}"
             for name, grad in got["grads"].items():
-                assert torch.equal(grad, grads[name]), f"{kind} rank {rank}: gradient of {name} differs"
+                assert torch.equal(grad, grads[name]), f"{where}: gradient of {name} differs"
             for name, value in got["params"].items():
-                assert torch.equal(value, params[name]), f"{kind} rank {rank}: parameter {name} differs"
+                assert torch.equal(value, params[name]), f"{where}: parameter {name} differs"
             seen |= set(got["params"])
-        assert seen == set(params), f"{kind}: parameters trained by no stage: {sorted(set(params) - seen)}"
+            _check_trace(got, schedule, pp)
+        assert seen == set(params), f"{case}: parameters trained by no stage: {sorted(set(params) - seen)}"
+
+
+def _check_trace(got: dict, schedule: str, pp: int) -> None:
+    """The traced compute actions are the schedule's, in its order; per-chunk memory is measured."""
+    from lynx.planner.schedule import stage_actions
+
+    stats = got["stats"][-1]
+    virtual = 2 if schedule == "interleaved1f1b" else 1
+    expected = [(a.kind, a.chunk, a.microbatch) for a in stage_actions(
+        schedule, stage=got["stage"], stages=pp, microbatches=um.MICROBATCHES, virtual=virtual)]
+    traced = []
+    for what, j, _t0, _t1 in stats.events:
+        op, _, chunk = what.partition(".c")
+        if op in ("F", "B", "I", "W"):
+            traced.append((op, int(chunk) if chunk else got["stage"], j))
+    assert traced == expected
+    if virtual > 1:
+        assert got["chunks"] == [got["stage"], got["stage"] + pp]
+        assert set(stats.peak_saved_bytes_by_chunk) == set(got["chunks"])
+        assert stats.peak_saved_bytes >= max(stats.peak_saved_bytes_by_chunk.values()) > 0
 
 
 @pytest.mark.parametrize("fail_rank", [1, 0], ids=["rank1", "rank0-hosts-store"])

@@ -1,10 +1,11 @@
 """Models and data shared by the Pipeline tests' torchrun worker and their single-process reference.
 
-``tuple_model``: a plain ``nn.Module`` whose forward returns ``(logits, loss)`` (nanoGPT's
-convention, with ``targets.view(-1)``, which needs contiguous targets). ``qwen2``: a
-``transformers`` Qwen2 built from a config with eager attention, taking ``input_ids`` and
-``labels`` by keyword and returning a ``ModelOutput`` whose ``.loss`` is the loss. Dropout is 0
-in both.
+``tuple``: a plain ``nn.Module`` whose forward returns ``(logits, loss)`` (nanoGPT's
+convention, with ``targets.view(-1)``, which needs contiguous targets); ``gpt``: the same with
+causal self-attention in every block (a plain ``nn.Module`` GPT, explicit softmax attention).
+``qwen2`` and ``llama``: ``transformers`` models built from a config with eager attention,
+taking ``input_ids`` and ``labels`` by keyword and returning a ``ModelOutput`` whose ``.loss``
+is the loss. ``gpt-tiny``: Lynx's preset, returning the loss. Dropout is 0 in all.
 """
 
 from __future__ import annotations
@@ -46,13 +47,72 @@ class TupleLM(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
 
 
+class AttentionBlock(nn.Module):
+    """Pre-norm causal self-attention (explicit softmax) and an MLP, with residuals."""
+
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = Block(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm(x)).split(C, dim=2)                   # (B, T, C) each
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, h, T, d)
+        att = (q @ k.transpose(-2, -1)) / (C // self.heads) ** 0.5          # (B, h, T, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        y = att.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v      # (B, h, T, d)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.mlp(x)
+
+
+class TupleGPT(TupleLM):
+    """TupleLM with attention in every block: a plain nn.Module GPT."""
+
+    def __init__(self, dim: int = 16, layers: int = 4) -> None:
+        super().__init__(dim, layers)
+        self.blocks = nn.ModuleList(AttentionBlock(dim) for _ in range(layers))
+
+
+POSITIONAL = ("tuple", "gpt", "gpt-tiny")
+
+
 def build(kind: str) -> tuple[nn.Module, tuple | dict]:
     """The model (seed 0) and one microbatch of example inputs."""
     torch.manual_seed(0)
     idx = torch.randint(0, VOCAB, (MICRO, SEQ))                           # (b, T)
     if kind == "tuple":
         return TupleLM(), (idx, idx.roll(-1, 1))
+    if kind == "gpt":
+        return TupleGPT(), (idx, idx.roll(-1, 1))
+    if kind == "gpt-tiny":
+        import lynx
+
+        model, _ = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.0, seq=SEQ, microbatch=MICRO)
+        return model, (idx, idx.roll(-1, 1))
+    if kind == "llama":
+        return llama(), {"input_ids": idx, "labels": idx.roll(-1, 1)}
     return qwen2("eager"), {"input_ids": idx, "labels": idx.roll(-1, 1)}
+
+
+def loss_of(kind: str, out: Any) -> torch.Tensor:
+    """The loss in a model's output."""
+    if kind in ("tuple", "gpt"):
+        return out[1]
+    return out if kind == "gpt-tiny" else out.loss
+
+
+def llama() -> nn.Module:
+    """A transformers Llama from a config, eager attention (what torch.export captures as eager runs)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   use_cache=False, tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(cfg)
 
 
 def qwen2(attention: str) -> nn.Module:
@@ -68,19 +128,27 @@ def qwen2(attention: str) -> nn.Module:
     return transformers.Qwen2ForCausalLM(cfg)
 
 
-def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp: int) -> Any:
+def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp: int, schedule: str = "1f1b") -> Any:
     """An HEU plan under a budget halfway between what full recomputation and keeping
     everything need on stage 0 (so it recomputes, whatever the cost model's figures)."""
     import lynx
     from lynx.planner.loop import plan_graph
 
     compiled = lynx.compile(model, example, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="none",
-                            hardware="cpu-local", memory_budget="1GiB")
+                            hardware="cpu-local", memory_budget="1GiB", schedule=schedule, virtual_stages=2)
     graph, config = compiled.analysis.graph, compiled.config
     full = plan_graph(graph, config.replace(solver="full"))
     keep, lean = compiled.plan.predicted.peak_memory_bytes[0], full.predicted.peak_memory_bytes[0]
     config = config.replace(solver="heu", memory_budget=(keep + lean) // 2)
     return dataclasses.replace(compiled, plan=plan_graph(graph, config), config=config)
+
+
+def compile_with(model: nn.Module, example: tuple | dict, plan: Any) -> Any:
+    """``lynx.compile`` with a plan :func:`compile_recomputing` made (checked against this model)."""
+    import lynx
+    from lynx.config import FINGERPRINT_FIELDS
+
+    return lynx.compile(model, example, plan=plan, **{k: plan.config[k] for k in FINGERPRINT_FIELDS})
 
 
 def batches(dp: int) -> list[torch.Tensor]:
@@ -91,7 +159,7 @@ def batches(dp: int) -> list[torch.Tensor]:
 
 def step_inputs(kind: str, window: torch.Tensor) -> tuple[tuple, dict]:
     """(positional, keyword) inputs of a step: non-contiguous slices, as a loader gives them."""
-    if kind == "tuple":
+    if kind in POSITIONAL:
         return (window[:, :-1], window[:, 1:]), {}
     return (), {"input_ids": window[:, :-1], "labels": window[:, 1:]}
 
@@ -128,7 +196,7 @@ def _reference(kind: str, dp: int) -> tuple[list[float], dict[str, torch.Tensor]
                 rows = slice((d * MICROBATCHES + j) * MICRO, (d * MICROBATCHES + j + 1) * MICRO)
                 out = model(*[a[rows].contiguous() for a in args],
                             **{k: v[rows].contiguous() for k, v in kwargs.items()})
-                loss = out[1] if kind == "tuple" else out.loss
+                loss = loss_of(kind, out)
                 mb_losses.append(loss.detach())
                 (loss * (1.0 / MICROBATCHES)).backward()
             replica_grads.append([p.grad.clone() for p in params])

@@ -1,0 +1,95 @@
+"""Zero bubble's split backward: input- and weight-gradient graphs lowered from one joint graph.
+
+A stage whose backward is deferred (``defer_weights``) runs its input-gradient graph in the
+backward and its weight-gradient graph in ``backward_weight``; together they compute, bitwise,
+what the single backward graph does — for drop sets none and most, dropout on, the values the
+weight part reads recomputed where it first needs them — and the meter ends each microbatch
+where it started.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import lynx
+from lynx.frontend.capture import capture
+from lynx.rewrite import build_stages
+from lynx.rewrite.split import op_nodes
+
+
+@functools.lru_cache(maxsize=1)
+def _captured():
+    torch.manual_seed(0)
+    model, inputs = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.1, seq=16)
+    captured = capture(model, inputs)
+    names = [n.name for n in op_nodes(captured.gm)]
+    return model, inputs, captured, [names[: len(names) // 2], names[len(names) // 2:]]
+
+
+def _train(drops, defer: bool):
+    model, inputs, captured, nodes = _captured()
+    stages = build_stages(captured.gm, nodes, drops)
+    model.zero_grad(set_to_none=True)
+    batch = dict(zip(captured.input_names, inputs))
+    torch.manual_seed(3)
+    split = []
+    for j in range(2):
+        sent = stages[0](*[batch[n] for n in stages[0].spec.inputs], microbatch=j)
+        recv = [t.detach().requires_grad_(t.requires_grad) for t in sent]
+        loss = stages[1](*[batch[n] for n in stages[1].spec.inputs], *recv, microbatch=j)
+        for stage, run in ((stages[1], lambda: loss.backward()),
+                           (stages[0], lambda: torch.autograd.backward(
+                               [o for o, r in zip(sent, recv) if r.requires_grad],
+                               [r.grad for r in recv if r.requires_grad]))):
+            if defer:
+                stage.defer_weights(j)
+            run()
+            if defer:
+                before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+                stage.backward_weight(j)
+                split.append(sum(not _same(before[n], p.grad) for n, p in model.named_parameters()))
+            stage.release(j)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, stages, split
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+@pytest.mark.parametrize("dropping", [False, True], ids=["keep-all", "drop-most"])
+def test_input_then_weight_graphs_equal_the_backward_bitwise(dropping):
+    _, _, _, nodes = _captured()
+    drops = [set(), set()]
+    if dropping:   # two of every three nodes, the stages' last three kept
+        drops = [{n for i, n in enumerate(ns) if i % 3 and i < len(ns) - 3} for ns in nodes]
+    reference, _, _ = _train(drops, defer=False)
+    grads, stages, weight_updates = _train(drops, defer=True)
+    assert not [n for n in reference if not torch.equal(reference[n], grads[n])]
+    assert all(k > 0 for k in weight_updates), "a weight-gradient graph computed no gradient"
+    assert [s.meter.live_bytes for s in stages] == [0, 0]
+
+
+def test_the_weight_part_reads_what_only_it_needs():
+    from lynx.rewrite.emit import split_backward_nodes
+
+    _, _, _, nodes = _captured()
+    stages = build_stages(_captured()[2].gm, nodes, [set(), set()])
+    _, inputs, captured, _ = _captured()
+    batch = dict(zip(captured.input_names, inputs))
+    first_stage = stages[0].lowered(*[batch[n] for n in stages[0].spec.inputs])
+    assert not split_backward_nodes(first_stage)[0], "the first stage sends no input gradient: all of it is W"
+    sent = stages[0](*[batch[n] for n in stages[0].spec.inputs], microbatch=0)
+    received = [t.detach().requires_grad_(t.requires_grad) for t in sent]
+    lowered = stages[1].lowered(*[batch[n] for n in stages[1].spec.inputs], *received)
+    to_inputs, to_weights = split_backward_nodes(lowered)
+    first, second = lowered.split_backward_graphs(frozenset())
+    assert to_inputs and to_weights and not to_inputs & to_weights
+    assert first.cross and second.sink is not None   # the weight part starts from what the first hands over
+    mms = [n for n in to_weights if "mm" in str(n.target)]
+    assert mms, "the weight gradients' matrix products moved to the weight part"
+    with pytest.raises(lynx.LynxRuntimeError, match="no input-gradient backward waiting"):
+        stages[1].backward_weight(7)
+    stages[0].release(0)
