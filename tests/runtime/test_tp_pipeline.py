@@ -3,16 +3,16 @@
 Three models (tests/runtime/tp_models.py: lynx's GPT at gpt-tiny's shape, a ``transformers``
 Llama with sdpa and grouped-query attention, a plain ``nn.Module`` GPT), each with an HEU plan
 that recomputes — inside TP windows too — and with the same sharded stages keeping everything,
-trained 5 AdamW steps in a world of 2 processes (tp 2) and one of 4 (pp 2 × tp 2); each world
-runs all three in turn. Against single-process PyTorch on the same batches: per-step losses
-within 1e-5 relative, first-step gradients within the fp32 bound below. Against the sharded run
-without recomputation: losses, gradients and final parameters **bitwise** equal (recomputation
-re-runs the same ops, random ones from their saved state). The generated backward code issues
-every TP window's recomputation between an all-reduce and the ``wait_tensor`` of that
-all-reduce, and the run hides some of it there (hidden seconds > 0). Each rank's peak saved
-activation bytes are within 5% of the plan's per-rank prediction. The 4-process world also
-runs tp 2 × dp 2 with DeMo on ``pipe.dp_group``: replicas agree after its updates, and so do
-the TP ranks' replicated parameters.
+trained 5 AdamW steps in a world of 2 processes (tp 2) and one of 4 (pp 2 × tp 2, 1F1B, and
+GPipe for lynx's GPT); each world runs all of them in turn. Against single-process PyTorch on
+the same batches: per-step losses within 1e-5 relative, first-step gradients within the fp32
+bound below. Against the sharded run without recomputation: losses, gradients and final
+parameters **bitwise** equal (recomputation re-runs the same ops, random ones from their saved
+state). The generated backward code issues every TP window's recomputation between an all-reduce
+and the ``wait_tensor`` of that all-reduce, and the run hides some of it there (hidden seconds >
+0). Each rank's peak saved activation bytes are within 5% of the plan's per-rank prediction. The
+4-process world also runs tp 2 × dp 2 with DeMo on ``pipe.dp_group``: replicas agree after its
+updates, and so do the TP ranks' replicated parameters.
 
 The gradient bound. Tensor parallelism changes the order of floating-point sums and nothing
 else: a row-parallel linear sums its ``n`` input features as ``tp`` partial sums that an
@@ -73,7 +73,7 @@ def _layer_scale(name: str, grads: dict) -> float:
 
 def _check(results: list[dict], prepared: dict, references: dict, tp: int) -> None:
     for kind, prep in prepared.items():
-        ref_losses, ref_grads = references[kind]
+        ref_losses, ref_grads = references[prep.get("kind", kind)]
         sharding = prep["sharding"]
         assert tm.in_tp_windows(prep["heu"][0]), f"{kind}: the HEU plan recomputes nothing inside TP windows"
         hidden, windows = 0.0, []
@@ -118,6 +118,7 @@ def test_tp2_matches_single_process_pytorch(references):
 
 def test_pp2_tp2_matches_single_process_pytorch(references):
     prepared = {kind: tm.plans(kind, pp=2, tp=2) for kind in _kinds()}
+    prepared["gpt/gpipe"] = tm.plans("gpt", pp=2, tp=2, schedule="gpipe")   # the other schedule TP runs under
     results = spawn_world(tm.world_main, 4, prepared, None, tm.plans_dp("gpt", tp=2, dp=2), timeout_s=600)
     _check(results, prepared, references, tp=2)
     # the same world as tp 2 × dp 2 with DeMo over the data-parallel group only: each TP rank's

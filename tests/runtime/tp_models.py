@@ -102,13 +102,13 @@ def _compiled(kind: str, tp: int) -> Any:
                         hardware="cpu-local", memory_budget="1GiB")
 
 
-def plans(kind: str, pp: int, tp: int) -> dict[str, Any]:
+def plans(kind: str, pp: int, tp: int, schedule: str = "1f1b") -> dict[str, Any]:
     """The parent's plans for ``kind`` on pp × tp: ``heu`` (recomputes, in TP windows too) and
     ``none``, with what a rank needs to run them (``captured_with_plan``'s arguments)."""
     from lynx.planner.loop import plan_graph
 
     compiled = _compiled(kind, tp)
-    graph, config = compiled.analysis.graph, compiled.config.replace(pp=pp)
+    graph, config = compiled.analysis.graph, compiled.config.replace(pp=pp, schedule=schedule)
     none = plan_graph(graph, config)
     full = plan_graph(graph, config.replace(solver="full"))
     keep, lean = none.predicted.peak_memory_bytes[0], full.predicted.peak_memory_bytes[0]
@@ -120,7 +120,7 @@ def plans(kind: str, pp: int, tp: int) -> dict[str, Any]:
         if in_tp_windows(heu):
             break
     layer_of = {n: a["layer"] for n, a in graph.nodes(data=True) if a.get("layer") is not None}
-    return {"heu": (heu, heu_config), "none": (none, config),
+    return {"heu": (heu, heu_config), "none": (none, config), "kind": kind,
             "sharding": compiled.sharding, "layer_of": layer_of}
 
 
@@ -178,6 +178,7 @@ def train_rank(kind: str, prepared: dict[str, Any]) -> dict[str, Any]:
     from lynx.testing import captured_with_plan
 
     out: dict[str, Any] = {}
+    kind = prepared.get("kind", kind)   # "gpt/gpipe": the gpt model under another schedule
     model, example = build(kind)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     captured = None
