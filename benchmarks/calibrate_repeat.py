@@ -4,7 +4,9 @@ Runs ``lynx calibrate`` ``--runs`` times, each in a process of its own writing a
 own (the user's cache is left alone), and prints per run the load average before it, the
 seconds it took and every figure the README main job's prediction uses; then per figure the
 largest run over the smallest, and whether all runs sit within ±10% of their median (the bar
-of issue 26, on a quiet machine), and the figures each run flagged unreliable.
+of issue 26, on a quiet machine), and the figures each run flagged unreliable. Last, what the
+spread means for the user: the README main job's plan (gpt-tiny seq 64 × 8, pp 2 × 4
+microbatches, DeMo, HEU under 12 MiB) predicted with each run's file.
 
     python benchmarks/calibrate_repeat.py --runs 3 --json benchmarks/results/calibrate_repeat.json
 """
@@ -38,6 +40,18 @@ FIGURES = {
 }
 
 
+MAIN_JOB = dict(pp=2, dp=1, microbatches=4, optimizer="demo", memory_budget="12MiB", solver="heu")
+
+
+def main_job_step_s(hardware_file: Path) -> float:
+    """The README main job's predicted step time with ``hardware_file`` (2 ranks, a core each)."""
+    import lynx
+
+    resolved = lynx.models.resolve_model("gpt-tiny", seq=64, microbatch=8, device="cpu")  # as train_gpt.py
+    compiled = lynx.compile(resolved.model, resolved.example_inputs, hardware=str(hardware_file), **MAIN_JOB)
+    return compiled.plan.predicted.step_time_s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
@@ -57,11 +71,13 @@ def main() -> None:
                    "load": [cal.load_before, cal.load_after],
                    "figures": {k: get(spec) for k, (get, _, _) in FIGURES.items()},
                    "cpu_share": cal.cpu_share, "unreliable": sorted(cal.unreliable)}
+            row["main_job_step_s"] = main_job_step_s(out)
             rows.append(row)
             figures = ", ".join(f"{k} {row['figures'][k] * scale:.4g} {unit}"
                                 for k, (_, scale, unit) in FIGURES.items())
-            print(f"run {i + 1}: load {load:.2f}, {cal.seconds:.1f} s; {figures}; unreliable: "
-                  f"{', '.join(row['unreliable']) or 'none'}", flush=True)
+            print(f"run {i + 1}: load {load:.2f} (calibration's own {cal.load_before:.2f} → {cal.load_after:.2f}), "
+                  f"{cal.seconds:.1f} s; {figures}; main job predicted {row['main_job_step_s'] * 1e3:.2f} ms; "
+                  f"unreliable: {', '.join(row['unreliable']) or 'none'}", flush=True)
     summary = {}
     for k, (_, scale, unit) in FIGURES.items():
         values = [r["figures"][k] for r in rows]
@@ -71,6 +87,12 @@ def main() -> None:
         runs = " ".join(f"{v * scale:9.4g}" for v in values)
         print(f"{k:30s} {runs} {unit:8s} max/min {max(values) / min(values):.3f}  "
               f"{'within' if worst <= 0.10 else 'NOT within'} ±10% of the median ({worst:.1%})")
+    steps = [r["main_job_step_s"] for r in rows]
+    mid = statistics.median(steps)
+    summary["main_job_step_s"] = {"max_over_min": max(steps) / min(steps),
+                                  "worst_from_median": max(abs(v - mid) / mid for v in steps)}
+    print(f"{'main job predicted step':30s} {' '.join(f'{v * 1e3:9.4g}' for v in steps)} ms       max/min "
+          f"{max(steps) / min(steps):.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": rows, "summary": summary}, indent=1) + "\n")
 
