@@ -51,7 +51,9 @@ def calibrate_command(
     output: Optional[Path] = typer.Option(
         None, "--output", "-o", help="also write the hardware file here (.yaml or .json)"
     ),
-    repeats: int = typer.Option(5, "--repeats", help="times each quantity is measured (the spec keeps the median)"),
+    repeats: int = typer.Option(
+        5, "--repeats", help="times each quantity is measured (the spec keeps the rates' median, the host costs' "
+                             "and links' best)"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu | cuda (default: cuda where present)"),
 ) -> None:
     """Measure this machine (rates, overheads, links; about 20 s) into the cache `--hardware auto` reads."""
@@ -83,7 +85,7 @@ def _print(spec: Any, written: list[Path]) -> None:
     cal = spec.calibration
     console = table_console()
     table = Table(
-        title=f"{spec.name} ({spec.device}): the median of {cal.repeats} measurements",
+        title=f"{spec.name} ({spec.device}): {cal.repeats} measurements each, rates' median, host costs' best",
         caption="spread: (max − min) / median over the repeats; core: the least share of a core a repeat's runs "
                 "got (CPU time / wall time); !: not repeatable, see below",
     )

@@ -77,7 +77,8 @@ class Calibration(BaseModel):
     """How a measured spec was measured (``lynx calibrate``): where, when, how long, how steady.
 
     ``spread`` is, per measured field, ``(max − min) / median`` over the repeats; the spec
-    holds the medians (the best repeat for the links and the runtime, timed across processes).
+    holds the medians of the rates and the best repeat of the host costs (op overhead, optimizer
+    steps, the runtime's work: other jobs' bursts only add to them) and of the links.
     ``cpu_share`` is, per field timed on one thread, the least share of a core its runs got
     (CPU time over wall time: 1.0 had a core to itself; the figure is CPU time, which other load
     inflates little, so this says how busy the machine was, not how wrong the figure is).
