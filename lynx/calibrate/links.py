@@ -32,7 +32,7 @@ from lynx.errors import LynxRuntimeError
 __all__ = ["measure_link"]
 
 
-def measure_link(backend: str, repeats: int = 5, small_trips: int = 100, large_trips: int = 20,
+def measure_link(backend: str, repeats: int = 5, small_trips: int = 400, large_trips: int = 100,
                  large_numel: int = 2**18, timeout_s: float = 60.0) -> tuple[list[float], list[float]]:
     """Per repeat, ``(alpha_s, beta_bytes_per_s)`` of one link between two processes."""
     ctx = mp.get_context("fork" if backend == "gloo" and hasattr(os, "fork") else "spawn")
