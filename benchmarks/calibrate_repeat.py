@@ -50,6 +50,7 @@ def main_job_step_s(hardware: Any) -> float:
     import lynx
 
     resolved = lynx.models.resolve_model("gpt-tiny", seq=64, microbatch=8, device="cpu")  # as train_gpt.py
+    hardware = str(hardware) if isinstance(hardware, Path) else hardware   # CompileConfig takes a str path
     compiled = lynx.compile(resolved.model, resolved.example_inputs, hardware=hardware, **MAIN_JOB)
     return compiled.plan.predicted.step_time_s
 
