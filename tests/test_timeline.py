@@ -145,22 +145,26 @@ def test_more_stages_than_layers_is_refused() -> None:
         partition_graph(g, pp=2, virtual=2)
 
 
-@pytest.mark.parametrize("schedule,p,m", [("1f1b", 2, 4), ("1f1b", 4, 8), ("gpipe", 4, 8), ("zbh1", 3, 6)])
-def test_the_runtime_cost_is_charged_on_every_action_of_the_list(schedule: str, p: int, m: int) -> None:
-    """Every action of a device's list — compute, send, receive — costs ``action_s`` more: each
-    device is busy that much longer per action (``runtime`` segments), a compute action's
-    right before its graphs; the step grows by at least the critical path's compute actions
-    and by no more than all of the devices' charges."""
-    plain = PipelineCosts.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0, schedule=schedule)
+@pytest.mark.parametrize("schedule,p,m,v", [("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("gpipe", 4, 8, 1),
+                                            ("zbh1", 3, 6, 1), ("interleaved1f1b", 2, 4, 2)])
+def test_the_runtime_cost_is_charged_on_every_action_of_the_list(schedule: str, p: int, m: int, v: int) -> None:
+    """Every action of a device's list — compute, send, receive — costs ``action_s`` more, in
+    each of the four schedules: each device is busy that much longer per action (``runtime``
+    segments), a compute action's right before its graphs; the step grows by at least the
+    critical path's compute actions and by no more than all of the devices' charges."""
+    plain = PipelineCosts.uniform(pp=p, microbatches=m, forward_s=1.0, backward_s=2.0, schedule=schedule, virtual=v)
     charged = dataclasses.replace(plain, action_s=0.25)
     t0, t1 = run_timeline(plain), run_timeline(charged)
-    counts = [list_actions(schedule, p, m, s) for s in range(p)]
-    assert counts[0] == (3 if schedule == "zbh1" else 2) * m + 2 * m   # + a SEND_F and a RECV_B per microbatch
+    counts = [list_actions(schedule, p, m, s, virtual=v) for s in range(p)]
+    # per chunk and microbatch an F and a B (and a W in zbh1); device 0 sends each forward on and
+    # receives its gradient (+ SEND_F, RECV_B), and with 2 chunks a device receives each input and
+    # sends each gradient of its second chunk too: 4 more per microbatch
+    assert counts[0] == (3 if schedule == "zbh1" else 2) * m * v + 2 * m + (4 * m if v == 2 else 0)
     assert t1.busy_s == pytest.approx([b + n * 0.25 for b, n in zip(t0.busy_s, counts)])
     for s, n in enumerate(counts):
         runtime = sum(g.end - g.start for g in t1.segments if g.kind == "runtime" and g.device == s)
         assert runtime == pytest.approx(n * 0.25)
-    compute_on_path = 2 * (m + p - 1)
+    compute_on_path = 2 * (m + p - 1) if v == 1 else 2 * p * v   # interleaved: microbatch 0 through every chunk
     assert t0.step_time_s + compute_on_path * 0.25 - 1e-9 <= t1.step_time_s <= t0.step_time_s + sum(counts) * 0.25
     for g in t1.segments:   # a compute action's own share is followed at once by its graphs
         if g.kind == "runtime" and g.label.endswith(" runtime"):
