@@ -45,6 +45,8 @@ from lynx.runtime.topology import Topology
 
 __all__ = ["RuntimeConfig", "StageRunner"]
 
+_MAX_CHECK_S = 1.0   # longest gap between two looks at the store while a receive is awaited
+
 
 class RuntimeConfig(BaseModel):
     """How the runtime executes a step (validated at the boundary)."""
@@ -116,6 +118,10 @@ class StageRunner:
                 st.meter.parent = self.meter
         self.node_chunk = {n: c for c, st in self.chunks.items() for n in st.spec.nodes}
         self._windows = self._index_windows(schedule)
+        # the receives a window polls (to count its recomputation hidden or exposed); the others
+        # are waited on only when needed (see p2p.Pollable)
+        self._watched = {(Op.RECV_ACT if a.window.kind == "recv_act" else Op.RECV_GRAD, a.chunk, a.microbatch)
+                         for a in self.actions if a.op is Op.RECOMPUTE and a.window in self._windows}
         self._t0 = time.perf_counter()
         self.optimizer = optimizer
         params = [p for st in self.chunks.values() for p in st.parameters() if p.requires_grad]
@@ -176,10 +182,18 @@ class StageRunner:
         picked up at once (the monitor polls every 2 ms: ~1 ms lost per message on average)."""
         start = time.monotonic()
         if isinstance(work, Pollable):
+            # the store is asked after the first slice, then at doubling intervals up to a second:
+            # each check is a round trip to rank 0's store thread (~10 ms on a loaded core), and one
+            # under way when the message lands delays the rank by that much
             slice_s = min(self.monitor.check_every_s, 0.05)
+            every, next_check = slice_s, start + slice_s
             while not work.block(slice_s):
-                self.monitor.check()
-                if time.monotonic() - start > self.monitor.timeout_s:
+                now = time.monotonic()
+                if now >= next_check:
+                    self.monitor.check()
+                    every = min(2 * every, _MAX_CHECK_S)
+                    next_check = now + every
+                if now - start > self.monitor.timeout_s:
                     who = f" from rank {peer}" if peer is not None else ""
                     raise PeerTimeoutError(
                         f"rank {self.topo.rank}: {what}{who} did not complete within {self.monitor.timeout_s:g} s "
@@ -273,15 +287,16 @@ class StageRunner:
             buf = torch.empty(len(self.recv_meta[c]), dtype=torch.uint8, device=self.device)
             import torch.distributed as dist
 
-            state.flag_recv[c] = (buf, [Pollable(dist.irecv(buf, peer, tag=flags_tag(c - 1)))])
-        state.recv[(Op.RECV_ACT, c, a.microbatch)] = post_recv(
-            self.recv_meta[c], peer, message_tag(Op.RECV_ACT, c - 1, a.microbatch), self.device)
+            state.flag_recv[c] = (buf, [Pollable(dist.irecv(buf, peer, tag=flags_tag(c - 1)), watch=False)])
+        key = (Op.RECV_ACT, c, a.microbatch)
+        state.recv[key] = post_recv(self.recv_meta[c], peer, message_tag(Op.RECV_ACT, c - 1, a.microbatch),
+                                    self.device, watch=key in self._watched)
 
     def _post_recv_grad(self, state: _StepState, a: Action) -> None:
         c = a.chunk
-        state.recv[(Op.RECV_GRAD, c, a.microbatch)] = post_recv(
-            self.send_meta[c], self._rank_of(c + 1), message_tag(Op.RECV_GRAD, c, a.microbatch), self.device,
-            only=self.send_flags[c])
+        key = (Op.RECV_GRAD, c, a.microbatch)
+        state.recv[key] = post_recv(self.send_meta[c], self._rank_of(c + 1), message_tag(Op.RECV_GRAD, c, a.microbatch),
+                                    self.device, only=self.send_flags[c], watch=key in self._watched)
 
     def _send_act(self, state: _StepState, a: Action) -> None:
         c, j = a.chunk, a.microbatch

@@ -67,6 +67,7 @@ from lynx.runtime.batching import (
     split_rows,
 )
 from lynx.runtime.executable import check_executable
+from lynx.runtime.p2p import Pollable
 from lynx.runtime.data_parallel import syncs_own_buckets
 from lynx.runtime.runner import RuntimeConfig, StageRunner
 from lynx.runtime.rank_rng import RankRNG
@@ -298,7 +299,8 @@ class Pipeline:
             both[topo.dp_rank * m:(topo.dp_rank + 1) * m] = torch.tensor(stats.losses, dtype=torch.float32)
         both[topo.dp * m + topo.rank] = nonfinite.flag(grads).to(self.device)
         if topo.world > 1:
-            self.runner.monitor.wait(dist.all_reduce(both, async_op=True), "the step's loss all-reduce")
+            # blocked on, not sleep-polled (the monitor's 2 ms polls would end every step ~1 ms late)
+            self.runner._wait(Pollable(dist.all_reduce(both, async_op=True)), "the step's loss all-reduce", None)
         both = both.cpu()
         losses = both[:topo.dp * m]
         self.losses = losses.tolist()
