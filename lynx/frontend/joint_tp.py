@@ -60,6 +60,20 @@ _LINEAR = torch.ops.aten.linear.default
 _SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default)
 
 
+_CAT = torch.ops.aten.cat.default
+
+
+def _legacy_empty(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
+
+
+def _with_args(n: fx.Node, args: tuple) -> fx.Node:
+    """A stand-in for ``n`` with other arguments, for the interpreter only (the graph is left as it is)."""
+    stand_in = fx.Graph().create_node(n.op, n.target, (), dict(n.kwargs), name=n.name)
+    stand_in.args, stand_in.meta = args, n.meta
+    return stand_in
+
+
 def is_collective(node: fx.Node) -> bool:
     """Whether joint node ``node`` is a functional collective or its ``wait_tensor``."""
     return node.op == "call_function" and "_c10d_functional" in str(node.target)
@@ -167,16 +181,40 @@ class TPRunner(GraphRunner):
                 raise LynxConfigError(f"{fused.path}: its output, sharded in {fused.shard.parts} parts, is read by "
                                       f"{n.name} ({n.target}) and not only split into those parts; shard it without "
                                       f"parts or leave it out of tp_plan; {DOCS_HINT}")
+        parts: Any = n.args[0] if n.target is _CAT else None
+        if isinstance(parts, (list, tuple)) and any(_legacy_empty(self.env.get(a)) for a in parts):
+            # torch.cat skips 1-D empty tensors (a fresh KV cache's); DTensor's rule would not
+            kept = [a for a in parts if not _legacy_empty(self.env.get(a))]
+            n = _with_args(n, (kept, *n.args[1:]))
         try:
             out = super().run_node(n)
-        except NotImplementedError as err:  # DTensor has no sharding rule for an op on sharded values
-            raise LynxConfigError(f"node {n.name} ({n.target}) cannot run tensor-parallel under this sharding plan: "
-                                  f"{str(err).splitlines()[0]}; keep the layers around it replicated (tp_plan=) "
-                                  f"or use tp=1; {DOCS_HINT}") from err
+        except NotImplementedError as err:  # DTensor has no sharding rule for the op
+            out = self._run_replicated(n)
+            if out is None:  # ... and it reads sharded values
+                raise LynxConfigError(f"node {n.name} ({n.target}) cannot run tensor-parallel under this sharding "
+                                      f"plan: {str(err).splitlines()[0]}; keep the layers around it replicated "
+                                      f"(tp_plan=) or use tp=1; {DOCS_HINT}") from err
         if n.op == "call_function":  # factory ops (arange, ...) make plain tensors: replicated
             out = tree_map(lambda v: DTensor.from_local(v, self.mesh, [Replicate()], run_check=False)
                            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v, out)
         return out
+
+    def _run_replicated(self, n: fx.Node) -> Any:
+        """An op DTensor has no rule for, on replicated values only (a lifted constant's
+        ``lift_fresh_copy``, a cache's bookkeeping): every rank holds the same inputs, so it runs
+        on the local tensors and its outputs are replicated. ``None`` if it reads a sharded value."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if n.op != "call_function" or not callable(n.target):
+            return None
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        leaves, _ = tree_flatten((args, kwargs))
+        if any(isinstance(v, _Fused) or isinstance(v, DTensor) and any(not isinstance(p, Replicate)
+                                                                       for p in v.placements) for v in leaves):
+            return None
+        local = tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, (args, kwargs))
+        with fx.traceback.set_current_meta(n):
+            return n.target(*local[0], **local[1])
 
     def _linear(self, n: fx.Node) -> Any:
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

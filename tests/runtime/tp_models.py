@@ -5,10 +5,11 @@ Three models, dropout 0 (a sharded dropout draws per-rank masks, not the unshard
 ``llama``: a ``transformers`` LlamaForCausalLM from a config with sdpa attention and
 grouped-query attention (4 heads, 2 key/value heads); ``plain``: a GPT written as a plain
 ``nn.Module`` (separate q/k/v projections, ``F.scaled_dot_product_attention``, returns
-``(logits, loss)``). Each is compiled in the parent process with an HEU plan under a budget
-between what full recomputation and keeping everything need on stage 0 (so it recomputes),
-the tightest of a few at which it recomputes inside TP windows too, and with solver ``none``
-(the same sharded stages without recomputation).
+``(logits, loss)``; a key/value cache started empty, as ``transformers`` starts one, so its
+constant and the cat that skips it run replicated). Each is compiled in the parent process
+with an HEU plan under a budget between what full recomputation and keeping everything need
+on stage 0 (so it recomputes), the tightest of a few at which it recomputes inside TP windows
+too, and with solver ``none`` (the same sharded stages without recomputation).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class PlainAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (p(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        past = torch.tensor([])   # a fresh key/value cache as transformers starts one: a constant, cat skips it
+        k, v = torch.cat([past, k], dim=-2), torch.cat([past, v], dim=-2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)          # (B, nh, T, hd)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 
