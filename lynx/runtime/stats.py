@@ -67,11 +67,14 @@ def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
-def format_stats(stats: Sequence[StepStats], plan: Any = None) -> str:
-    """A table of ``stats`` (one row per rank), with the plan's predictions when given: the
-    schedule first, then per rank its measured figures (and each model chunk's peak when a rank
-    runs several)."""
-    tp = any(s.tp_rank or s.recompute_tp_hidden_s or s.recompute_tp_exposed_s for s in stats)
+def format_stats(stats: StepStats | Sequence[StepStats], plan: Any = None) -> str:
+    """A table of ``stats`` (one row per rank: every rank's, or this rank's ``pipe.last_stats``),
+    with the plan's predictions when given: the schedule first, then per rank its measured
+    figures (and each model chunk's peak when a rank runs several)."""
+    if isinstance(stats, StepStats):
+        stats = [stats]
+    tp = (plan is not None and int(plan.config.get("tp", 1) or 1) > 1) or any(
+        s.tp_rank or s.recompute_tp_hidden_s or s.recompute_tp_exposed_s for s in stats)
     head = (f"{'stage':>5} {'dp':>3}" + (f" {'tp':>3}" if tp else "") + f" {'step s':>8} {'wait s':>8} "
             f"{'hidden s':>9}" + (f" {'tp hidden':>9} {'tp exposed':>10}" if tp else "")
             + f" {'exposed s':>10} {'peak MiB':>9}")
