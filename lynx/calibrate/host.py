@@ -39,7 +39,7 @@ from lynx.calibrate.repeats import Repeated
 from lynx.errors import LynxRuntimeError
 from lynx.planner.hardware import HARDWARE_PRESETS, RELIABLE_SPREAD, Calibration, HardwareSpec, LinkSpec
 
-__all__ = ["calibrate_host", "unreliable_figures"]
+__all__ = ["calibrate_host", "unreliable_figures", "STARVED_SHARE"]
 
 
 def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None = None) -> HardwareSpec:
@@ -70,11 +70,23 @@ def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None =
     return HardwareSpec(**fields, calibration=calibration)
 
 
+# Below this share of a core in every repeat, CPU time itself is inflated: at load 12-18 on 2
+# cpus, with 2-4% of a core, op overhead read 4.88 µs and the runtime 530 µs per action against
+# 3.1-3.3 and 195-230 at half a core or more, steady across repeats and so not caught by spread.
+STARVED_SHARE = 0.25
+
+
 def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict[str, str]:
-    """Each figure with a repeat more than ``RELIABLE_SPREAD`` from the repeats' median, with why."""
+    """Each figure with a repeat more than ``RELIABLE_SPREAD`` from the repeats' median, or
+    whose every repeat got less than ``STARVED_SHARE`` of a core, with why."""
     out = {}
     busy = f"load {load:.1f} on {cpus} cpus"
     for m in measured:
+        if m.cpu_shares and max(m.cpu_shares) < STARVED_SHARE:
+            out[m.name] = (f"no repeat's runs got more than {max(m.cpu_shares):.0%} of a core ({busy}): starved that "
+                           "long, even CPU time is inflated (other jobs keep the caches and memory busy), however "
+                           "steady the repeats. Measure again on a quieter machine: lynx calibrate")
+            continue
         if len(m.values) < 2 or m.deviation <= RELIABLE_SPREAD:
             continue
         if m.best is None:
