@@ -29,13 +29,13 @@ def _captured():
     return model, inputs, captured, [names[: len(names) // 2], names[len(names) // 2:]]
 
 
-def _train(drops, defer: bool):
+def _train(drops, defer: bool, offload=None):
     model, inputs, captured, nodes = _captured()
-    stages = build_stages(captured.gm, nodes, drops)
+    stages = build_stages(captured.gm, nodes, drops, offload=offload)
     model.zero_grad(set_to_none=True)
     batch = dict(zip(captured.input_names, inputs))
     torch.manual_seed(3)
-    split = []
+    split, moved = [], []
     for j in range(2):
         sent = stages[0](*[batch[n] for n in stages[0].spec.inputs], microbatch=j)
         recv = [t.detach().requires_grad_(t.requires_grad) for t in sent]
@@ -51,8 +51,8 @@ def _train(drops, defer: bool):
                 before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
                 stage.backward_weight(j)
                 split.append(sum(not _same(before[n], p.grad) for n, p in model.named_parameters()))
-            stage.release(j)
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, stages, split
+            moved.append(stage.release(j).offloaded_bytes)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, stages, split, moved
 
 
 def _same(a, b) -> bool:
@@ -65,8 +65,8 @@ def test_input_then_weight_graphs_equal_the_backward_bitwise(dropping):
     drops = [set(), set()]
     if dropping:   # two of every three nodes, the stages' last three kept
         drops = [{n for i, n in enumerate(ns) if i % 3 and i < len(ns) - 3} for ns in nodes]
-    reference, _, _ = _train(drops, defer=False)
-    grads, stages, weight_updates = _train(drops, defer=True)
+    reference, _, _, _ = _train(drops, defer=False)
+    grads, stages, weight_updates, _ = _train(drops, defer=True)
     assert not [n for n in reference if not torch.equal(reference[n], grads[n])]
     assert all(k > 0 for k in weight_updates), "a weight-gradient graph computed no gradient"
     assert [s.meter.live_bytes for s in stages] == [0, 0]
@@ -93,3 +93,18 @@ def test_the_weight_part_reads_what_only_it_needs():
     with pytest.raises(lynx.LynxRuntimeError, match="no input-gradient backward waiting"):
         stages[1].backward_weight(7)
     stages[0].release(0)
+
+
+def test_offloaded_values_come_back_in_whichever_part_reads_them_first():
+    """Half the kept values of each stage on the host (issued at the backward's start, or
+    when it reaches a later node): the split backward gives the unsplit one's gradients bitwise,
+    and every value it reads came back (the meter ends where it started)."""
+    _, _, _, nodes = _captured()
+    drops = [{n for i, n in enumerate(ns) if i % 4 == 1 and i < len(ns) - 3} for ns in nodes]
+    offload = [{n: (ns[min(i + 3, len(ns) - 1)] if i % 3 else None) for i, n in enumerate(ns)
+                if i % 4 in (0, 2) and i < len(ns) - 3} for ns in nodes]
+    reference, _, _, _ = _train(drops, defer=False)
+    grads, stages, _, moved = _train(drops, defer=True, offload=offload)
+    assert not [n for n in reference if not torch.equal(reference[n], grads[n])]
+    assert [s.meter.live_bytes for s in stages] == [0, 0]
+    assert all(moved), f"a stage moved nothing to the host: {moved}"

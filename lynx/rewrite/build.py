@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import fx
@@ -82,14 +82,19 @@ def split_cached(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> li
 
 def build_stages(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]],
                  dropped: Sequence[frozenset[str] | set[str]] | None = None, *,
-                 compile: bool = False) -> list[StageModule]:
-    """All stage modules of ``gm`` split as ``stage_nodes``, stage s dropping ``dropped[s]``.
+                 compile: bool = False, offload: Sequence[Mapping[str, str | None]] | None = None
+                 ) -> list[StageModule]:
+    """All stage modules of ``gm`` split as ``stage_nodes``, stage s dropping ``dropped[s]``
+    and offloading ``offload[s]`` (node → the node whose backward issues its prefetch, None: the
+    backward's start; :meth:`StageModule.prefetch` brings them back earlier).
 
     ``compile``: pass the generated graphs through ``torch.compile`` (Inductor)."""
     parts = split_cached(gm, stage_nodes)
     dropped = dropped if dropped is not None else [frozenset()] * len(parts)
+    offload = offload if offload is not None else [{}] * len(parts)
     out_spec = out_spec_of(gm)
-    return [StageModule(part, drop, out_spec=out_spec, compile=compile) for part, drop in zip(parts, dropped)]
+    return [StageModule(part, drop, out_spec=out_spec, compile=compile, offload=off)
+            for part, drop, off in zip(parts, dropped, offload)]
 
 
 def build_chunk_modules(compiled: Compiled, device: int, tp_mesh: Any = None) -> dict[int, StageModule]:
@@ -103,18 +108,20 @@ def build_chunk_modules(compiled: Compiled, device: int, tp_mesh: Any = None) ->
     parts = split_cached(gm, chunk_node_lists(plan, getattr(compiled.analysis, "graph", None)))
     schedule = plan.stage_schedule(device)
     dropped = schedule.dropped
-    if schedule.offloaded:
-        raise LynxPlanError(f"stage {device}: the plan offloads {len(schedule.offloaded)} node(s) to host memory, "
-                            "which this runtime does not execute yet; plan with offload=False")
     mine = range(device, len(parts), len(plan.stages))
     unknown = sorted(dropped - {n for c in mine for n in parts[c].spec.nodes})
     if unknown:
         raise LynxPlanError(f"stage {device}: plan drops nodes that are not in this stage: {unknown[:5]}")
     use_compile = bool(getattr(compiled.config, "compile", False))
+    offload = schedule.prefetch_at   # offloaded node -> where its prefetch is issued
+
+    def offload_of(c: int) -> dict[str, str | None]:
+        return {n: at for n, at in offload.items() if n in set(parts[c].spec.nodes)}
+
     sharding = getattr(compiled, "sharding", None)
     if tp_mesh is None or sharding is None:
         return {c: StageModule(parts[c], dropped & set(parts[c].spec.nodes), out_spec=out_spec_of(gm),
-                               compile=use_compile)
+                               compile=use_compile, offload=offload_of(c))
                 for c in mine}
     from lynx.frontend.joint_tp import TPContext
     from lynx.rewrite.shard import shard_stage
@@ -130,7 +137,7 @@ def build_chunk_modules(compiled: Compiled, device: int, tp_mesh: Any = None) ->
     chunks = {}
     for c in mine:
         stage = StageModule(shard_stage(parts[c], sharding, tp.rank), dropped & set(parts[c].spec.nodes),
-                            out_spec=out_spec_of(gm), compile=use_compile, tp=tp)
+                            out_spec=out_spec_of(gm), compile=use_compile, tp=tp, offload=offload_of(c))
         stage.layer_of = layer_of
         if sharding.collectives:  # what the plan priced for this chunk's layers: the traced graph must issue it
             layers = {layer_of[n] for n in parts[c].spec.nodes if n in layer_of}

@@ -37,7 +37,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import operator
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,7 @@ from lynx.frontend.joint import JointGraph, fetch_attr, storage_nbytes, storage_
 from lynx.rewrite.graph_calls import (Clock, GradSink, accumulate_grad, clock_start, clock_stop, replay_rng,
                                       save_rng_state)
 from lynx.rewrite.liveness import extra_peak_bytes
+from lynx.rewrite.offload import offload_issue, offload_put, offload_wait
 from lynx.rewrite.tp_windows import (TPWindowLog, backward_allreduces, tp_segment_start, tp_segment_stop,
                                      tp_wait_start, tp_wait_stop)
 from lynx.torch_private import boxed_codegen
@@ -86,6 +88,9 @@ class BackwardGraph:
     tp_nodes: frozenset[str] = frozenset()   # captured nodes it recomputes inside TP windows
     cross: list[str] = field(default_factory=list)   # part="input": joint values returned after the gradients
     cross_bytes: int = 0            # part="input": counted storages among them (held until the weight part)
+    # offload: the slots of each prefetch group the graph issues (it then takes the microbatch's
+    # lynx.rewrite.offload.OffloadedValues as its first argument)
+    offload_groups: tuple[tuple[int, ...], ...] = ()
 
 
 def _ancestors(outputs: Iterable[fx.Node], stop: set[fx.Node]) -> set[fx.Node]:
@@ -128,15 +133,22 @@ def _copy(graph: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node], state_of: di
 
 
 def _extract(root: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node], *,
-             before: dict[fx.Node, Callable[[fx.Graph, dict], None]]) -> fx.GraphModule:
+             before: dict[fx.Node, Callable[[fx.Graph, dict], None]],
+             offloaded: Mapping[fx.Node, tuple[int, int]] | None = None) -> fx.GraphModule:
     """A graph module computing ``outputs`` from ``inputs`` with the joint graph's nodes between
-    them; ``before[n]`` emits its own nodes ahead of ``n``'s copy."""
+    them; ``before[n]`` emits its own nodes ahead of ``n``'s copy. ``offloaded`` (output → slot,
+    storage): outputs handed, as soon as they are computed, to the graph's first input (the
+    microbatch's :class:`~lynx.rewrite.offload.OffloadedValues`:
+    :func:`~lynx.rewrite.offload.offload_put`) and returned as None, so their memory goes once
+    the graph no longer reads them."""
+    offloaded = dict(offloaded or {})
     needed = _ancestors([o for o in outputs if isinstance(o, fx.Node)], stop=set(inputs))
     missing = [n.name for n in needed if n.op == "placeholder"]
     if missing:
         raise AssertionError(f"lowering: graph reads {missing[:5]} which it does not take")
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    handle = graph.placeholder("lynx_offload") if offloaded else None
     for n in inputs:
         _placeholder(graph, n, env)
     for n in root.graph.nodes:
@@ -145,14 +157,19 @@ def _extract(root: fx.GraphModule, inputs: list[fx.Node], outputs: list[fx.Node]
         if n in before:
             before[n](graph, env)
         env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(tuple(env[o] for o in outputs))
+        if n in offloaded:
+            graph.call_function(offload_put, (handle, *offloaded[n], env[n]))
+    graph.output(tuple(None if o in offloaded else env[o] for o in outputs))
     return fx.GraphModule(root, graph)
 
 
 def build_forward(joint: JointGraph, primals: list[fx.Node], fw_outs: list[fx.Node], saved: list[fx.Node],
-                  rng_nodes: list[fx.Node]) -> tuple[fx.GraphModule, list[str]]:
+                  rng_nodes: list[fx.Node], offloaded: Mapping[fx.Node, tuple[int, int]] | None = None
+                  ) -> tuple[fx.GraphModule, list[str]]:
     """The forward graph (stage outputs, then ``saved``, then the RNG states before each of
-    ``rng_nodes``) and the slot names of those states."""
+    ``rng_nodes``) and the slot names of those states; ``offloaded`` saved values (→ slot,
+    storage) go to the host as they are computed (the graph then takes the microbatch's
+    offloaded values first)."""
     states: dict[fx.Node, fx.Node] = {}
 
     def save_state(node: fx.Node) -> Callable[[fx.Graph, dict], None]:
@@ -162,7 +179,7 @@ def build_forward(joint: JointGraph, primals: list[fx.Node], fw_outs: list[fx.No
 
     before = {n: save_state(n) for n in rng_nodes}
     # the states are filled in as the graph is built, so the output is patched afterwards
-    gm = _extract(joint.gm, primals, list(fw_outs) + saved, before=before)
+    gm = _extract(joint.gm, primals, list(fw_outs) + saved, before=before, offloaded=offloaded)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     out.args = (tuple(out.args[0]) + tuple(states[n] for n in rng_nodes),)
     gm.recompile()
@@ -261,18 +278,27 @@ def _backward_sequence(lowered: LoweredStage, sources: set[fx.Node],
 
 def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
                    tp_windows: tuple[tuple[int, frozenset[int]], ...] = (), part: str = "all",
-                   cross: list[str] | None = None) -> BackwardGraph:
+                   cross: list[str] | None = None, streamed: Mapping[int, str | None] | None = None
+                   ) -> BackwardGraph:
     """Joint backward nodes in order, each dropped value recomputed just before its first reader.
 
     ``tp_windows``: ``(k, slots)`` recomputed right after the backward's k-th collective, before
     its wait (:mod:`lynx.rewrite.tp_windows`). ``part``: ``"all"``; ``"input"`` (the input
     gradients, then the cross values); ``"weight"`` (the weight gradients, all into the sink,
     from the ``cross`` values the input part returned).
+
+    ``streamed``: kept slots that are on the host when the backward starts (offloaded), each
+    with the captured node whose backward issues its prefetch (None: the graph's start); the
+    graph issues each such group there (:func:`~lynx.rewrite.offload.offload_issue`) and waits
+    for it before its first reader (:func:`~lynx.rewrite.offload.offload_wait`). Under a split
+    the part that reads a value first brings it back (the input part hands it on as a cross
+    value when the weight part reads it too).
     """
     nodes = lowered.graph_nodes
     slot_names = lowered.slot_names
     n_kept, n_held = len(lowered.kept), len(lowered.held)
-    kept_slots = list(range(n_kept))
+    streamed = dict(streamed or {})
+    kept_slots = [i for i in range(n_kept) if i not in streamed]
     avail_slots = sorted(available)
     sources = {nodes[slot_names[i]]: i for i in kept_slots + avail_slots + list(range(n_kept, n_kept + n_held))}
     crossed = [nodes[name] for name in cross or ()]
@@ -280,13 +306,19 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
     if part != "all":
         inputs, weights = split_backward_nodes(lowered)
         only = inputs if part == "input" else weights
+    fetched = {nodes[slot_names[i]]: i for i in streamed if nodes[slot_names[i]] not in crossed}
     rng_slot = _rng_slots(lowered)
     windows: dict[fx.Node, list[fx.Node]] = {}
     if tp_windows:
         collectives = backward_allreduces(lowered.joint.gm, lowered.forward_nodes)
         for k, slots in tp_windows:
             windows[collectives[k]] = [nodes[slot_names[i]] for i in sorted(slots)]
-    sequence, recomputed = _backward_sequence(lowered, set(sources) | set(crossed), windows, only)
+    sequence, recomputed = _backward_sequence(lowered, set(sources) | set(crossed) | set(fetched), windows, only)
+    # only what this graph reads comes back in it (under a split, the other part brings the rest)
+    read_here = {a for _kind, n in sequence for a in n.all_input_nodes}
+    fetched = {n: i for n, i in fetched.items() if n in read_here}
+    streamed = {i: streamed[i] for i in fetched.values()}
+    slot_joint = {i: n for n, i in fetched.items()}
     in_window = {n for kind, n in sequence if kind == "tp"}
     waits = {u for c in windows for u in c.users if "wait_tensor" in str(u.target)}
     held_used = [i for i in range(n_kept, n_kept + n_held)
@@ -300,6 +332,7 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
 
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    prefetch = _Prefetch(graph, streamed, lowered.joint, lowered.forward_nodes) if streamed else None
     for i in in_slots:
         _placeholder(graph, nodes[slot_names[i]], env)
     state_of = {n: graph.placeholder(f"rng_state_{n.name}") for _i, n in rng_used}
@@ -321,7 +354,15 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
         sink_after.setdefault(lowered.grads[k], []).append((k, i))
     tp_log = graph.get_attr("lynx_tp_log") if windows else None
     in_recompute = in_tp = False
+    if prefetch is not None:
+        prefetch.reach(None)
     for kind, n in sequence:
+        if prefetch is not None:
+            if kind == "bw":
+                prefetch.reach(lowered.joint.origin.get(n.name))
+            for a in n.all_input_nodes:
+                if a in fetched and a not in env:
+                    prefetch.take(fetched[a], slot_joint, env)
         if (kind == "re") != in_recompute:
             in_recompute = kind == "re"
             graph.call_function(clock_start if in_recompute else clock_stop, (clock,))
@@ -372,7 +413,59 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
                          clock=attrs["lynx_clock"], extra_peak_bytes=extra,
                          sink=attrs["lynx_sink"] if sunk else None, tp_log=attrs["lynx_tp_log"],
                          tp_nodes=tp_origins, cross=[n.name for n in handed],
-                         cross_bytes=sum(storage_nbytes(r) for r in roots))
+                         cross_bytes=sum(storage_nbytes(r) for r in roots),
+                         offload_groups=prefetch.groups if prefetch is not None else ())
+
+
+class _Prefetch:
+    """Where a backward graph brings offloaded slots back: one group per issuing node, issued
+    when the backward reaches that node — its first node from that captured node or one before
+    it in forward order (a node whose backward has no op of its own is passed, not met) — or at
+    the start; waited on before the group's first reader (issued there, if the reader comes first)."""
+
+    def __init__(self, graph: fx.Graph, streamed: Mapping[int, str | None], joint: JointGraph,
+                 forward: set[fx.Node]) -> None:
+        self.graph = graph
+        self.handle = graph.placeholder("lynx_offload")   # the microbatch's OffloadedValues
+        self.position: dict[str, int] = {}   # captured node -> its place in the forward
+        for n in joint.gm.graph.nodes:
+            if n in forward and n.name in joint.origin:
+                self.position.setdefault(joint.origin[n.name], len(self.position))
+        by_issue: dict[str | None, list[int]] = {}
+        for slot, at in sorted(streamed.items(), key=lambda kv: kv[0]):
+            by_issue.setdefault(at if at in self.position else None, []).append(slot)
+        self.order = list(by_issue)   # group id -> issuing node
+        self.groups = tuple(tuple(by_issue[at]) for at in self.order)
+        self.group_of = {slot: g for g, slots in enumerate(self.groups) for slot in slots}
+        self.issued: dict[int, fx.Node] = {}
+        self.waited: set[int] = set()
+
+    def reach(self, origin: str | None) -> None:
+        """The backward reaches captured node ``origin`` (None: the start): issue the groups whose
+        issuing node it is, or is not before."""
+        here = self.position.get(origin) if origin is not None else None
+        for g, at in enumerate(self.order):
+            if g in self.issued:
+                continue
+            if at is None or (here is not None and here <= self.position[at]):
+                self.issued[g] = self.graph.call_function(offload_issue, (self.handle, g))
+
+    def take(self, slot: int, joint_of: Mapping[int, fx.Node], env: dict[fx.Node, fx.Node]) -> None:
+        """Make ``slot``'s value available to its first reader: the group waited on, and every
+        value of it taken from the issue's result at once (the result would hold them all until
+        its last piece is taken), each then freed after its own last reader."""
+        g = self.group_of[slot]
+        if g not in self.issued:   # its reader came before the node that issues it
+            self.issued[g] = self.graph.call_function(offload_issue, (self.handle, g))
+        if g in self.waited:
+            return
+        self.graph.call_function(offload_wait, (self.handle, g))
+        self.waited.add(g)
+        for k, member in enumerate(self.groups[g]):
+            joint = joint_of[member]
+            value = self.graph.call_function(operator.getitem, (self.issued[g], k))
+            value.meta = dict(joint.meta)
+            env[joint] = value
 
 
 def compiled(gm: fx.GraphModule, compile: bool) -> Callable[..., Any]:

@@ -93,10 +93,11 @@ class LoweredStage:
     forward_nodes: set[fx.Node] = field(repr=False)       # the joint graph's forward nodes
     tangents: list[fx.Node] = field(repr=False)           # its tangent placeholders
     grads: list[fx.Node] = field(repr=False)              # the gradient of each primal in grad_of
+    # kept slots the forward graph hands to the host (offload), each with its captured node
+    offload_slots: dict[int, str] = field(default_factory=dict)
     _recompute: dict[tuple[frozenset[int], frozenset[int]], RecomputeGraph] = field(repr=False, default_factory=dict)
     _backward: dict[tuple, BackwardGraph] = field(repr=False, default_factory=dict)
-    _split: dict[tuple[frozenset[int], bool], tuple[BackwardGraph, BackwardGraph]] = field(
-        repr=False, default_factory=dict)
+    _split: dict[tuple, tuple[BackwardGraph, BackwardGraph]] = field(repr=False, default_factory=dict)
 
     @property
     def n_slots(self) -> int:
@@ -124,38 +125,46 @@ class LoweredStage:
         return list(self._backward.values())
 
     def backward_graph(self, available: frozenset[int], sink: bool = False,
-                       tp_windows: tuple[tuple[int, frozenset[int]], ...] = ()) -> BackwardGraph:
+                       tp_windows: tuple[tuple[int, frozenset[int]], ...] = (),
+                       streamed: frozenset[tuple[int, str | None]] = frozenset()) -> BackwardGraph:
         """The backward graph when the dropped slots ``available`` were brought back beforehand.
 
         With ``sink`` the graph hands each parameter's gradient to ``graph.sink`` as soon as it
         is final (:func:`~lynx.rewrite.graph_calls.accumulate_grad`) instead of returning it.
         ``tp_windows`` (:func:`lynx.rewrite.tp_windows.window_targets`): dropped slots
-        recomputed between a backward collective and its wait.
+        recomputed between a backward collective and its wait. ``streamed``: ``(kept slot,
+        issuing node)`` of the offloaded values the graph brings back itself
+        (:func:`~lynx.rewrite.emit.build_backward`).
         """
-        key = (available, sink, tp_windows)
+        key = (available, sink, tp_windows, streamed)
         graph = self._backward.get(key)
         if graph is None:
-            graph = self._backward[key] = build_backward(self, available, sink, tp_windows)
+            graph = self._backward[key] = build_backward(self, available, sink, tp_windows, streamed=dict(streamed))
         return graph
 
-    def split_backward_graphs(self, available: frozenset[int], sink: bool = False
+    def split_backward_graphs(self, available: frozenset[int], sink: bool = False,
+                              streamed: frozenset[tuple[int, str | None]] = frozenset()
                               ) -> tuple[BackwardGraph, BackwardGraph]:
         """Zero bubble: the input-gradient graph (gradients, then the values the other reads)
-        and the weight-gradient graph, from the same joint graph, for prefetched ``available``."""
-        key = (available, sink)
+        and the weight-gradient graph, from the same joint graph, for prefetched ``available``
+        (``streamed`` offloaded values: brought back by the part that reads them first)."""
+        key = (available, sink, streamed)
         graphs = self._split.get(key)
         if graphs is None:
-            first = build_backward(self, available, sink, part="input")
+            first = build_backward(self, available, sink, part="input", streamed=dict(streamed))
             graphs = self._split[key] = (first, build_backward(self, available, True, part="weight",
-                                                               cross=first.cross))
+                                                               cross=first.cross, streamed=dict(streamed)))
         return graphs
 
 
-def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, model_inputs: int = 0) -> LoweredStage:
+def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, model_inputs: int = 0,
+          offload: Iterable[str] = ()) -> LoweredStage:
     """Partition ``joint`` so that the saved values of the ``dropped`` captured nodes are recomputed.
 
     The stage's first ``model_inputs`` inputs are model inputs (the rest are received): a saved
     model input counts, as in the profile, on the node that saved it while that node is kept.
+    The kept values of the ``offload`` captured nodes (those in storages the stage owns) go to
+    host memory as the forward graph computes them (``LoweredStage.offload_slots``).
 
     With ``compile`` every generated graph is passed through ``torch.compile`` (Inductor).
     """
@@ -187,7 +196,7 @@ def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, m
     held.sort(key=order.__getitem__)
     rng_nodes = sorted((n for n in region if _is_random(n)), key=order.__getitem__)
 
-    fw_gm, rng_names = build_forward(joint, primals, fw_outs, kept + held, rng_nodes)
+    rng_names = [f"rng_state:{n.name}" for n in rng_nodes]   # (as build_forward names them)
     grad_of = [i for i, g in enumerate(grads) if g is not None]
 
     slots = [n.name for n in kept + held] + rng_names + [n.name for n in dropped_values]
@@ -217,13 +226,33 @@ def lower(joint: JointGraph, dropped: Iterable[str], *, compile: bool = False, m
     # what the stage sends is held by the caller until the backward ends (its roots): a kept
     # one is not freed inside the backward graph (a dropped one is recomputed: a new copy)
     stage_roots -= {storage_root(n) for n in fw_outs} & kept_roots
+    offloaded = _offloaded(kept, owner, frozenset(offload), stage_roots)
+    fw_gm, _ = build_forward(joint, primals, fw_outs, kept + held, rng_nodes,
+                             offloaded={kept[i]: key for i, key in offloaded.items()})
     return LoweredStage(joint=joint, forward=fw_gm, run_forward=compiled(fw_gm, compile), compile=compile,
                         kept=[n.name for n in kept], held=[n.name for n in held], rng=rng_names,
                         dropped_values=[n.name for n in dropped_values], grad_of=grad_of,
                         origin={n.name: o for n, o in owner.items() if o}, dropped_by_node=dropped_by_node,
                         bytes_of_slot=sizes, send_bytes=send_bytes, category_of_slot=categories,
                         stage_roots=stage_roots, graph_nodes={n.name: n for n in nodes}, forward_nodes=forward,
-                        tangents=parts.tangents, grads=[g for g in grads if g is not None])
+                        tangents=parts.tangents, grads=[g for g in grads if g is not None],
+                        offload_slots={i: str(owner[kept[i]]) for i in offloaded})
+
+
+def _offloaded(kept: list[fx.Node], owner: dict[fx.Node, str | None], offload: frozenset[str],
+               stage_roots: set[fx.Node]) -> dict[int, tuple[int, int]]:
+    """Kept slots the forward hands to the host, each with the index of its storage: values of
+    offloaded nodes in storages the stage owns (not a model input, a received value or what it
+    sends), dense tensors copied byte for byte."""
+    storages: dict[fx.Node, int] = {}
+    out = {}
+    for i, n in enumerate(kept):
+        root = storage_root(n)
+        val = n.meta.get("val")
+        if owner.get(n) in offload and root in stage_roots and isinstance(val, torch.Tensor) \
+                and val.layout == torch.strided and not val.is_quantized:
+            out[i] = (i, storages.setdefault(root, len(storages)))
+    return out
 
 
 def _slot_bytes(fw_saved: list[fx.Node], rng_names: list[str], dropped_values: list[fx.Node], primals: list[fx.Node],

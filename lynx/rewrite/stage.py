@@ -36,17 +36,18 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from lynx.errors import LynxPlanError, LynxRuntimeError
+from lynx.errors import LynxConfigError, LynxPlanError, LynxRuntimeError
 from lynx.frontend.joint import classify, signature_of, trace_joint
 from lynx.frontend.joint_tp import check_collectives, issued_collectives
 from lynx.rewrite.lower import LoweredStage, lower
+from lynx.rewrite.offload import HostStore, OffloadedValues
 from lynx.rewrite.saved import SavedBytesMeter
 from lynx.rewrite.split import StageGraph
 from lynx.rewrite.tp_windows import backward_allreduces, window_targets
@@ -67,6 +68,7 @@ class MicrobatchStats:
     tp_hidden_s: float = 0.0      # recompute inside TP windows whose all-reduce was still in flight
     tp_exposed_s: float = 0.0     # ... whose all-reduce had completed (the wait did not block)
     tp_nodes: int = 0
+    offloaded_bytes: int = 0      # copied to host memory after the forward (and back before the backward)
 
 
 @dataclass
@@ -84,6 +86,10 @@ class _Microbatch:
     weights: Any = None                          # the weight-gradient graph, until it runs
     weight_args: list[Any] | None = None         # its inputs: slots it reads, then the cross values
     cross_bytes: int = 0
+    # offload: the values on the host, kept slot -> node issuing its prefetch, slots brought back
+    offloaded: OffloadedValues | None = None
+    offload_slots: dict[int, str | None] = field(default_factory=dict)
+    prefetched: set[int] = field(default_factory=set)
 
 
 class _RunStage(torch.autograd.Function):
@@ -92,7 +98,13 @@ class _RunStage(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, stage: "StageModule", state: _Microbatch, *primals: torch.Tensor) -> Any:
         lowered = state.lowered
-        values = lowered.run_forward(*primals)
+        if lowered.offload_slots:   # the forward graph hands the offloaded values to the host
+            if stage._store is None:
+                stage._store = HostStore(primals[0].device if primals else torch.device("cpu"))
+            state.offloaded = OffloadedValues(stage._store)
+            values = lowered.run_forward(state.offloaded, *primals)
+        else:
+            values = lowered.run_forward(*primals)
         n_out = lowered.joint.n_outputs
         state.slots = [*values[n_out:], *([None] * len(lowered.dropped_values))]
         ctx.stage, ctx.state = stage, state
@@ -109,15 +121,22 @@ class _RunStage(torch.autograd.Function):
                                    "not supported by compiled stages)")
         lowered = state.lowered
         sink = stage.on_param_grad is not None
+        streamed = frozenset((i, at) for i, at in state.offload_slots.items() if i not in state.prefetched)
         if state.defer:   # zero bubble (not run with TP: lynx.runtime.executable.TP_SCHEDULES)
-            graph, state.weights = lowered.split_backward_graphs(frozenset(state.available), sink)
+            graph, state.weights = lowered.split_backward_graphs(frozenset(state.available), sink, streamed)
         else:
-            graph = lowered.backward_graph(frozenset(state.available), sink, stage.tp_targets(state))
+            graph = lowered.backward_graph(frozenset(state.available), sink, stage.tp_targets(state), streamed)
         if graph.sink is not None:
             graph.sink.params = ctx.attrs
             graph.sink.on_grad = stage.on_param_grad
         slots, state.slots = state.slots, None
-        args = [slots[i] for i in graph.in_slots]
+        args: list[Any] = []
+        if state.offloaded is not None:   # window prefetches waited on; the rest the graph brings back
+            state.offloaded.wait_pending()
+            if graph.offload_groups:
+                state.offloaded.begin(graph.offload_groups)
+                args.append(state.offloaded)
+        args += [slots[i] for i in graph.in_slots]
         if state.weights is not None:
             state.weight_args = [slots[i] for i in state.weights.in_slots]
         del slots
@@ -170,7 +189,8 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, part: StageGraph, dropped: Iterable[str] = (), *, producer_of: dict[str, str] | None = None,
-                 out_spec: Any = None, compile: bool = False, tp: Any = None) -> None:
+                 out_spec: Any = None, compile: bool = False, tp: Any = None,
+                 offload: Mapping[str, str | None] | None = None) -> None:
         super().__init__()
         self.gm = part.gm
         # a lynx.frontend.joint_tp.TPContext: the stage runs tensor-parallel (part holds its shards)
@@ -189,6 +209,10 @@ class StageModule(nn.Module):
         unknown = sorted(self.dropped - set(self.spec.nodes))
         if unknown:
             raise LynxPlanError(f"stage {self.index}: plan drops nodes that are not in this stage: {unknown[:5]}")
+        # offloaded node -> the node whose backward issues its prefetch (None: the backward's start)
+        self.offload = dict(offload or {})
+        self._check_offload(compile)
+        self._store: HostStore | None = None
         self._out_spec = out_spec if out_spec is not None else part.out_spec
         self.compile_graphs = compile  # (not `compile`: nn.Module.compile is a method)
         self._lowered: dict[tuple, LoweredStage] = {}
@@ -200,6 +224,19 @@ class StageModule(nn.Module):
         # backward graph as soon as each is final, then this is called with the parameter
         self.on_param_grad: Any = None
 
+    def _check_offload(self, compile: bool) -> None:
+        nodes = set(self.spec.nodes)
+        unknown = sorted(set(self.offload) - nodes) + sorted(a for a in self.offload.values() if a and a not in nodes)
+        if unknown:
+            raise LynxPlanError(f"stage {self.index}: plan offloads (or prefetches at) nodes that are not in this "
+                                f"stage: {unknown[:5]}")
+        both = sorted(self.dropped & set(self.offload))
+        if both:
+            raise LynxPlanError(f"stage {self.index}: {both[0]!r} is both recomputed and offloaded")
+        if self.offload and compile:
+            raise LynxConfigError(f"stage {self.index}: offload runs its copies from the generated graphs, which "
+                                  "torch.compile would trace through; run offload plans with compile=False")
+
     def lowered(self, *args: Any) -> LoweredStage:
         """The graphs this stage runs for inputs like ``args`` (traced and partitioned once)."""
         key = signature_of(args)
@@ -210,7 +247,8 @@ class StageModule(nn.Module):
                               self.expected_collectives, self.index)
         if found is None:
             found = self._lowered[key] = lower(trace_joint(self.gm, list(args), tp=self.tp), self.dropped,
-                                               compile=self.compile_graphs, model_inputs=len(self.spec.inputs))
+                                               compile=self.compile_graphs, model_inputs=len(self.spec.inputs),
+                                               offload=self.offload)
         return found
 
     # ----------------------------------------------------------------- forward
@@ -239,6 +277,8 @@ class StageModule(nn.Module):
         if held is None:  # per category, what one forward leaves behind (static per lowering)
             held = {}
             for i in range(lowered.first_dropped_slot):
+                if i in lowered.offload_slots:
+                    continue   # on the host from the forward graph on
                 category = lowered.category_of_slot[i]
                 held[category] = held.get(category, 0) + lowered.bytes_of_slot[i]
             if not self.spec.is_last:
@@ -249,6 +289,9 @@ class StageModule(nn.Module):
         for category, nbytes in held.items():
             self.meter.hold(category, nbytes)
         state.held = dict(held)
+        if state.offloaded is not None:
+            state.offload_slots = {i: self.offload[node] for i, node in lowered.offload_slots.items()}
+            state.stats.offloaded_bytes = sum(lowered.bytes_of_slot[i] for i in lowered.offload_slots)
         out = tuple(out)
         if self.spec.is_last:
             if self._out_spec is not None:
@@ -295,8 +338,16 @@ class StageModule(nn.Module):
         start = time.perf_counter()
         graph = state.lowered.recompute_graph(targets, frozenset(state.available))
         slots = state.slots
+        args = [slots[i] for i in graph.in_slots]
+        host = [k for k, i in enumerate(graph.in_slots) if args[k] is None and i in state.offload_slots]
+        if host:   # offloaded inputs the window has not brought back: fetched for this graph only
+            assert state.offloaded is not None
+            for k, value in zip(host, state.offloaded.restore([graph.in_slots[k] for k in host])):
+                args[k] = value
+            state.offloaded.wait_pending()
         with torch.no_grad():
-            values = graph.run(*[slots[i] for i in graph.in_slots])
+            values = graph.run(*args)
+        del args
         for i, value in zip(graph.out_slots, values):
             slots[i] = value
         state.available.update(graph.out_slots)
@@ -328,6 +379,10 @@ class StageModule(nn.Module):
                                    "waiting for its weight gradients (defer_weights, then backward, first)")
         graph, args = state.weights, state.weight_args or []
         state.weights, state.weight_args = None, None
+        if graph.offload_groups:   # offloaded values only the weight gradients read come back here
+            assert state.offloaded is not None
+            state.offloaded.begin(graph.offload_groups)
+            args.insert(0, state.offloaded)
         if graph.sink is not None:
             graph.sink.params = state.attrs
             graph.sink.on_grad = self.on_param_grad
@@ -344,6 +399,25 @@ class StageModule(nn.Module):
             state.cross_bytes = 0
         _count_on_demand(state, graph)
         state.backward_done = True
+
+    # ----------------------------------------------------------------- offload
+    def prefetch(self, microbatch: int, nodes: Iterable[str]) -> None:
+        """Bring the offloaded values of ``nodes`` back for ``microbatch`` (a window's prefetch;
+        on CUDA asynchronously, waited on when the backward starts)."""
+        state = self._state(microbatch)
+        bad = [n for n in nodes if n not in self.offload]
+        if bad:
+            raise LynxPlanError(f"stage {self.index}: {bad[0]} is not offloaded, nothing to prefetch")
+        if state.offloaded is None or state.slots is None:
+            return
+        names, lowered = set(nodes), state.lowered
+        slots = [i for i in state.offload_slots if i not in state.prefetched and lowered.offload_slots[i] in names]
+        for i, value in zip(slots, state.offloaded.restore(slots) if slots else ()):
+            state.slots[i] = value
+        state.prefetched.update(slots)
+        nbytes = sum(lowered.bytes_of_slot[i] for i in slots)
+        self.meter.hold("stage", nbytes)
+        state.held["stage"] = state.held.get("stage", 0) + nbytes
 
     # ---------------------------------------------------------------- lifecycle
     def _state(self, microbatch: int) -> _Microbatch:
@@ -363,6 +437,9 @@ class StageModule(nn.Module):
         for category, nbytes in state.held.items():
             self.meter.free(category, nbytes)
         state.held, state.slots = {}, None
+        if state.offloaded is not None:
+            state.offloaded.release()
+            state.offloaded = None
         return state.stats
 
     def forward_done(self, microbatch: int) -> bool:

@@ -151,8 +151,9 @@ class StageRunner:
         return op if self.config.virtual == 1 else f"{op}.c{chunk}"
 
     # ------------------------------------------------------------------ windows
-    def _index_windows(self, schedule: Any) -> dict[WindowId, list[tuple[int, int, list[str]]]]:
-        """window id -> [(chunk, microbatch served, nodes)] for windows this rank's list names."""
+    def _index_windows(self, schedule: Any) -> dict[WindowId, list[tuple[int, int, list[str], bool]]]:
+        """window id -> [(chunk, microbatch served, nodes, offloaded)] for windows this rank's list
+        names: the nodes recomputed there, or (offloaded) brought back from host memory there."""
         if schedule is None or not self.config.prefetch:
             return {}
         named = {a.window for a in self.actions if a.op is Op.RECOMPUTE}
@@ -160,20 +161,23 @@ class StageRunner:
         # forward order: a node recomputed before a dropped input it reads would recompute that
         # input on the way, release it, and a later entry for it would recompute it again
         position = {n: k for st in self.chunks.values() for k, n in enumerate(st.spec.nodes)}
-        windows: dict[WindowId, list[tuple[int, int, list[str]]]] = {}
-        for j, entries in schedule.prefetch.items():
-            for wid, nodes in entries:
-                if wid.kind in ("tp_allreduce", "dp_collective"):
-                    continue  # TP: inside the backward graph (lynx.runtime.tp); DP: on demand meanwhile
-                by_chunk: dict[int, list[str]] = {}
-                for n in nodes:
-                    by_chunk.setdefault(self.node_chunk[n], []).append(n)
-                for c, members in by_chunk.items():
-                    where = wid
-                    if wid not in named:   # a window this schedule does not have: just before B(j)
-                        where = WindowId.recv(s, "recv_grad", int(j), c if interleaved else None)
-                    windows.setdefault(where, []).append(
-                        (c, int(j), sorted(members, key=lambda n: position.get(n, -1))))
+        windows: dict[WindowId, list[tuple[int, int, list[str], bool]]] = {}
+        served = [(j, wid, nodes, False) for j, entries in schedule.prefetch.items() for wid, nodes in entries]
+        served += [(j, wid, nodes, True) for j, entries in getattr(schedule, "offload_prefetch", {}).items()
+                   for wid, nodes in entries]
+        for j, wid, nodes, offloaded in served:
+            if wid.kind in ("tp_allreduce", "dp_collective"):
+                continue  # TP: inside the backward graph (lynx.runtime.tp); DP: on demand meanwhile
+                # (an offloaded value named there comes back inside the backward graph)
+            by_chunk: dict[int, list[str]] = {}
+            for n in nodes:
+                by_chunk.setdefault(self.node_chunk[n], []).append(n)
+            for c, members in by_chunk.items():
+                where = wid
+                if wid not in named:   # a window this schedule does not have: just before B(j)
+                    where = WindowId.recv(s, "recv_grad", int(j), c if interleaved else None)
+                windows.setdefault(where, []).append(
+                    (c, int(j), sorted(members, key=lambda n: position.get(n, -1)), offloaded))
         return windows
 
     def _wait(self, work: Any, what: str, peer: int | None) -> float:
@@ -213,10 +217,16 @@ class StageRunner:
         awaited = (Op.RECV_ACT if a.window.kind == "recv_act" else Op.RECV_GRAD, a.chunk, a.microbatch)
         works = state.recv.get(awaited, ([], []))[1]
         stats = state.stats
-        for c, j, nodes in self._windows.get(a.window, ()):
+        for c, j, nodes, offloaded in self._windows.get(a.window, ()):
             stage = self.chunks[c]
             if not stage.forward_done(j):
                 continue  # its forward has not run here (another schedule's window): on demand instead
+            if offloaded:   # the prefetch is issued here (on CUDA it runs on the copy stream)
+                start = time.perf_counter()
+                stage.prefetch(j, nodes)
+                stats.offload_prefetch_s += time.perf_counter() - start
+                self._mark(stats, self._what("H2D", c), j, start)
+                continue
             arrived = all(w.is_completed() for w in works)
             start = time.perf_counter()
             stage.recompute(j, nodes)
@@ -381,6 +391,7 @@ class StageRunner:
         state.stats.recompute_on_demand_s += mb.on_demand_s
         state.stats.recompute_tp_hidden_s += getattr(mb, "tp_hidden_s", 0.0)   # the backward graph's TP windows
         state.stats.recompute_tp_exposed_s += getattr(mb, "tp_exposed_s", 0.0)
+        state.stats.offloaded_bytes += mb.offloaded_bytes
         if state.armed and self.sync is not None:
             state.stats.recompute_on_demand_dp_s += mb.on_demand_s
 

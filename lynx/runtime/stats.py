@@ -41,6 +41,8 @@ class StepStats:
     recompute_tp_hidden_s: float = 0.0     # TP-window recompute while its all-reduce was in flight
     recompute_tp_exposed_s: float = 0.0    # TP-window recompute its all-reduce did not cover
     tp_rank: int = 0
+    offloaded_bytes: int = 0               # saved values copied to host memory (all microbatches)
+    offload_prefetch_s: float = 0.0        # issuing window prefetches from the host (CPU: the copies)
     peak_saved_bytes: int = 0              # saved tensors owned by the stage's nodes (what plans predict)
     peak_held_bytes: int = 0               # + received boundary values and recompute inputs held
     peak_saved_bytes_by_chunk: dict[int, int] = field(default_factory=dict)   # several chunks (interleaved)

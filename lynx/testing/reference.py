@@ -30,7 +30,8 @@ from lynx.runtime.step import InFlight, as_received, backward_step, forward_step
 
 __all__ = ["run_local", "Prefetch"]
 
-# (stage index, microbatch) -> windows in order, each a list of node names to recompute before B
+# (stage index, microbatch) -> windows in order, each a list of node names to recompute (or, offloaded,
+# bring back from host memory) before B
 Prefetch = Callable[[int, int], Sequence[Sequence[str]]]
 
 
@@ -105,8 +106,14 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
                 else:
                     sent[(s, j)] = list(flight.output)
             else:
+                offloaded = getattr(stage, "offload", {})
                 for nodes in (prefetch(s, j) if prefetch else ()):
-                    stage.recompute(j, nodes)
+                    # a window brings back offloaded values from the host and recomputes dropped ones
+                    fetch = [n for n in nodes if n in offloaded]
+                    if fetch:
+                        stage.prefetch(j, fetch)
+                    if len(fetch) < len(nodes):
+                        stage.recompute(j, [n for n in nodes if n not in offloaded])
                 g = grads.pop((s + 1, j)) if s < p - 1 else None
                 back = backward_step(stage, j, flights.pop((s, j)), g, loss_scale)
                 if s > 0:

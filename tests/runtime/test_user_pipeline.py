@@ -7,7 +7,9 @@ tests/test_transformers_models.py) — and Lynx's gpt-tiny are compiled with an 
 recomputes, trained 3 steps with AdamW from the user's loop under ``torchrun`` (2 processes:
 pp 2; 4 processes: pp 2 × dp 2) under 1F1B, interleaved 1F1B (2 chunks per rank) and ZB-H1
 (each backward split into its input- and weight-gradient graphs, lowered from one joint graph,
-the weight part deferred), and compared with single-process PyTorch on the same batches
+the weight part deferred) — and, pp 2 × dp 2, gpt-tiny under a plan that offloads to host
+memory (copied after the forward, brought back in windows or inside the backward graph) —
+and compared with single-process PyTorch on the same batches
 (:func:`user_models.reference`): per-step losses, first-step gradients and final parameters
 **bitwise** equal (same ops in the same order: microbatch losses scaled by 1/m and each
 parameter's gradient accumulated in microbatch order — a parameter belongs to one chunk,
@@ -50,7 +52,7 @@ def _cases(nproc: int) -> list[str]:
     """pp 2: the plain module and Qwen2 under 1F1B, and gpt-tiny, Llama and the plain GPT under
     each of interleaved 1F1B and ZB-H1; pp 2 × dp 2: the plain module, Qwen2, and gpt-tiny
     interleaved (data parallelism over a rank's two chunks, whose gradients become final in
-    different actions)."""
+    different actions) and under a plan that offloads."""
     try:
         import transformers  # noqa: F401
         hf = True
@@ -58,7 +60,7 @@ def _cases(nproc: int) -> list[str]:
         hf = False
     cases = ["tuple:1f1b"] + (["qwen2:1f1b"] if hf else [])
     if nproc > 2:
-        return cases + ["gpt-tiny:interleaved1f1b"]
+        return cases + ["gpt-tiny:interleaved1f1b", "gpt-tiny:1f1b+offload"]
     return cases + [f"{k}:{s}" for k in ("gpt-tiny", "llama", "gpt") if hf or k != "llama" for s in SCHEDULES]
 
 
@@ -75,7 +77,12 @@ def test_user_loop_matches_single_process_pytorch(tmp_path, nproc, pp):
         for rank in range(nproc):
             got = torch.load(tmp_path / f"{kind}.{schedule}.rank{rank}.pt", weights_only=False)
             where = f"{kind} {schedule} rank {rank}"
-            assert got["recomputed"] > 0, f"{where}: the plan recomputes nothing"
+            if schedule.endswith("+offload"):
+                assert got["offloaded"] > 0, f"{where}: the plan offloads nothing"
+                if got["stage"] == 0:   # the stage holding more than one microbatch moved them
+                    assert all(st.offloaded_bytes > 0 for st in got["stats"]), where
+            else:
+                assert got["recomputed"] > 0, f"{where}: the plan recomputes nothing"
             assert got["form"] == {"tuple": "tuple", "gpt": "tuple", "gpt-tiny": "scalar"}.get(kind, "attribute")
             assert got["losses"] == losses, f"{where}: {got['losses']} vs PyTorch {losses}"
             for name, grad in got["grads"].items():
@@ -92,6 +99,7 @@ def _check_trace(got: dict, schedule: str, pp: int) -> None:
     from lynx.planner.schedule import stage_actions
 
     stats = got["stats"][-1]
+    schedule = schedule.removesuffix("+offload")
     virtual = 2 if schedule == "interleaved1f1b" else 1
     expected = [(a.kind, a.chunk, a.microbatch) for a in stage_actions(
         schedule, stage=got["stage"], stages=pp, microbatches=um.MICROBATCHES, virtual=virtual)]

@@ -130,9 +130,17 @@ def qwen2(attention: str) -> nn.Module:
 
 def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp: int, schedule: str = "1f1b") -> Any:
     """An HEU plan under a budget halfway between what full recomputation and keeping
-    everything need on stage 0 (so it recomputes, whatever the cost model's figures)."""
+    everything need on stage 0 (so it recomputes, whatever the cost model's figures).
+
+    ``schedule="1f1b+offload"``: under 1F1B, PipeOffload's policy (``offload-all``: every
+    activation of a stage with more than one microbatch in flight goes to host memory, each
+    brought back in a window or when the backward reaches it)."""
     import lynx
     from lynx.planner.loop import plan_graph
+
+    if schedule == "1f1b+offload":
+        return lynx.compile(model, example, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="offload-all",
+                            offload=True, hardware="cpu-local", memory_budget="1GiB")
 
     compiled = lynx.compile(model, example, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="none",
                             hardware="cpu-local", memory_budget="1GiB", schedule=schedule, virtual_stages=2)
@@ -148,7 +156,8 @@ def compile_with(model: nn.Module, example: tuple | dict, plan: Any) -> Any:
     import lynx
     from lynx.config import FINGERPRINT_FIELDS
 
-    return lynx.compile(model, example, plan=plan, **{k: plan.config[k] for k in FINGERPRINT_FIELDS})
+    extra = {k: plan.config[k] for k in ("offload", "host_memory_budget") if k in plan.config}
+    return lynx.compile(model, example, plan=plan, **{k: plan.config[k] for k in FINGERPRINT_FIELDS}, **extra)
 
 
 def batches(dp: int) -> list[torch.Tensor]:

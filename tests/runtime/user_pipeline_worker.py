@@ -3,7 +3,8 @@
     torchrun --nproc_per_node N user_pipeline_worker.py OUT_DIR PP CASE [CASE ...]
 
 A CASE is ``KIND:SCHEDULE`` (a ``user_models`` kind; ``1f1b``, ``interleaved1f1b`` with 2
-chunks per rank, or ``zbh1``). For each: compile with an HEU plan that recomputes, train STEPS
+chunks per rank, ``zbh1``, or ``1f1b+offload``: 1F1B with a plan that offloads). For each:
+compile with an HEU plan that recomputes (or the offloading one), train STEPS
 steps with AdamW from the user's loop, and write this rank's per-step losses, first-step
 gradients, final parameters, the plan's recompute count and what the runtime measured to
 OUT_DIR/KIND.SCHEDULE.rank{r}.pt.
@@ -37,6 +38,7 @@ def main() -> None:
         dist.broadcast_object_list(plan, src=0)
         compiled = um.compile_with(model, example, plan[0])
         recomputed = sum(d.action == "recompute" for s in compiled.plan.stages for d in s.decisions)
+        offloaded = sum(d.action == "offload" for s in compiled.plan.stages for d in s.decisions)
         pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, trace=True)
         opt = um.optimizer(pipe.parameters())
         losses, grads, stats = [], {}, []
@@ -56,6 +58,7 @@ def main() -> None:
             {
                 "losses": losses,
                 "recomputed": recomputed,
+                "offloaded": offloaded,
                 "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
                 "grads": grads,
                 "stage": pipe.stage_index,
