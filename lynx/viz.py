@@ -1,5 +1,6 @@
 """The timeline picture: one lane per pipeline stage showing compute, recomputation,
-communication and idle time of one simulated training step (PNG and SVG, matplotlib).
+communication and idle time of one simulated training step (PNG and SVG, matplotlib); with
+offload, the host link's copy lanes as strips under each stage (device→host, host→device).
 
 With a plan's detailed timeline (:func:`timeline_detail`, ``Plan.timeline_detail``) the picture
 labels each bar with its microbatch (``F3``, ``B3``, ``R3`` for recomputation serving ``B3``),
@@ -27,14 +28,18 @@ from typing import Any, Sequence, Union
 
 __all__ = ["COLORS", "DETAIL_COLORS", "draw_timeline", "stage_totals", "timeline_bars", "timeline_detail"]
 
-COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "runtime": "#8C8C8C", "comm": "#55A868", "idle": "#D9D9D9"}
+COLORS = {"compute": "#4C72B0", "recompute": "#DD8452", "runtime": "#8C8C8C", "comm": "#55A868", "idle": "#D9D9D9",
+          "copy": "#DA8BC3"}
 DETAIL_COLORS = {"forward": "#4C72B0", "backward": "#8172B3", "weight": "#64B5CD", "runtime": "#8C8C8C",
                  "recompute hidden": "#F2B880", "recompute exposed": "#C44E52", "comm": "#55A868",
-                 "optimizer": "#937860", "window": "#333333", "idle": "#D9D9D9"}
+                 "optimizer": "#937860", "window": "#333333", "idle": "#D9D9D9", "d2h": "#DA8BC3", "h2d": "#8C613C"}
 _DETAIL_NAMES = {"forward": "forward", "backward": "backward (I: input grads)", "weight": "weight grads (W)",
                  "runtime": "the runtime's own host work", "recompute hidden": "recompute hidden in a window",
                  "recompute exposed": "recompute exposed", "comm": "communication waited for",
-                 "optimizer": "optimizer step", "window": "window", "idle": "idle"}
+                 "optimizer": "optimizer step", "window": "window", "idle": "idle",
+                 "d2h": "offload copy (device→host lane)", "h2d": "prefetch copy (host→device lane)"}
+# copy lanes (offload): strips under a stage's lane, beside its compute
+_LANE_Y = {"d2h": -0.50, "h2d": -0.58, "copy": -0.50}
 
 
 def stage_totals(bars: Sequence[tuple[int, str, float, float]], step_time_s: float) -> dict[int, dict[str, float]]:
@@ -94,8 +99,8 @@ def draw_timeline(bars: Sequence[tuple[int, str, float, float]], step_time_s: fl
 
 
 _BAR_KIND = {"forward": "compute", "backward": "compute", "weight": "compute", "recompute": "recompute",
-             "runtime": "runtime",
-             "tp": "comm", "dp": "comm", "wait": "idle", "optimizer": "compute"}
+             "runtime": "runtime", "tp": "comm", "dp": "comm", "wait": "idle", "optimizer": "compute",
+             "d2h": "copy", "h2d": "copy"}
 
 
 def timeline_bars(timeline: Any) -> list[tuple[int, str, float, float]]:
@@ -128,6 +133,9 @@ def _draw_merged(ax: Any, bars: Sequence[tuple[int, str, float, float]], stages:
         comm = [(s * scale, (e - s) * scale) for st, k, s, e in bars if st == stage and k == "comm"]
         if comm:  # drawn as a strip: collectives may overlap compute
             ax.broken_barh(comm, (y - 0.4, 0.25), facecolors=COLORS["comm"], linewidth=0)
+        copies = [(s * scale, (e - s) * scale) for st, k, s, e in bars if st == stage and k == "copy"]
+        if copies:  # the host link's copies run beside compute: a strip under the lane
+            ax.broken_barh(copies, (y + _LANE_Y["copy"], 0.08), facecolors=COLORS["copy"], linewidth=0)
 
 
 def _draw_detail(ax: Any, detail: Sequence[tuple[int, str, float, float, str]], stages: list[int],
@@ -142,6 +150,10 @@ def _draw_detail(ax: Any, detail: Sequence[tuple[int, str, float, float, str]], 
                 continue
             if kind == "window":   # a strip above the lane: where recomputation could run
                 ax.broken_barh([(start * scale, (end - start) * scale)], (y + 0.42, 0.08),
+                               facecolors=DETAIL_COLORS[kind], linewidth=0)
+                continue
+            if kind in _LANE_Y:   # the copy lanes, under the lane: they run beside compute
+                ax.broken_barh([(start * scale, (end - start) * scale)], (y + _LANE_Y[kind], 0.08),
                                facecolors=DETAIL_COLORS[kind], linewidth=0)
                 continue
             ax.broken_barh([(start * scale, (end - start) * scale)], (y - 0.4, 0.8),
@@ -170,9 +182,10 @@ def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
     ``kind`` is ``forward``, ``backward`` (a zero-bubble ``I`` too), ``weight`` (a deferred
     ``W``), ``runtime`` (the runtime's own host work for an action), ``recompute hidden``,
     ``recompute exposed``, ``comm`` (a transfer or collective the stage waits for),
-    ``optimizer`` or ``window`` (a window's capacity, labelled with its id); the label names
-    the action (``F3``, ``B3``, ``I3``, ``W3``, ``R3``; ``F3c2`` for chunk 2 under interleaved
-    schedules). Consecutive bars of one kind and label are merged.
+    ``optimizer``, ``window`` (a window's capacity, labelled with its id) or ``d2h`` / ``h2d``
+    (an offload copy on the host link's lanes); the label names the action (``F3``, ``B3``,
+    ``I3``, ``W3``, ``R3``; ``F3c2`` for chunk 2 under interleaved schedules). Consecutive bars
+    of one kind and label are merged.
     """
     windows = {(w.device, str(w.id)): w for w in timeline.windows}
     sends = [g for g in timeline.segments if g.kind == "send"]
@@ -211,6 +224,8 @@ def timeline_detail(timeline: Any) -> list[tuple[int, str, float, float, str]]:
             add(s, "comm", seg.start, seg.end, seg.kind)
         elif seg.kind == "optimizer":
             add(s, "optimizer", seg.start, seg.end, "opt")
+        elif seg.kind in ("d2h", "h2d"):   # a copy lane: offload after a forward, prefetch before a backward
+            add(s, seg.kind, seg.start, seg.end, "")
         elif seg.kind == "wait":   # waiting on a transfer (drawn) or on the peer's compute (idle)
             j = _microbatch(seg.label)
             what = "act" if ".recv_act." in seg.label else "grad"

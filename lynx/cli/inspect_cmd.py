@@ -17,7 +17,8 @@ from rich.table import Table
 
 from lynx.cli import app, table_console
 from lynx.units import format_size
-from lynx.frontend.inspect import InspectReport, inspect_model
+from lynx.frontend.analyze import analyze
+from lynx.frontend.inspect import InspectReport, report_from_analysis
 from lynx.models import resolve_model
 
 __all__ = ["inspect", "format_seconds", "format_flops"]
@@ -85,8 +86,15 @@ def inspect(
     target: Optional[str] = typer.Option(None, help="cuda | cpu (default: the hardware's device)."),
     measure: bool = typer.Option(False, "--measure", help="Time the real nodes on this device (needs real weights)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    offload: bool = typer.Option(False, "--offload", help="Also list the saved values offload could move to host "
+                                 "memory (each layer class's first instance), which first and why."),
 ) -> None:
-    """Profile MODEL: per layer class FLOPs, saved activation bytes, forward and backward time."""
+    """Profile MODEL: per layer class FLOPs, saved activation bytes, forward and backward time.
+
+    With ``--offload``: every saved value is an offload candidate (copied to host memory after
+    its forward, back before its backward, on the hardware's host link); each is marked
+    "offload first" (dear to recompute per byte: the solvers fill the copy lanes with these
+    first) or "recompute first", with the figures behind it."""
     resolved = resolve_model(
         model,
         seq=seq,
@@ -95,16 +103,39 @@ def inspect(
         attention=attention,
         device="cpu" if measure and ":" not in model else "meta",
     )
-    report = inspect_model(
-        resolved.model,
-        resolved.example_inputs,
-        target=target,
-        hardware=hardware,
-        times="measure" if measure else "analytic",
-        dims=resolved.dims,
-        name=resolved.name,
-    )
+    from lynx.errors import LynxError
+    from lynx.planner.offload_candidates import offload_candidates
+
+    analysis = analyze(resolved.model, resolved.example_inputs, target=target,  # type: ignore[arg-type]
+                       hardware=hardware, times="measure" if measure else "analytic", dims=resolved.dims,
+                       name=resolved.name)
+    report = report_from_analysis(analysis)
+    candidates = []
+    if offload:
+        try:
+            candidates = offload_candidates(analysis.graph, analysis.hardware)
+        except LynxError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2) from None
     if as_json:
-        print(json.dumps(report.json_record(), indent=2))
+        record = report.json_record()
+        if offload:
+            record["offload_candidates"] = [c.record() for c in candidates]
+        print(json.dumps(record, indent=2))
     else:
-        _print_report(report, table_console())
+        console = table_console()
+        _print_report(report, console)
+        if offload:
+            _print_candidates(candidates, console)
+
+
+def _print_candidates(candidates: list, console: Console) -> None:
+    table = Table(title="offload candidates (each layer class's first instance): every saved value may go to host "
+                        "memory; which first, and why")
+    for col in ("layer class", "node", "op", "saved", "recompute", "copy out", "verdict", "why"):
+        table.add_column(col, justify="right" if col in ("saved", "recompute", "copy out") else "left")
+    for c in candidates:
+        table.add_row(c.layer_class, c.node, c.op, format_size(c.saved_bytes), format_seconds(c.recompute_s),
+                      format_seconds(c.copy_s), c.verdict, c.why)
+    console.print(table)
+    console.print("a value a stage sends to the next is held until its backward whatever the plan: never offloaded")

@@ -201,6 +201,11 @@ def _summary(plan: Any) -> None:
         f"hidden {p.hidden_recompute_s * 1e3:.2f} ms, bubble {p.bubble_s * 1e3:.2f} ms, "
         f"peak {', '.join(format_size(b) for b in p.peak_memory_bytes)}, "
         f"{'fits' if p.fits_budget else '[red]does NOT fit[/]'} the budget; search {plan.search_time_s:.3f} s"])
+    if any(d.action == "offload" for st in plan.stages for d in st.decisions):
+        console.print(soft_wrap=True, *[
+            "offloaded to host memory per microbatch: " + ", ".join(
+                f"stage {st.index} {format_size(st.offloaded_bytes)}" for st in plan.stages)
+            + f"; backwards waiting on prefetches {p.exposed_copy_s * 1e3:.2f} ms"])
 
 
 @app.command("show")
@@ -229,14 +234,22 @@ def show_command(
     table = Table(title=f"{plan_path} — {plan.solver}, {schedule}, pp={plan.config.get('pp')}, "
                         f"m={plan.config.get('microbatches')}")
     several = any(len(stage.chunks) > 1 for stage in plan.stages)   # a chunks column only where it says more
+    offloads = any(d.action == "offload" for st in plan.stages for d in st.decisions)
+    copy_s = _copy_lane_seconds(plan.timeline_detail) if offloads else {}
     for column in ("stage", "layers", *(("chunks",) if several else ()), "in flight", "kept", "in windows",
                    "on demand", "static", "activations", "peak", "budget", "fits", "compute ms", "recompute ms",
-                   "hidden ms", "exposed ms", "runtime ms", "comm ms", "idle ms"):
+                   "hidden ms", "exposed ms", "runtime ms", "comm ms", "idle ms",
+                   *(("offloaded", "offloaded bytes", "host", "d2h ms", "h2d ms", "copy wait ms") if offloads else ())):
         table.add_column(column, justify="right")
     for stage in plan.stages:
         kept = sum(d.action == "keep" for d in stage.decisions)
+        moved = sum(d.action == "offload" for d in stage.decisions)
         windowed = sum(d.action == "recompute" and (d.window or d.windows) is not None for d in stage.decisions)
-        on_demand = len(stage.decisions) - kept - windowed
+        on_demand = len(stage.decisions) - kept - windowed - moved
+        lanes = copy_s.get(stage.index, {})
+        extra = (str(moved), format_size(stage.offloaded_bytes), format_size(stage.host_bytes),
+                 f"{lanes.get('d2h', 0.0) * 1e3:.2f}", f"{lanes.get('h2d', 0.0) * 1e3:.2f}",
+                 f"{stage.exposed_copy_s * 1e3:.2f}") if offloads else ()
         t = totals.get(stage.index, {})
         layers = f"{stage.layers[0]}–{stage.layers[-1]}" if stage.layers else "-"
         chunks = " ".join(f"c{c.index}({_blocks(c.blocks)})" for c in stage.chunks) or "-"
@@ -247,7 +260,7 @@ def show_command(
                       "yes" if stage.peak_memory_bytes <= stage.budget_bytes else "[red]no[/]",
                       f"{t.get('compute', 0.0) * 1e3:.2f}", f"{t.get('recompute', 0.0) * 1e3:.2f}",
                       f"{stage.hidden_recompute_s * 1e3:.2f}", f"{stage.exposed_recompute_s * 1e3:.2f}",
-                      *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("runtime", "comm", "idle")))
+                      *(f"{t.get(k, 0.0) * 1e3:.2f}" for k in ("runtime", "comm", "idle")), *extra)
     table_console().print(table)
     _summary(plan)
     console.print(f"re-checked against {model}: its decisions replay to these figures" if model is not None else
@@ -256,6 +269,16 @@ def show_command(
     written = draw_timeline(plan.timeline, plan.predicted.step_time_s, target, detail=plan.timeline_detail,
                             title=f"{plan.solver}, {schedule}: step {plan.predicted.step_time_s * 1e3:.2f} ms")
     console.print("timeline picture: " + ", ".join(str(p) for p in written))
+
+
+def _copy_lane_seconds(detail: Any) -> dict[int, dict[str, float]]:
+    """Per stage, seconds its host link's copy lanes are busy (``d2h``, ``h2d``) in the step."""
+    out: dict[int, dict[str, float]] = {}
+    for stage, kind, start, end, _label in detail or ():
+        if kind in ("d2h", "h2d"):
+            lanes = out.setdefault(stage, {})
+            lanes[kind] = lanes.get(kind, 0.0) + end - start
+    return out
 
 
 def _recheck(plan: Any, model: str, **dims: Any) -> None:
@@ -271,30 +294,43 @@ def _recheck(plan: Any, model: str, **dims: Any) -> None:
     recheck_plan(plan, analysis.graph)
 
 
+RECOMPUTE_ONLY_HEU = "heu (no offload)"
+
+
 def compare_records(graph: Any, config: CompileConfig, solvers: tuple[str, ...] = SOLVERS,
                     progress: Any = None, pipeline: Any = None) -> list[dict[str, Any]]:
-    """Plan ``graph`` with every solver and baseline under one config; one record each."""
+    """Plan ``graph`` with every solver and baseline under one config; one record each. With
+    ``config.offload`` also the offload baselines and recompute-only HEU (``"heu (no offload)"``);
+    each record says what each stage offloads per microbatch and how long its copy lanes run."""
     from lynx.planner.loop import plan_graph_outcome
 
     from lynx.solvers.setup import OFFLOAD_SOLVERS
 
     records = []
-    for solver in solvers:
-        if solver in OFFLOAD_SOLVERS and not config.offload:
-            continue   # (offload baselines: with --offload)
+    runs = [(solver, solver, config) for solver in solvers if config.offload or solver not in OFFLOAD_SOLVERS]
+    if config.offload and "heu" in solvers:   # recompute-only Lynx beside it
+        runs.insert(next(i for i, r in enumerate(runs) if r[0] == "heu") + 1,
+                    (RECOMPUTE_ONLY_HEU, "heu", config.replace(offload=False, host_memory_budget=None)))
+    for label, solver, cfg in runs:
         try:
-            out = plan_graph_outcome(graph, config.replace(solver=solver), check_budget=False, progress=progress,
-                                     pipeline=pipeline)
+            out = plan_graph_outcome(graph, cfg.replace(solver=solver), check_budget=False, progress=progress,
+                                     pipeline=pipeline if cfg is config else None)
         except LynxError as err:
-            records.append({"solver": solver, "status": "ERROR", "error": str(err)})
+            records.append({"solver": label, "status": "ERROR", "error": str(err)})
             continue
-        pipeline = out.pipeline
+        if cfg is config:
+            pipeline = out.pipeline
         p = out.plan.predicted
-        records.append({"solver": solver, "status": out.plan.status, "gap": out.plan.gap,
+        records.append({"solver": label, "status": out.plan.status, "gap": out.plan.gap,
                         "step_time_s": p.step_time_s, "exposed_recompute_s": p.exposed_recompute_s,
                         "hidden_recompute_s": p.hidden_recompute_s, "bubble_s": p.bubble_s,
                         "peak_memory_bytes": p.peak_memory_bytes, "fits_budget": p.fits_budget,
-                        "search_time_s": out.plan.search_time_s})
+                        "search_time_s": out.plan.search_time_s,
+                        "offloaded_bytes": [st.offloaded_bytes for st in out.plan.stages],
+                        "exposed_copy_s": p.exposed_copy_s,
+                        "copy_lanes_s": [[lanes.get(k, 0.0) for k in ("d2h", "h2d")] for lanes in (
+                            _copy_lane_seconds(out.plan.timeline_detail).get(st.index, {})
+                            for st in out.plan.stages)]})
     full = next((r for r in records if r["solver"] == "full" and "step_time_s" in r), None)
     for r in records:
         if "step_time_s" in r:
@@ -313,8 +349,13 @@ def compare_command(
     dtype: Optional[str] = _DTYPE, attention: Optional[str] = _ATTN,
     solver: str = typer.Option("heu", "--solver", help="the solver you mean to use: exit 1 when it finds no plan "
                                "within the budget"),
+    offload: bool = _OFFLOAD, host_memory_budget: Optional[str] = _HOST_BUDGET,
 ) -> None:
     """Every solver and baseline on MODEL side by side, scored by the same simulator.
+
+    With ``--offload`` the solvers decide offload too, the offload baselines join, and
+    recompute-only HEU is listed beside HEU; the table then shows what each stage offloads per
+    microbatch and its copy lanes' busy time (device→host / host→device).
 
     Solvers that fail are listed under the table with their whole message. The exit status
     is 1 when the requested ``--solver`` (default heu) finds no plan, or none within the
@@ -326,7 +367,7 @@ def compare_command(
 
     def work() -> list[dict[str, Any]]:
         config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
-                         "heu", time_limit, target, seed, iterations)
+                         "heu", time_limit, target, seed, iterations, offload, host_memory_budget)
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
             sharded, _sharding = apply_sharding(analysis, config)
@@ -341,19 +382,24 @@ def compare_command(
             raise typer.Exit(1)
         return
     table = Table(title=f"{model}: pp={pp} tp={tp} dp={dp} m={microbatches} {schedule}, budget {memory_budget}")
-    for column in ("solver", "status", "step ms", "speedup vs full", "exposed ms", "hidden ms", "peak per stage",
-                   "fits", "search s"):
+    columns = ("solver", "status", "step ms", "speedup vs full", "exposed ms", "hidden ms", "peak per stage",
+               "fits", "search s") + (("offloaded per stage", "copy lanes d2h/h2d ms", "copy wait ms")
+                                      if offload else ())
+    for column in columns:
         table.add_column(column, justify="right")
     for r in records:
         if "step_time_s" not in r:
-            table.add_row(r["solver"], "[red]error[/]", "(below)", *[""] * 6)
+            table.add_row(r["solver"], "[red]error[/]", "(below)", *[""] * (len(columns) - 3))
             continue
+        extra = (" ".join(format_size(b) for b in r["offloaded_bytes"]),
+                 " ".join(f"{d * 1e3:.1f}/{h * 1e3:.1f}" for d, h in r["copy_lanes_s"]),
+                 f"{r['exposed_copy_s'] * 1e3:.2f}") if offload else ()
         speed = r.get("speedup_over_full")
         table.add_row(r["solver"], r["status"], f"{r['step_time_s'] * 1e3:.2f}",
                       "-" if speed is None else f"{speed:.3f}×",
                       f"{r['exposed_recompute_s'] * 1e3:.2f}", f"{r['hidden_recompute_s'] * 1e3:.2f}",
                       " ".join(format_size(b) for b in r["peak_memory_bytes"]),
-                      "yes" if r["fits_budget"] else "[red]no[/]", f"{r['search_time_s']:.3f}")
+                      "yes" if r["fits_budget"] else "[red]no[/]", f"{r['search_time_s']:.3f}", *extra)
     table_console().print(table)
     for r in records:   # whole messages, outside the table (a cell would clip them)
         if "step_time_s" not in r:

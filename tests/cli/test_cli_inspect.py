@@ -75,3 +75,15 @@ def test_a_factory_that_raises_is_one_line(tmp_path, monkeypatch, capsys):
         code, err = _run_main(monkeypatch, capsys, ["inspect", spec])
         assert code == 2 and needle in err and "Traceback" not in err, err
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_inspect_offload_lists_candidates_and_why():
+    args = ["inspect", "gpt-tiny", "--seq", "512", "--microbatch", "8", "--hardware", "h100-sxm", "--offload"]
+    record = json.loads(runner.invoke(app, [*args, "--json"]).output)
+    found = record["offload_candidates"]
+    assert {c["verdict"] for c in found} == {"offload first", "recompute first"}
+    matmul = next(c for c in found if c["node"] == "matmul")
+    assert matmul["verdict"] == "offload first" and "dearest per byte" in matmul["why"] and matmul["copy_s"] > 0
+    assert all(c["saved_bytes"] > 0 for c in found)
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0 and "offload candidates" in table.output and "never offloaded" in table.output

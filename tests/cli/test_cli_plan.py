@@ -61,3 +61,24 @@ def test_compare_lists_errors_in_full_and_fails_when_the_requested_solver_has_no
     assert as_json.exit_code == 1
     bad = runner.invoke(app, ["compare", *TINY, "--solver", "fastest"])
     assert bad.exit_code == 2 and "--solver must be one of" in bad.output
+
+
+def test_offload_plans_show_their_bytes_and_copy_lanes(tmp_path) -> None:
+    """`lynx compare --offload` puts recompute-only HEU and the offload baselines beside HEU and
+    says what each stage offloads and how long its copy lanes run; `lynx show` of an offloading
+    plan lists offloaded bytes per stage and draws the copy lanes."""
+    result = runner.invoke(app, ["compare", *TINY, "--json", "--time-limit", "5", "--offload"])
+    assert result.exit_code == 0, result.output
+    records = {r["solver"]: r for r in json.loads(result.output[result.output.index("["):])}
+    assert {"heu", "heu (no offload)", "offload-all", "offload-modules"} <= set(records)
+    moved = records["offload-all"]
+    assert moved["offloaded_bytes"][0] > 0 and moved["copy_lanes_s"][0][0] > 0, moved
+    assert records["heu (no offload)"]["offloaded_bytes"] == [0, 0]
+    table = runner.invoke(app, ["compare", *TINY, "--time-limit", "5", "--offload", "--solver", "none"])
+    assert "offloaded per stage" in table.output and "copy lanes" in table.output, table.output
+    out = tmp_path / "plan.json"
+    assert runner.invoke(app, ["plan", *TINY, "--offload", "--solver", "offload-all", "-o", str(out)]).exit_code == 0
+    shown = runner.invoke(app, ["show", str(out), "--picture", str(tmp_path / "t")])
+    assert shown.exit_code == 0, shown.output
+    assert "offloaded to host memory per microbatch: stage 0" in shown.output
+    assert "h2d" in shown.output and (tmp_path / "t.svg").stat().st_size > 0
