@@ -1,6 +1,6 @@
 """GPU validation: Lynx's CUDA paths, memory and time measured on a real accelerator (issue 16).
 
-Six checks, each printing one verdict line and written to ``<out>/gpu_check.{json,md}``
+Seven checks, each printing one verdict line and written to ``<out>/gpu_check.{json,md}``
 (``gpu_check_cpu.{json,md}`` for a ``--device cpu`` run, which is not a GPU report):
 
 1. ``saved_bytes``   the CUDA-target profile vs ``saved_tensors_hooks`` on a real forward (1%)
@@ -9,9 +9,12 @@ Six checks, each printing one verdict line and written to ``<out>/gpu_check.{jso
 3. ``gradients``     rewritten stages vs the original model with dropout, bitwise
 4. ``time``          predicted (``h200`` preset; a ``lynx calibrate`` file where that exists)
                      vs measured forward+backward; the stage's host overhead vs eager
-5. ``optimizers``    DeMo and Distributed Lion on the device vs on the CPU (fp32 rounding),
+5. ``offload``       a plan that offloads to host memory: gradients bitwise vs keep-all, the meter
+                     vs the plan (5%), copy overlap measured and the step time it adds vs the plan
+                     (CUDA; written without a device: not yet run on one)
+6. ``optimizers``    DeMo and Distributed Lion on the device vs on the CPU (fp32 rounding),
                      host synchronisations inside a step
-6. ``process_group`` a 2-process run on the one GPU, or why NCCL refuses it and what ran instead
+7. ``process_group`` a 2-process run on the one GPU, or why NCCL refuses it and what ran instead
 
 The JSON is ``{"device": NAME, ..., "checks": {CHECK: {"figure", "verdict", "reason", "parts",
 "seconds"}}}``; a check's verdict is ``fail`` if any of its parts failed, ``pass`` if one passed,
@@ -57,6 +60,7 @@ __all__ = ["CHECKS", "main", "run_checks", "render_markdown"]
 
 def _checks() -> dict[str, Callable[[Env], CheckResult]]:
     from gpu_check_grads import check_gradients
+    from gpu_check_offload import check_offload
     from gpu_check_optim import check_optimizers
     from gpu_check_peak import check_peak_memory
     from gpu_check_pg import check_process_group
@@ -64,11 +68,12 @@ def _checks() -> dict[str, Callable[[Env], CheckResult]]:
     from gpu_check_time import check_time
 
     return {"saved_bytes": check_saved_bytes, "peak_memory": check_peak_memory, "gradients": check_gradients,
-            "time": check_time, "optimizers": check_optimizers, "process_group": check_process_group}
+            "time": check_time, "offload": check_offload, "optimizers": check_optimizers,
+            "process_group": check_process_group}
 
 
-CHECKS = ("saved_bytes", "peak_memory", "gradients", "time", "optimizers", "process_group")
-SHARED_UNTIL = "time"  # the last check that uses the shared GPT (gpu_check_common.shared_gpt)
+CHECKS = ("saved_bytes", "peak_memory", "gradients", "time", "offload", "optimizers", "process_group")
+SHARED_UNTIL = "offload"  # the last check that uses the shared GPT (gpu_check_common.shared_gpt)
 
 
 def device_name(device: torch.device) -> str:

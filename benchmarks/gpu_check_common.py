@@ -198,7 +198,8 @@ def between_budget(keep: Any, full: Any, fraction: float = 0.4) -> int:
 
 
 def compiled_for(model: torch.nn.Module, inputs: tuple, env: Env, *, pp: int, microbatches: int, solver: str,
-                 memory_budget: int | None = None, hardware: Any = None, analysis: Any = None) -> Any:
+                 memory_budget: int | None = None, hardware: Any = None, analysis: Any = None,
+                 offload: bool = False) -> Any:
     """``lynx.compile(model, inputs, ...)``, reusing ``analysis`` (``compiled.analysis`` of an
     earlier plan of the same model and hardware) when given: capture and profile run once.
 
@@ -208,7 +209,8 @@ def compiled_for(model: torch.nn.Module, inputs: tuple, env: Env, *, pp: int, mi
     from lynx.planner.loop import plan_graph
 
     config = lynx.CompileConfig(pp=pp, microbatches=microbatches, solver=solver, memory_budget=memory_budget,
-                                hardware=hardware or env.hardware, target=env.target, time_limit_s=20)
+                                hardware=hardware or env.hardware, target=env.target, time_limit_s=20,
+                                offload=offload)
     if analysis is None:
         analysis = lynx.analyze(model, inputs, target=config.target, hardware=config.hardware_spec())
     return lynx.Compiled(plan=plan_graph(analysis.graph, config, check_budget=False), config=config,

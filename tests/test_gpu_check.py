@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 from gpu_check_common import VERDICTS, CheckResult, Part  # noqa: E402
 
-IN_PROCESS = ["saved_bytes", "peak_memory", "gradients", "time", "optimizers"]
+IN_PROCESS = ["saved_bytes", "peak_memory", "gradients", "time", "offload", "optimizers"]
 
 
 def _shape(report: dict, checks: list[str]) -> None:
@@ -42,7 +42,7 @@ def test_cpu_run_passes_what_runs_without_cuda(tmp_path: Path) -> None:
     _shape(report, IN_PROCESS)
     verdicts = {name: c["verdict"] for name, c in report["checks"].items()}
     assert verdicts == {"saved_bytes": "pass", "peak_memory": "pass", "gradients": "pass", "time": "skipped",
-                        "optimizers": "pass"}, {n: c["reason"] for n, c in report["checks"].items()}
+                        "offload": "pass", "optimizers": "pass"}, {n: c["reason"] for n, c in report["checks"].items()}
     assert code == 0
     checks = report["checks"]
     # what needs CUDA is skipped and says so; what can run ran
@@ -52,6 +52,13 @@ def test_cpu_run_passes_what_runs_without_cuda(tmp_path: Path) -> None:
     assert checks["gradients"]["parts"]["full"]["figure"]["dropped_dropout_nodes"] > 0
     assert checks["time"]["parts"]["cpu-local/none"]["figure"]["measured_s"] > 0
     assert checks["optimizers"]["parts"]["host_syncs"]["verdict"] == "skipped"
+    # offload: the copies ran (synchronously) and the gradients and memory are the plan's; the
+    # overlap and step-time parts wait for a device
+    offload = checks["offload"]["parts"]
+    assert checks["offload"]["figure"]["offloaded_bytes_per_microbatch"] > 0
+    assert offload["offload-all/gradients"]["verdict"] == offload["offload-all/meter_vs_plan"]["verdict"] == "pass"
+    assert all(offload[f"offload-all/{p}"]["verdict"] == "skipped" and "CUDA" in offload[f"offload-all/{p}"]["reason"]
+               for p in ("copy_overlap", "step_vs_plan"))
     assert "not a GPU report" in (tmp_path / "gpu_check_cpu.md").read_text()
 
 
