@@ -24,7 +24,10 @@ Prints, from this one run:
     .venv/bin/python benchmarks/grid.py --full     # 8 and 32 microbatches, ~25 min → grid_full.{md,json}
     .venv/bin/python benchmarks/grid.py --models gpt-1.3b --pp 4 --tp 1 --microbatches 8 --opt
 
-Other arguments write grid_custom.{md,json}.
+    .venv/bin/python benchmarks/grid.py --full --offload   # + HEU with offload, offload baselines
+                                                         # → grid_offload_full.{md,json}
+
+Other arguments write grid_custom.{md,json} (grid_offload_custom with --offload).
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ from lynx.errors import LynxError  # noqa: E402
 
 BASELINES = ("none", "full", "full-block", "selective")
 BUDGETED = ("heu", "checkmate")
+# with --offload: the offload baselines (planned once per configuration, offload=True) and HEU
+# deciding offload with keep and recompute (planned per budget)
+OFFLOAD_BASELINES = ("offload-all", "offload-modules")
+HEU_OFFLOAD = "heu+offload"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt-time-limit", type=float, default=20.0)
     p.add_argument("--checkmate-time-limit", type=float, default=5.0, help="seconds per stage solve")
     p.add_argument("--jobs", type=int, default=2, help="worker processes")
+    p.add_argument("--offload", action="store_true",
+                   help="also HEU with offload (offload=True; the presets' host links: a100-80g PCIe 4.0 x16, "
+                        "h100-sxm PCIe 5.0 x16) and the offload baselines → grid_offload{,_full}.{md,json}")
     p.add_argument("--from-json", type=Path, default=None, help="re-summarise a saved grid_*.json (no planning)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
@@ -164,8 +174,10 @@ def record(outcome: Any) -> dict[str, Any]:
 
 
 def run_point(graph: Any, base: CompileConfig, levels: list[float], with_opt: bool, opt_limit: float,
-              checkmate_limit: float = 5.0, device_memory: int | None = None) -> list[dict] | str:
-    """Every solver at every budget level of one configuration (a string: why it was skipped)."""
+              checkmate_limit: float = 5.0, device_memory: int | None = None, offload: bool = False
+              ) -> list[dict] | str:
+    """Every solver at every budget level of one configuration (a string: why it was skipped).
+    With ``offload`` also the offload baselines and HEU deciding offload (:data:`HEU_OFFLOAD`)."""
     fixed = {}
     for solver in ("full",) + tuple(b for b in BASELINES if b != "full"):
         out = plan_graph_outcome(graph, base.replace(solver=solver), check_budget=False, pipeline=fixed.get("_pipe"),
@@ -175,6 +187,13 @@ def run_point(graph: Any, base: CompileConfig, levels: list[float], with_opt: bo
         if solver == "full" and device_memory is not None and fixed["full"]["peak"] > device_memory:
             return f"full recomputation needs {format_size(fixed['full']['peak'])} > device memory"
     pipe = fixed.pop("_pipe")
+    pipe_off = None
+    if offload:
+        for solver in OFFLOAD_BASELINES:
+            out = plan_graph_outcome(graph, base.replace(solver=solver, offload=True), check_budget=False,
+                                     pipeline=pipe_off, assemble=False)
+            pipe_off = out.pipeline
+            fixed[solver] = record(out)
     none_peak, full_peak = fixed["none"]["peak"], fixed["full"]["peak"]
     rows = []
     for level in levels:
@@ -183,15 +202,17 @@ def run_point(graph: Any, base: CompileConfig, levels: list[float], with_opt: bo
         row = {"level": level, "budget": budget, "results": {}}
         for solver, rec in fixed.items():
             row["results"][solver] = dict(rec, fits=rec["peak"] <= budget)
-        for solver in BUDGETED + (("opt",) if with_opt else ()):
+        for solver in BUDGETED + (("opt",) if with_opt else ()) + ((HEU_OFFLOAD,) if offload else ()):
             settings: dict[str, Any] = {"solver": solver}
+            if solver == HEU_OFFLOAD:
+                settings = {"solver": "heu", "offload": True}
             if solver == "opt":
                 settings["time_limit_s"] = opt_limit
             if solver == "checkmate":
                 settings["time_limit_s"] = checkmate_limit
             try:
-                out = plan_graph_outcome(graph, cfg.replace(**settings), check_budget=False, pipeline=pipe,
-                                         assemble=False)
+                out = plan_graph_outcome(graph, cfg.replace(**settings), check_budget=False,
+                                         pipeline=pipe_off if solver == HEU_OFFLOAD else pipe, assemble=False)
                 row["results"][solver] = dict(record(out), fits=out.sim.fits_budget)
             except LynxError as err:
                 row["results"][solver] = {"error": str(err), "fits": False}
@@ -211,7 +232,7 @@ def _task(task: tuple) -> tuple[str, list[dict] | str]:
     started = time.perf_counter()
     try:
         rows = run_point(_GRAPHS[(model, hw)], base, levels, args.opt, args.opt_time_limit, args.checkmate_time_limit,
-                         base.hardware_spec().memory_bytes)
+                         base.hardware_spec().memory_bytes, offload=args.offload)
     except LynxError as err:
         rows = f"invalid: {err}"
     print(f"{name}: {'skipped, ' + rows if isinstance(rows, str) else 'done'} "
@@ -219,9 +240,55 @@ def _task(task: tuple) -> tuple[str, list[dict] | str]:
     return name, rows
 
 
+LYNX = ("heu", "opt", HEU_OFFLOAD)
+
+
 def lynx_best(results: dict[str, Any]) -> dict[str, Any] | None:
-    fitting = [results[s] for s in ("heu", "opt") if s in results and results[s].get("fits")]
+    fitting = [results[s] for s in LYNX if s in results and results[s].get("fits")]
     return min(fitting, key=lambda r: r["step_time_s"]) if fitting else None
+
+
+def offload_lines(points: list[dict], levels: list[float]) -> list[str]:
+    """HEU with offload against the no-recompute step (`none`'s, fitting or not), beside
+    recompute-only HEU; violations of HEU with offload against every fitting baseline."""
+    lines, violations = [], []
+    ratios: dict[str, dict[float, list[float]]] = {"heu": {lv: [] for lv in levels},
+                                                   HEU_OFFLOAD: {lv: [] for lv in levels}}
+    for pt in points:
+        res = pt["results"]
+        off = res.get(HEU_OFFLOAD, {})
+        fitting = {s: r for s, r in res.items() if s not in LYNX and r.get("fits")}
+        if not off.get("fits"):
+            if fitting:
+                violations.append(f"{pt['name']}: HEU with offload found no fitting plan; {', '.join(fitting)} fit")
+            continue
+        for s, r in fitting.items():
+            if off["step_time_s"] > r["step_time_s"] * (1 + 1e-9):
+                violations.append(f"{pt['name']}: HEU with offload {off['step_time_s'] * 1e3:.3f} ms slower than "
+                                  f"{s} {r['step_time_s'] * 1e3:.3f} ms")
+        for solver in ratios:
+            if res.get(solver, {}).get("fits"):
+                ratios[solver][pt["level"]].append(res[solver]["step_time_s"] / res["none"]["step_time_s"])
+    lines.append(f"HEU with offload never slower than a fitting baseline (offload ones included): "
+                 f"{'YES' if not violations else 'NO'} ({len(violations)} violation(s))")
+    lines += [f"  {v}" for v in violations[:20]]
+    for lv in levels:
+        cells = []
+        for solver, label in ((HEU_OFFLOAD, "HEU with offload"), ("heu", "recompute-only HEU")):
+            xs = ratios[solver][lv]
+            if xs:
+                cells.append(f"{label} median {statistics.median(xs):.4f}× (max {max(xs):.4f}×, {len(xs)} points)")
+        if cells:
+            lines.append(f"level {lv:.1f}: step / no-recompute step: " + "; ".join(cells))
+    for s in OFFLOAD_BASELINES:
+        fits = [pt for pt in points if pt["results"].get(s, {}).get("fits")]
+        if fits:
+            xs = [pt["results"][s]["step_time_s"] / pt["results"]["none"]["step_time_s"] for pt in fits]
+            lines.append(f"{s}: fits {len(fits)} of {len(points)} points, step / no-recompute step median "
+                         f"{statistics.median(xs):.4f}× (max {max(xs):.4f}×)")
+        else:
+            lines.append(f"{s}: fits none of {len(points)} points")
+    return lines
 
 
 def summarise(points: list[dict], levels: list[float], with_opt: bool) -> list[str]:
@@ -231,7 +298,7 @@ def summarise(points: list[dict], levels: list[float], with_opt: bool) -> list[s
     for pt in points:
         res = pt["results"]
         best = lynx_best(res)
-        fitting = {s: r for s, r in res.items() if s not in ("heu", "opt") and r.get("fits")}
+        fitting = {s: r for s, r in res.items() if s not in LYNX and r.get("fits")}
         if best is None:
             if fitting:
                 why = res.get("heu", {}).get("error", "its plan does not fit")
@@ -295,11 +362,15 @@ def summarise(points: list[dict], levels: list[float], with_opt: bool) -> list[s
             f"HEU vs OPT step time: max gap {max(gaps):+.3%}, median {statistics.median(gaps):+.3%} "
             f"over {len(gaps)} points"
         )
+    if any(HEU_OFFLOAD in pt["results"] for pt in points):
+        lines += offload_lines(points, levels)
     return lines
 
 
 def write_markdown(points: list[dict], summary: list[str], path: Path, argv: list[str]) -> None:
     solvers = ["heu", "opt", "checkmate", "none", "full", "full-block", "selective"]
+    if any(HEU_OFFLOAD in pt["results"] for pt in points):
+        solvers = [HEU_OFFLOAD, *solvers, *OFFLOAD_BASELINES]
     out = [
         "# Lynx grid: step time per solver (ms), simulated; `-` = does not fit the budget",
         "",
@@ -375,7 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     summary.append(f"wall time: {time.perf_counter() - started:.0f} s")
     print("\n".join(summary))
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if argv == [] else "_full" if argv == ["--full"] else "_custom"
+    plain = [a for a in argv if a != "--offload"]
+    suffix = "" if plain == [] else "_full" if plain == ["--full"] else "_custom"
+    if args.offload:
+        suffix = "_offload" + suffix
     (args.out / f"grid{suffix}.json").write_text(
         json.dumps({"argv": argv, "summary": summary, "points": points}, indent=1)
     )

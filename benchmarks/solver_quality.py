@@ -26,6 +26,7 @@ plans' exposed recompute, and HEU's excess over OPT relative to a 1F1B step-time
     .venv/bin/python benchmarks/solver_quality.py                  # all sections, ~40 min on 2 busy cores
     .venv/bin/python benchmarks/solver_quality.py --sections sweep --opt-time-limit 10
     .venv/bin/python benchmarks/solver_quality.py --no-real --opt-time-limit 10
+    .venv/bin/python benchmarks/solver_quality.py --sections sweep --offload   # both deciding offload too
 
 Writes benchmarks/results/solver_quality.{md,json}.
 """
@@ -186,19 +187,25 @@ SWEEP = [
 SWEEP_OPT_LIMIT = {"gpt-tiny": 10.0, "llama-tiny": 10.0, "gpt-1.3b": 10.0, "gpt-2.7b": 10.0}
 
 
-def sweep(opt_limit: float, models: list[str] | None = None) -> tuple[list[dict], list[str]]:
-    """Whole plans with HEU and OPT over :data:`SWEEP`, scored by the simulator."""
+def sweep(opt_limit: float, models: list[str] | None = None, offload: bool = False) -> tuple[list[dict], list[str]]:
+    """Whole plans with HEU and OPT over :data:`SWEEP`, scored by the simulator; with ``offload``
+    both decide offload too (``offload=True``, h100-sxm's PCIe 5.0 host link) on the points whose
+    schedule offload plans (one chunk per device: not interleaved)."""
+    from lynx.planner.offload_costs import OFFLOAD_SCHEDULES
     from lynx.frontend.analyze import analyze
     from lynx.planner.loop import plan_graph_outcome
     from lynx.config import CompileConfig
     from lynx.models import resolve_model
+    from lynx.solvers.offload import total_exposed_s
     from lynx.solvers.problem import exposed_recompute_s
+
+    exposed = total_exposed_s if offload else exposed_recompute_s   # (with offload: + copy waits)
 
     graphs: dict[str, object] = {}
     rows: list[dict] = []
     lines = [
         "",
-        "## Sweep: whole plans (fixed point, simulator), HEU vs OPT",
+        "## Sweep: whole plans (fixed point, simulator), HEU vs OPT" + (", both with offload" if offload else ""),
         "",
         "| point | budget level | HEU step ms | OPT step ms | HEU − OPT / OPT step | OPT status (stages) | "
         "worst stage: HEU − OPT exposed recompute ms (/ OPT step) | HEU s | OPT s |",
@@ -208,12 +215,15 @@ def sweep(opt_limit: float, models: list[str] | None = None) -> tuple[list[dict]
     for model, pp, tp, m, sched, levels in SWEEP:
         if models and model not in models:
             continue
+        if offload and sched not in OFFLOAD_SCHEDULES:
+            continue
         if model not in graphs:
             r = resolve_model(model)
             graphs[model] = analyze(r.model, r.example_inputs, target="cuda", hardware="h100-sxm").graph
         graph = graphs[model]
         base = CompileConfig(
-            pp=pp, tp=tp, microbatches=m, schedule=sched, hardware="h100-sxm", memory_budget=2**50, solver="none"
+            pp=pp, tp=tp, microbatches=m, schedule=sched, hardware="h100-sxm", memory_budget=2**50, solver="none",
+            offload=offload,
         )
         try:
             none = plan_graph_outcome(graph, base, check_budget=False, assemble=False)
@@ -262,8 +272,8 @@ def sweep(opt_limit: float, models: list[str] | None = None) -> tuple[list[dict]
                     o = solve("opt", problem, time_limit_s=limit)
                 except LynxError:
                     continue
-                heu_exposed = exposed_recompute_s(problem, result.assignment)
-                opt_exposed = exposed_recompute_s(problem, o.assignment)
+                heu_exposed = exposed(problem, result.assignment)
+                opt_exposed = exposed(problem, o.assignment)
                 excess = heu_exposed - opt_exposed
                 stage_gaps.append(
                     {
@@ -350,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-real", action="store_true")
     ap.add_argument("--sections", default="synthetic,real,sweep", help="which of synthetic,real,sweep to run")
     ap.add_argument("--sweep-models", default="", help="limit the sweep to these models (comma-separated)")
+    ap.add_argument("--offload", action="store_true",
+                    help="the sweep with offload=True (HEU with offload vs OPT with offload) → "
+                         "solver_quality_offload.{md,json}")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -407,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     lines += summary
     if "sweep" in sections:
-        sweep_rows, sweep_lines = sweep(args.opt_time_limit, [m for m in args.sweep_models.split(",") if m])
+        sweep_rows, sweep_lines = sweep(args.opt_time_limit, [m for m in args.sweep_models.split(",") if m],
+                                        offload=args.offload)
         for r in sweep_rows:
             r["kind"] = "sweep"
         rows += sweep_rows
@@ -418,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("\n".join(summary))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "solver_quality.md").write_text("\n".join(lines) + "\n")
-    (args.out / "solver_quality.json").write_text(json.dumps(rows, indent=1))
+    stem = "solver_quality_offload" if args.offload else "solver_quality"
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 
