@@ -18,7 +18,7 @@ from lynx.planner.hardware_files import load_hardware_file
 
 MEASURED = ("peak_flops.float32", "peak_flops.bfloat16", "memory_bandwidth", "op_overhead_s", "rng_s_per_element",
             "optimizer_s_per_param.demo", "runtime_action_s", "links.alpha_s", "links.beta_bytes_per_s",
-            "host_link.d2h_bytes_per_s", "host_link.alpha_s")
+            "links.tp.alpha_s", "links.tp.beta_bytes_per_s", "host_link.d2h_bytes_per_s", "host_link.alpha_s")
 CPU_TIMED = ("peak_flops.float32", "memory_bandwidth", "op_overhead_s", "optimizer_s_per_param.demo")
 
 
@@ -77,6 +77,10 @@ def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> Non
     assert all(r > 0 for r in spec.peak_flops.values()) and spec.memory_bandwidth > 0 and spec.op_overhead_s > 0
     assert set(spec.optimizer_s_per_param) == {"adamw", "demo", "lion"}
     assert spec.links["pp"] == spec.links["dp"] and spec.links["pp"].alpha_s > 0
+    # tp: all-reduces as a TP stage issues them, plus what each costs inside a sharded stage
+    assert spec.links["tp"] != spec.links["pp"] and spec.links["tp"].alpha_s > 0
+    assert any("tp: the functional all-reduce" in n and "per collective" in n for n in cal.notes)
+    assert "links.tp.alpha_s" in result.output
     # offload on a CPU: a memcpy on the compute thread, measured
     assert spec.host_link.synchronous and spec.host_link.h2d_bytes_per_s > 1e8 and spec.host_memory_bytes > 0
     assert load_hardware_file(auto_path()).model_dump() == spec.model_dump()  # the cache `auto` reads
@@ -122,3 +126,34 @@ def test_generated_op_overhead_is_measured_on_generated_code() -> None:
     assert generated_op_overhead_s(small, free, graphs_s) == pytest.approx(graphs_s / ops, rel=1e-3)
     slow = {"matmul_flops": 1e6, "memory_bandwidth": 1e6, "rng_s_per_element": 1e-3}  # priced above any time
     assert generated_op_overhead_s(small, slow, graphs_s) == 0.0
+
+
+def test_the_tp_link_is_fitted_to_all_reduce_times() -> None:
+    """α + n/β through the ladder's times, recovered exactly from exact times; the link prices
+    those all-reduces back (lynx.planner.cost.allreduce_time) for 2 and for 4 ranks."""
+    from lynx.calibrate.allreduce import LADDER_BYTES, allreduce_link, fit_allreduce
+    from lynx.calibrate.tp_stage import per_collective_s
+    from lynx.planner.cost import allreduce_time
+
+    times = [180e-6 + n / 2.5e9 for n in LADDER_BYTES]
+    link = fit_allreduce(LADDER_BYTES, times)
+    assert link.alpha_s == pytest.approx(90e-6) and link.beta_bytes_per_s == pytest.approx(2.5e9)
+    assert [allreduce_time(n, 2, link) for n in LADDER_BYTES] == pytest.approx(times)
+    four = fit_allreduce(LADDER_BYTES, times, world=4)
+    assert [allreduce_time(n, 4, four) for n in LADDER_BYTES] == pytest.approx(times)
+    # per size, the median over the repeats; each repeat fitted alone for the spread
+    repeats = [[t * f for t in times] for f in (1.0, 1.5, 0.9)]
+    median, per_repeat = allreduce_link(repeats)
+    assert median.alpha_s == pytest.approx(90e-6) and [r.alpha_s for r in per_repeat] == pytest.approx(
+        [90e-6, 135e-6, 81e-6])
+    # times on a line with a negative intercept (noise at the small sizes): through the origin
+    # instead, never a negative α; times falling with size: never a β ≤ 0
+    through_origin = fit_allreduce([1000, 2000, 4000], [1e-6, 3e-6, 7e-6])
+    assert through_origin.alpha_s == 0.0 and through_origin.beta_bytes_per_s > 0
+    flat = fit_allreduce([1000, 2000], [5e-4, 4e-4])
+    assert flat.alpha_s > 0 and flat.beta_bytes_per_s == 1e14   # the fastest β a link may have
+    with pytest.raises(Exception, match="2 or more"):
+        fit_allreduce([1000], [1e-4])
+    # a sharded stage's excess over its price, per collective it issued; never below zero
+    assert per_collective_s(0.010, 0.006, 64) == pytest.approx(62.5e-6)
+    assert per_collective_s(0.005, 0.006, 64) == 0.0 and per_collective_s(0.01, 0.0, 0) == 0.0

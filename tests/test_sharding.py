@@ -3,9 +3,9 @@ tests/runtime/test_tp_pipeline.py for the runs).
 
 The default plan found from the repeated layer (Megatron's layout) for lynx's GPT (fused q/k/v
 split in three) and Llama (GQA, SwiGLU), a plain nn.Module; overrides in torchtitan's form;
-errors naming the module; the planner's per-rank costs (sharded ops 1/tp, replicated ones
-whole, two all-reduces each way per layer, parameters of the sharded linears 1/tp); the
-memory model's TP windows; the runtime's check of the collectives a traced stage issues.
+errors naming the module; the planner's per-rank costs (sharded ops' arithmetic 1/tp, their
+per-op host cost and replicated ones whole, two all-reduces each way per layer, parameters of
+the sharded linears 1/tp); the memory model's TP windows; the runtime's check of the collectives a traced stage issues.
 """
 
 from __future__ import annotations
@@ -146,11 +146,16 @@ def test_a_rank_costs_its_shard(gpt):
 
     comm = CommModel.from_hardware(gpt.hardware, tp=2, dp=1, optimizer="adamw")
     assert cost.tp_forward_s == pytest.approx(2 * comm.tp_allreduce(activation))
-    # replicated norms and adds run whole, the sharded rest in halves
-    whole = sum(nodes[n]["forward_s"] for n in graph.graph["blocks"][1]["nodes"])
-    replicated = sum(nodes[n]["forward_s"] for n in graph.graph["blocks"][1]["nodes"]
-                     if nodes[n]["tp_compute"] == "replicate")
-    assert cost.forward_s == pytest.approx(replicated + (whole - replicated) / 2)
+    # replicated norms and adds run whole, the sharded rest's arithmetic in halves; every op's host
+    # cost (the generated code dispatching it) whole on each rank
+    layer = graph.graph["blocks"][1]["nodes"]
+    whole = sum(nodes[n]["forward_s"] for n in layer)
+    replicated = sum(nodes[n]["forward_s"] for n in layer if nodes[n]["tp_compute"] == "replicate")
+    host = sum(nodes[n]["forward_host_s"] for n in layer if nodes[n]["tp_compute"] == "shard")
+    assert host == pytest.approx(gpt.hardware.op_overhead_s * sum(nodes[n]["forward_ops"] for n in layer
+                                                                  if nodes[n]["tp_compute"] == "shard"))
+    assert 0 < host < whole - replicated
+    assert cost.forward_s == pytest.approx(replicated + host + (whole - replicated - host) / 2)
     sharded = graph.graph["blocks"][1]["tp_sharded_param_bytes"]
     assert 0 < sharded < graph.graph["param_bytes"][1]
     assert cost.param_bytes == graph.graph["param_bytes"][1] - sharded // 2

@@ -51,15 +51,16 @@ OPTIMIZERS = ("adamw", "demo", "lion")
 
 
 class ReferenceModel:
-    """gpt-tiny at the given shapes, captured, profiled and planned (``pp`` stages, everything
-    kept) once for every repeat; ``compiled`` is what :class:`lynx.runtime.Pipeline` runs."""
+    """gpt-tiny at the given shapes, captured, profiled and planned (``pp`` stages of ``tp``
+    ranks, everything kept) once for every repeat; ``compiled`` is what
+    :class:`lynx.runtime.Pipeline` runs."""
 
-    def __init__(self, seq: int = 64, microbatch: int = 8, pp: int = 1, microbatches: int = 4) -> None:
+    def __init__(self, seq: int = 64, microbatch: int = 8, pp: int = 1, microbatches: int = 4, tp: int = 1) -> None:
         import lynx
 
         torch.manual_seed(0)
         self.resolved = lynx.models.resolve_model("gpt-tiny", seq=seq, microbatch=microbatch, device="cpu")
-        self.compiled = lynx.compile(self.resolved.model, self.resolved.example_inputs, pp=pp,
+        self.compiled = lynx.compile(self.resolved.model, self.resolved.example_inputs, pp=pp, tp=tp,
                                      microbatches=microbatches, solver="none", hardware="cpu-local", target="cpu")
         self.analysis = self.compiled.analysis
 

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from lynx.calibrate.repeats import Repeated
+from lynx.planner.cost import allreduce_time
+from lynx.units import format_size
 from lynx.errors import LynxRuntimeError
 from lynx.planner.hardware import HARDWARE_PRESETS, RELIABLE_SPREAD, Calibration, HardwareSpec, LinkSpec
 
@@ -112,14 +114,20 @@ def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict
 def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     from lynx.calibrate.cpu import OPTIMIZERS, ReferenceModel, generated_graphs_s, generated_op_overhead_s
     from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s, optimizer_s_per_param
+    from lynx.calibrate.allreduce import LADDER_BYTES, allreduce_link, measure_allreduce
     from lynx.calibrate.cpu import priced_graphs_s
     from lynx.calibrate.host_copies import memcpy_link
     from lynx.calibrate.links import measure_link
     from lynx.calibrate.runtime import runtime_action_s
+    from lynx.calibrate.tp_stage import per_collective_s, priced_stage_s, tp_stage_s
 
-    say.total(3 + repeats)
-    say.step("gloo link between two processes (α: fastest 1-element round trip, β: 1 MiB)")
-    alphas, betas = measure_link("gloo", repeats=repeats)  # first: the workers fork before any thread pool exists
+    say.total(4 + repeats)
+    ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
+    say.step("gloo between two processes: pp/dp link (1-element and 1 MiB round trips), tp link (all-reduces "
+             f"of {ladder})")
+    # first: the workers fork before any thread pool exists
+    alphas, betas = measure_link("gloo", repeats=repeats)
+    tp_link, tp_fits = allreduce_link(measure_allreduce(repeats=repeats))
     torch.set_num_threads(1)
     say.step("capturing the references: gpt-tiny at seq 64 × 8, and at seq 4 × 1 in 2 stages")
     reference = ReferenceModel()
@@ -166,14 +174,25 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         "name": f"{socket.gethostname()}-cpu", "device": "cpu",
         "peak_flops": {d: m[f"peak_flops.{d}"].median for d in ("float32", "bfloat16", "float16")},
         "achievable_fraction": 1.0, "memory_bandwidth": m["memory_bandwidth"].median,
-        "memory_bytes": _physical_memory(), "links": {"pp": link, "tp": link, "dp": link},
+        "memory_bytes": _physical_memory(), "links": {"pp": link, "tp": tp_link, "dp": link},
         "op_overhead_s": m["op_overhead_s"].value, "rng_s_per_element": m["rng_s_per_element"].median,
         "optimizer_s_per_param": {o: m[f"optimizer_s_per_param.{o}"].value for o in OPTIMIZERS},
         "host_link": {**{k.split(".", 1)[1]: m[k].median for k in _HOST_LINK}, "synchronous": True},
         "host_memory_bytes": _physical_memory() // 2,
         "runtime_action_s": m["runtime_action_s"].value,
     }
-    measured = [*m.values(), alpha, beta]
+    say.step("a tensor-parallel stage on 2 processes: what its collectives cost beyond the all-reduces alone")
+    sharded = ReferenceModel(seq=4, microbatch=1, tp=2)
+    stage_walls = tp_stage_s(sharded, repeats=repeats, runs=3)
+    priced, collectives = priced_stage_s(sharded, HardwareSpec(**fields))
+    extra = [per_collective_s(w, priced, collectives) for w in stage_walls]
+    # a ring all-reduce over 2 ranks pays 2 α (lynx.planner.cost.allreduce_time): the per-collective
+    # term rides on α, so every TP collective the timeline prices carries it
+    tp_alpha = Repeated("links.tp.alpha_s", [f.alpha_s + e / 2 for f, e in zip(tp_fits, extra)])
+    fields["links"] = {**fields["links"], "tp": LinkSpec(alpha_s=tp_link.alpha_s + statistics.median(extra) / 2,
+                                                         beta_bytes_per_s=tp_link.beta_bytes_per_s)}
+    measured = [*m.values(), alpha, beta, tp_alpha,
+                Repeated("links.tp.beta_bytes_per_s", [f.beta_bytes_per_s for f in tp_fits])]
     modelled = priced_graphs_s(reference, rates, fields["op_overhead_s"])
     notes = ["one thread per process, as a training rank runs; every figure timed on it is the fastest of several "
              "runs in the thread's CPU time, which other load inflates far less than wall time (only through the "
@@ -189,7 +208,15 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
              f"{min(main) * 1e6:.0f}-{max(main) * 1e6:.0f} µs per action of a rank's list (forward, backward, "
              f"send, receive) on the main thread beside the graphs, {min(threads) * 1e6:.0f}-"
              f"{max(threads) * 1e6:.0f} µs in its other threads (p2p waiters, gloo); the least sum is the figure",
-             "links: gloo between two processes of this host, the fastest repeat; pp, tp and dp all use it",
+             "links: gloo between two processes of this host; pp and dp: point-to-point round trips, the fastest "
+             "repeat; tp: the functional all-reduce and its wait as a TP stage's generated code runs them, per size "
+             f"({ladder}) the fastest of 40 per repeat, α + n/β fitted to the repeats' medians (α "
+             f"{tp_link.alpha_s * 1e6:.1f} µs, a 32 KiB all-reduce {allreduce_time(32768, 2, tp_link) * 1e6:.0f} µs), "
+             f"and α raised by half of what each collective costs inside a TP stage beyond that: gpt-tiny at seq "
+             f"4 × 1 in pp 1 × tp 2 on 2 processes ran its generated graphs in {min(stage_walls) * 1e3:.1f}-"
+             f"{max(stage_walls) * 1e3:.1f} ms (the fastest of 3, per repeat), priced at {priced * 1e3:.1f} ms "
+             f"without it: {statistics.median(extra) * 1e6:.0f} µs more per collective ({collectives} per run), "
+             f"a 32 KiB all-reduce {allreduce_time(32768, 2, fields['links']['tp']) * 1e6:.0f} µs in all",
              "bfloat16/float16 matmul: float32's fitted rate × their speed on a (512, 128) @ (128, 512) matmul",
              "host link (offload): one thread copying 64 MiB between two buffers; host memory: half the RAM"]
     return fields, measured, notes, 1

@@ -42,7 +42,7 @@ import torch
 from lynx.calibrate.cpu import ReferenceModel
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["runtime_action_s"]
+__all__ = ["runtime_action_s", "graphs_alone"]
 
 
 def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8,
@@ -105,7 +105,7 @@ def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, steps
         captured = compiled.analysis.captured
         batch = [torch.cat([x] * m) for x in captured.example_inputs]  # the step's m microbatches
         pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
-        graphs = _graphs_alone(pipe.stage, dict(zip(captured.input_names, captured.example_inputs)), m)
+        graphs = graphs_alone(pipe.stage, dict(zip(captured.input_names, captured.example_inputs)), m)
         for _ in range(3):
             pipe.step(*batch)   # warm-up: the joint graphs' traces, the gloo pairs' connections
             graphs()
@@ -131,7 +131,7 @@ def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, steps
         os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
 
 
-def _graphs_alone(stage: Any, inputs: dict[str, torch.Tensor], m: int) -> Any:
+def graphs_alone(stage: Any, inputs: dict[str, torch.Tensor], m: int) -> Any:
     """A step's forwards and backwards of ``stage`` with nothing sent: received values and the
     gradients of sent ones are made up once, in their shapes."""
     from lynx.runtime.p2p import boundary_meta

@@ -23,6 +23,7 @@ _UNITS = {  # field prefix -> (scale, unit)
     "peak_flops": (1e-9, "GFLOP/s"), "memory_bandwidth": (1e-9, "GB/s"), "op_overhead_s": (1e6, "µs"),
     "rng_s_per_element": (1e9, "ns/number"), "optimizer_s_per_param": (1e9, "ns/param"),
     "links.alpha_s": (1e6, "µs"), "links.beta_bytes_per_s": (1e-9, "GB/s"), "runtime_action_s": (1e6, "µs/action"),
+    "links.tp.alpha_s": (1e6, "µs"), "links.tp.beta_bytes_per_s": (1e-9, "GB/s"),
     "host_link.alpha_s": (1e6, "µs"), "host_link.d2h": (1e-9, "GB/s"), "host_link.h2d": (1e-9, "GB/s"),
 }
 
@@ -36,6 +37,9 @@ def calibration_rows(spec: Any) -> list[tuple[str, float, str, Optional[float]]]
                    "rng_s_per_element": spec.rng_s_per_element, "runtime_action_s": spec.runtime_action_s,
                    **{f"optimizer_s_per_param.{k}": v for k, v in spec.optimizer_s_per_param.items()},
                    "links.alpha_s": link.alpha_s, "links.beta_bytes_per_s": link.beta_bytes_per_s})
+    if spec.links["tp"] != link:  # measured apart: a TP stage's all-reduces (lynx.calibrate.allreduce)
+        values.update({"links.tp.alpha_s": spec.links["tp"].alpha_s,
+                       "links.tp.beta_bytes_per_s": spec.links["tp"].beta_bytes_per_s})
     if spec.host_link is not None:
         values.update({f"host_link.{k}": getattr(spec.host_link, k)
                        for k in ("alpha_s", "d2h_bytes_per_s", "h2d_bytes_per_s")})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -142,6 +143,7 @@ def plan_command(
         config = _config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
                          solver, time_limit, target, seed, iterations, offload,
                          host_memory_budget).replace(compile=compile_graphs)
+        config = _shared_cores(config) if hardware == "auto" else config
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
             config, _sharding = apply_sharding(analysis, config)   # tp > 1: the default sharding, recorded
@@ -158,6 +160,23 @@ def plan_command(
         console.print(_tp_line(sharding, used), soft_wrap=True)
     console.print(f"wrote {output}")
     console.print(f"phases: {phases.format()}", soft_wrap=True)
+
+
+def _shared_cores(config: CompileConfig) -> CompileConfig:
+    """``auto`` is this machine with a core per rank: where the mesh has more ranks than this
+    machine has cores, each rank's share of one (as ``examples/train_gpt.py`` plans,
+    :func:`lynx.planner.hardware.share_cores`), said on stderr."""
+    from lynx.planner.hardware import share_cores
+
+    spec = config.hardware_spec()
+    ranks = config.pp * config.tp * config.dp
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    shared = share_cores(spec, ranks, cores)
+    if shared is spec:
+        return config
+    typer.echo(f"hardware auto: {ranks} ranks (pp {config.pp} × tp {config.tp} × dp {config.dp}) on this machine's "
+               f"{cores} cores: planned with each rank on {cores}/{ranks} of a core ({shared.name})", err=True)
+    return config.replace(hardware=shared)
 
 
 def _tp_line(sharding: Any, config: CompileConfig) -> str:

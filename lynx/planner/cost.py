@@ -104,11 +104,15 @@ def optimizer_step_s(params: int, optimizer: str, hw: HardwareSpec) -> float:
 
 
 def annotate_times(G: nx.DiGraph, hw: HardwareSpec, dtype: str | None = None) -> nx.DiGraph:
-    """Fill ``forward_s`` and ``backward_s`` of every node from the analytic model."""
+    """Fill ``forward_s`` and ``backward_s`` of every node from the analytic model, and the
+    per-op host part of each (``forward_host_s``, ``backward_host_s``)."""
     dtype = dtype or (G.graph.get("dims") or {}).get("dtype") or "float32"
     for _, attrs in G.nodes(data=True):
         attrs["forward_s"] = node_forward_s(attrs, hw, dtype)
         attrs["backward_s"] = node_backward_s(attrs, hw, dtype)
+        # the per-op host part, which a tensor-parallel rank pays whole (lynx.planner.tp_costs)
+        attrs["forward_host_s"] = _ops(attrs, "forward_ops", 1) * hw.op_overhead_s
+        attrs["backward_host_s"] = _ops(attrs, "backward_ops", 0 if attrs.get("is_view") else 1) * hw.op_overhead_s
     G.graph["hardware"] = hw.name
     G.graph["time_source"] = "analytic"
     return G

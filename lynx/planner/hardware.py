@@ -280,14 +280,17 @@ def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
     """``hw`` (a CPU spec, one core per rank) as each of ``ranks`` processes sees it on ``cores``.
 
     With more ranks than cores, a busy rank gets ``cores / ranks`` of a core: compute rates
-    scale down and host costs up by that share (links are left as they are). A GPU spec, or
-    no more ranks than cores, is returned unchanged.
+    scale down and host costs up by that share, and so does the tensor-parallel link, whose
+    every collective is host work on a CPU (the pipeline's and data-parallel links are left as
+    they are). A GPU spec, or no more ranks than cores, is returned unchanged.
 
     Example::
 
         >>> shared = share_cores(get_hardware("cpu-local"), ranks=4, cores=2)
         >>> shared.name, shared.op_overhead_s == 2 * get_hardware("cpu-local").op_overhead_s
         ('cpu-local-4on2', True)
+        >>> shared.links["tp"].alpha_s == 2 * get_hardware("cpu-local").links["tp"].alpha_s, shared.links["pp"].alpha_s
+        (True, 0.00015)
     """
     if hw.device != "cpu" or ranks <= cores or cores < 1:
         return hw
@@ -300,4 +303,8 @@ def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
         "rng_s_per_element": hw.rng_s_per_element / share,
         "optimizer_s_per_param": {k: v / share for k, v in hw.optimizer_s_per_param.items()},
         "runtime_action_s": hw.runtime_action_s / share,
+        # a CPU's tp link is host work too (lynx.calibrate.allreduce, lynx.calibrate.tp_stage: gloo
+        # copying through loopback, its threads waking, the collectives' dispatch); pp and dp keep theirs
+        "links": {**hw.links, "tp": LinkSpec(alpha_s=hw.links["tp"].alpha_s / share,
+                                             beta_bytes_per_s=hw.links["tp"].beta_bytes_per_s * share)},
     })

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import networkx as nx
 
 from lynx.errors import LynxConfigError
-from lynx.planner.tp_costs import device_param_bytes, layer_allreduce_s, marked, time_share
+from lynx.planner.tp_costs import device_param_bytes, layer_allreduce_s, marked, rank_seconds
 from lynx.planner.comm import CommModel
 from lynx.planner.cost import weight_grad_share
 from lynx.units import dtype_bytes
@@ -150,11 +150,12 @@ def block_costs(graph: nx.DiGraph, comm: CommModel, *, tp: int, optimizer: str) 
     costs = []
     for block in graph.graph["blocks"]:
         nodes = block["nodes"]
-        # per TP rank: sharded ops 1/tp, replicated ones whole (lynx.planner.tp_costs)
-        forward = sum(graph.nodes[n].get("forward_s", 0.0) * time_share(graph.nodes[n], tp) for n in nodes)
-        backward = sum(graph.nodes[n].get("backward_s", 0.0) * time_share(graph.nodes[n], tp) for n in nodes)
-        weight = sum(weight_grad_share(graph.nodes[n].get("op", "")) * graph.nodes[n].get("backward_s", 0.0)
-                     * time_share(graph.nodes[n], tp) for n in nodes)
+        # per TP rank: sharded ops' arithmetic 1/tp, replicated ones and every op's host cost whole
+        # (lynx.planner.tp_costs)
+        forward = sum(rank_seconds(graph.nodes[n], "forward_s", tp) for n in nodes)
+        backward = sum(rank_seconds(graph.nodes[n], "backward_s", tp) for n in nodes)
+        weight = sum(weight_grad_share(graph.nodes[n].get("op", "")) * rank_seconds(graph.nodes[n], "backward_s", tp)
+                     for n in nodes)
         tp_forward = tp_backward = 0.0
         if tp > 1 and nodes:
             activation = int(graph.nodes[nodes[-1]].get("output_bytes", 0))  # the layer's output (s, b, h)

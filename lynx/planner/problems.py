@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import networkx as nx
 
-from lynx.planner.tp_costs import bytes_per_rank, marked, time_share
+from lynx.planner.tp_costs import bytes_per_rank, marked, rank_seconds
 from lynx.planner.comm import CommModel
 from lynx.planner.copy_lanes import HostCopies
 from lynx.planner.offload_costs import check_offload_schedule, copy_loads, offload_decision_fields, stage_copies
@@ -164,7 +164,7 @@ def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tup
             name=n,
             saved_bytes=bytes_per_rank(attrs.get("saved_bytes", 0), attrs, tp),
             output_saved=bool(attrs.get("output_saved", False)),
-            recompute_s=float(attrs.get("forward_s", 0.0)) * time_share(attrs, tp),
+            recompute_s=rank_seconds(attrs, "forward_s", tp),
             inputs=tuple(p for p in graph.predecessors(n) if p in members and p not in reduced),
             layer=attrs.get("layer"),
             layer_class=str(attrs.get("layer_class", "")),

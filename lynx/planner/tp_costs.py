@@ -1,8 +1,10 @@
 """Costs of one tensor-parallel rank, from the marks :func:`lynx.frontend.tp_profile.annotate_tp` leaves.
 
-A node marked ``tp_compute="shard"`` takes 1/tp of its time on a rank, ``"replicate"`` all of
-it; ``tp_output`` scales what it saves and outputs the same way; ``tp_allreduce`` is the
-(forward, backward) bytes of the all-reduces it issues, priced on the TP link. A graph without
+A node marked ``tp_compute="shard"`` takes 1/tp of its arithmetic on a rank, ``"replicate"`` all
+of it, and every rank pays its per-op host cost (``forward_host_s``/``backward_host_s``: the
+generated code dispatching each op, which a shard does not make cheaper) whole; ``tp_output``
+scales what it saves and outputs the same way; ``tp_allreduce`` is the (forward, backward)
+bytes of the all-reduces it issues, priced on the TP link. A graph without
 marks (synthetic graphs, models planned before sharding plans existed) keeps the uniform
 approximation: everything divides by tp and each layer issues two activation-sized all-reduces
 each way.
@@ -12,6 +14,8 @@ Example::
     >>> attrs = {"tp_compute": "shard", "tp_output": "replicate"}
     >>> time_share(attrs, 4), bytes_per_rank(1000, attrs, 4), bytes_per_rank(1000, {}, 4)
     (0.25, 1000, 250)
+    >>> rank_seconds({"forward_s": 5.0, "forward_host_s": 3.0, **attrs}, "forward_s", 4)   # host 3 whole, 2 / 4
+    3.5
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["time_share", "bytes_per_rank", "layer_allreduce_s", "device_param_bytes", "marked"]
+__all__ = ["time_share", "rank_seconds", "bytes_per_rank", "layer_allreduce_s", "device_param_bytes", "marked"]
 
 
 def marked(attrs: Mapping[str, Any]) -> bool:
@@ -30,6 +34,16 @@ def marked(attrs: Mapping[str, Any]) -> bool:
 def time_share(attrs: Mapping[str, Any], tp: int) -> float:
     """The share of a node's compute one of ``tp`` ranks runs."""
     return 1.0 if tp > 1 and attrs.get("tp_compute", "shard") == "replicate" else 1.0 / tp
+
+
+def rank_seconds(attrs: Mapping[str, Any], key: str, tp: int) -> float:
+    """A node's ``forward_s`` or ``backward_s`` (``key``) on one of ``tp`` ranks: the per-op host
+    part whole, the rest by :func:`time_share` (a graph timed without the split scales all of it)."""
+    total = float(attrs.get(key, 0.0))
+    if tp <= 1:
+        return total
+    host = min(total, float(attrs.get(key.replace("_s", "_host_s"), 0.0)))
+    return host + (total - host) * time_share(attrs, tp)
 
 
 def bytes_per_rank(nbytes: Any, attrs: Mapping[str, Any], tp: int) -> int:

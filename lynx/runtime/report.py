@@ -89,6 +89,9 @@ class RunSummary:
     hidden_s: float = 0.0
     compute_s: dict[int, float] = field(default_factory=dict)    # stage -> forward + backward + recompute
     predicted_compute_s: dict[int, float] = field(default_factory=dict)
+    # stage -> the TP all-reduces its graphs wait for, as the plan prices them (in predicted_compute_s:
+    # a TP stage's measured forward and backward include those waits)
+    predicted_tp_s: dict[int, float] = field(default_factory=dict)
     sync_s: dict[int, float] = field(default_factory=dict)       # stage -> optimizer step and its collectives
     activation_budget_bytes: dict[int, int] = field(default_factory=dict)  # stage -> budget less static memory
     load: RunLoad | None = None
@@ -127,6 +130,10 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any, load: RunLoad |
     if plan is not None:
         for device, kind, begin, end in plan.timeline:
             if kind in ("compute", "recompute"):
+                summary.predicted_compute_s[device] = summary.predicted_compute_s.get(device, 0.0) + end - begin
+        for device, kind, begin, end, label in getattr(plan, "timeline_detail", ()):
+            if kind == "comm" and (label.startswith("tp ") or ".tp." in label):
+                summary.predicted_tp_s[device] = summary.predicted_tp_s.get(device, 0.0) + end - begin
                 summary.predicted_compute_s[device] = summary.predicted_compute_s.get(device, 0.0) + end - begin
         summary.predicted_step_s = plan.predicted.step_time_s
         summary.predicted_activation_bytes = {sp.index: sp.activation_bytes for sp in plan.stages}
@@ -195,8 +202,10 @@ def format_summary(summary: RunSummary, plan: Any = None) -> str:
     for stage in sorted(summary.compute_s):
         line = f"stage {stage} compute (forward, backward, recompute): measured {summary.compute_s[stage] * 1e3:.1f} ms"
         if summary.predicted_compute_s.get(stage):
-            line += (f", predicted {summary.predicted_compute_s[stage] * 1e3:.1f} ms (measured/predicted "
-                     f"{summary.compute_s[stage] / summary.predicted_compute_s[stage]:.2f})")
+            tp = summary.predicted_tp_s.get(stage)
+            line += (f", predicted {summary.predicted_compute_s[stage] * 1e3:.1f} ms"
+                     + (f" with {tp * 1e3:.1f} ms of TP all-reduces waited for" if tp else "")
+                     + f" (measured/predicted {summary.compute_s[stage] / summary.predicted_compute_s[stage]:.2f})")
         lines.append(line + f"; optimizer step + data-parallel sync {summary.sync_s[stage] * 1e3:.1f} ms")
     for stage in sorted(summary.peak_saved_bytes):
         measured = summary.peak_saved_bytes[stage]

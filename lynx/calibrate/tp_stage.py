@@ -1,0 +1,151 @@
+"""What a tensor-parallel collective costs inside a TP stage, beyond the all-reduce alone.
+
+The all-reduce ladder (:mod:`lynx.calibrate.allreduce`) times collectives back to back, with
+gloo's threads awake. Inside a TP stage's generated code each all-reduce comes between ops:
+its issue and wait wake threads that slept through the compute before it, the two ranks meet
+only as fast as the later one arrives, and the sharded graph runs ops the unsharded profile
+does not count (the DTensor conversions around each sharded linear: views, a bias added after
+the reduction). On the development machine (a 2-vCPU VM) gpt-tiny at seq 32 × 4 and tp 2 ran
+its generated graphs in 27 ms of CPU time but 100 ms of wall time, 64 all-reduces that cost
+0.18 ms each back to back costing ~1.2 ms each there.
+
+:func:`tp_stage_s` measures that on the thing itself: a small reference (gpt-tiny at seq 4 × 1,
+4 microbatches, compiled for pp 1 × tp 2, :class:`~lynx.calibrate.cpu.ReferenceModel`) runs
+through :class:`lynx.runtime.Pipeline`'s stage on two forked processes (gloo on 127.0.0.1, a
+port of their own), its 4 microbatches' forwards then backwards, and each repeat keeps the
+fastest run's wall seconds (other load only delays a run). :func:`per_collective_s` takes what
+the cost model prices that run at — the arithmetic and per-op cost of the rank's nodes
+(:func:`lynx.planner.tp_costs.rank_seconds`) and every all-reduce on the fitted link — from it,
+and divides what is left by the collectives the run issued: the per-collective term the tp
+link's α carries (:mod:`lynx.calibrate.host`).
+
+Example (forks two processes; a few seconds)::
+
+    >>> from lynx.calibrate.cpu import ReferenceModel
+    >>> from lynx.calibrate.tp_stage import tp_stage_s
+    >>> sharded = ReferenceModel(seq=4, microbatch=1, tp=2)               # doctest: +SKIP
+    >>> walls = tp_stage_s(sharded, repeats=1, runs=2)                     # doctest: +SKIP
+    >>> 0 < walls[0] < 1.0                                                 # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import torch
+
+from lynx.calibrate.cpu import ReferenceModel
+from lynx.errors import LynxRuntimeError
+
+__all__ = ["tp_stage_s", "priced_stage_s", "per_collective_s"]
+
+
+def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0) -> list[float]:
+    """Per repeat, the fastest of ``runs`` wall seconds of the TP reference's generated forwards
+    and backwards (all its microbatches) on rank 0 of two forked processes. Needs ``fork``."""
+    if not hasattr(os, "fork"):
+        raise LynxRuntimeError("measuring a tensor-parallel stage forks two ranks of this process; this platform "
+                               "has no fork")
+    from lynx.runtime.topology import free_port
+
+    tp = reference.compiled.config.tp
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, tp, port, reference.compiled, repeats, runs, timeout_s, queue),
+                         daemon=True) for rank in range(tp)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        for _ in procs:
+            rank, result = queue.get(timeout=timeout_s)
+            results[rank] = result
+    except Exception:  # noqa: BLE001 - queue.Empty: a worker died or hung
+        results.setdefault(-1, f"no result within {timeout_s:.0f} s")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    errors = [r for r in results.values() if isinstance(r, str)]
+    if errors or 0 not in results:
+        raise LynxRuntimeError(f"could not run a tensor-parallel stage on {tp} processes to time its collectives: "
+                               f"{'; '.join(errors) or 'rank 0 sent no result'}")
+    return results[0]
+
+
+def priced_stage_s(reference: ReferenceModel, spec: Any) -> tuple[float, int]:
+    """What the cost model prices one run of :func:`tp_stage_s` at on ``spec`` (a rank's
+    nodes, forward and backward, and every all-reduce on ``spec``'s tp link), and the
+    collectives that run issues."""
+    from lynx.planner.cost import allreduce_time, annotate_times
+    from lynx.planner.tp_costs import rank_seconds
+
+    compiled = reference.compiled
+    tp, m = compiled.config.tp, compiled.config.microbatches
+    graph = annotate_times(compiled.analysis.graph.copy(), spec)
+    link = spec.links["tp"]
+    compute = collectives = 0.0
+    count = 0
+    for _, attrs in graph.nodes(data=True):
+        compute += rank_seconds(attrs, "forward_s", tp) + rank_seconds(attrs, "backward_s", tp)
+        for nbytes in attrs.get("tp_allreduce", (0, 0)):
+            if nbytes:
+                collectives += allreduce_time(int(nbytes), tp, link)
+                count += 1
+    return m * (compute + collectives), m * count
+
+
+def per_collective_s(measured_s: float, priced_s: float, collectives: int) -> float:
+    """The measured run's excess over its price, per collective it issued (never negative).
+
+    Example::
+
+        >>> round(per_collective_s(0.010, 0.006, 64) * 1e6, 1)
+        62.5
+    """
+    return max(0.0, measured_s - priced_s) / collectives if collectives else 0.0
+
+
+def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, runs: int, timeout_s: float,
+            queue: Any) -> None:
+    """One rank: per repeat, the fastest wall seconds of its stage's graphs alone."""
+    try:
+        import torch.distributed as dist
+
+        import lynx
+        from lynx.calibrate.runtime import graphs_alone
+
+        torch.set_num_threads(1)
+        for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
+            del os.environ[name]  # under torchrun the store would be its agent's, not this job's own
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        captured = compiled.analysis.captured
+        pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
+        graphs = graphs_alone(pipe.stage, dict(zip(captured.input_names, captured.example_inputs)),
+                               compiled.config.microbatches)
+        for _ in range(3):
+            graphs()   # warm-up: the joint graphs' traces, gloo's connections
+        out = []
+        for _ in range(repeats):
+            best = float("inf")
+            for _ in range(runs):
+                dist.barrier()
+                start = time.perf_counter()
+                graphs()
+                best = min(best, time.perf_counter() - start)
+            out.append(best)
+        pipe.close()
+        queue.put((rank, out))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
+        queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
