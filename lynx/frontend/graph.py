@@ -188,6 +188,7 @@ def build_graph(captured: Captured, prof: Profile, dims: dict | None = None) -> 
             output_saved=r.output_saved,
             output_saved_bytes=r.output_saved_bytes,
             output_saved_by=list(r.output_saved_by),
+            backward_reach=r.backward_reach,
             is_view=r.is_view,
             forward_ops=r.forward_ops,
             backward_ops=r.backward_ops,

@@ -210,6 +210,9 @@ class NodeProfile:
     output_saved: bool = False
     output_saved_bytes: int = 0  # of saved_bytes, the output's storage (what its savers read)
     output_saved_by: list[str] = field(default_factory=list)
+    # zero bubble: per part of what it saves ("output", "rest"), the earliest and latest captured
+    # node its readers' gradients flow into (lynx.frontend.joint_weights); None: not traced
+    backward_reach: dict[str, list] | None = None
     emulated: bool = False
     # ops the generated forward / backward graphs run for it (CPU target; None: not traced)
     forward_ops: int | None = None
@@ -332,23 +335,28 @@ def _named_attrs(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp: Any,
                           mode: contextlib.AbstractContextManager) -> None:
-    """On a CPU target, count what the compiled stages keep (:func:`lynx.frontend.joint.saved_by_node`)
-    and the ops they run per node (:func:`lynx.frontend.joint.generated_ops`).
+    """On a CPU target, count what the compiled stages keep (:func:`lynx.frontend.joint.saved_by_node`),
+    the ops they run per node (:func:`lynx.frontend.joint.generated_ops`) and which part of a
+    zero-bubble split backward reads what each saves (:func:`lynx.frontend.joint_weights.backward_reach`).
 
     Stages run graphs lowered from AOTAutograd's joint graph, whose CPU dropout keeps a 1-byte
     mask (eager's CPU dropout keeps a tensor of the input's dtype) and whose views are counted
     by the storage they share: the plan must count what that executor holds. Falls back to
     eager autograd's saves when the joint graph cannot be traced (the stage reports why then).
     """
-    from lynx.frontend.joint import profile_saved
+    from lynx.frontend.joint import generated_ops, saved_by_node, trace_joint
+    from lynx.frontend.joint_weights import backward_reach
 
     try:
         with quiet_torch(), mode:
-            saved, ops = profile_saved(gm, attrs, inputs)
+            joint = trace_joint(gm, list(inputs), attrs=attrs)
+            order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+            saved, ops, reach = saved_by_node(joint, order), generated_ops(joint), backward_reach(joint, order)
     except Exception:  # noqa: BLE001 - eager's attribution below stays in force
         return
     for name, record in interp.records.items():
         record.forward_ops, record.backward_ops = ops.get(name, (0, 0))
+        record.backward_reach = {part: list(r) for part, r in reach.get(name, {}).items()}
     # two entries per owner: its output's storages (when saved) and the rest
     interp.saved, interp.output_keys = {}, {}
     for owner, (nbytes, out, savers, out_bytes) in saved.items():

@@ -30,6 +30,7 @@ from lynx.planner.partition import block_costs, partition_graph, static_bytes_pe
 from lynx.units import dtype_bytes
 from lynx.plan import ChunkRecord, Decision
 from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem
+from lynx.planner.schedule import rank_actions
 from lynx.planner.timeline import Loads, PipelineCosts, Timeline
 from lynx.planner.windows import WindowId
 
@@ -126,6 +127,7 @@ def build_problems(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, *
     if offload and pipe.host is None:
         raise ValueError("build_problems(offload=True) needs a pipeline built with a host link (offload=True)")
     problems = []
+    lists = rank_actions(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
     for s in range(pipe.pp):
         if previous is not None:
             nodes, sent_bytes = previous[s].nodes, previous[s].sent_bytes
@@ -140,7 +142,8 @@ def build_problems(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, *
             stage=s, nodes=nodes, windows=_windows(timeline, s), microbatches=pipe.microbatches,
             in_flight=in_flight, activation_budget_bytes=max(0, budget_bytes - static[s] - in_flight * sent_bytes),
             sent_bytes=sent_bytes, copies=copies,
-            backward_in_order=pipe.schedule in ("1f1b", "gpipe") and pipe.virtual == 1))
+            backward_in_order=pipe.schedule in ("1f1b", "gpipe") and pipe.virtual == 1,
+            actions=tuple(lists[s])))
     return problems
 
 
@@ -149,7 +152,17 @@ def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tup
     that no stage saves (per microbatch)."""
     names = stage_nodes(graph, pipe, s)
     members = set(names)
-    sent, sent_bytes = _sent_storages(graph, names)
+    blocks = graph.graph["blocks"]
+    chunk_of = {n: c.index for c in pipe.device_chunks(s) for b in c.blocks for n in blocks[b]["nodes"]}
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    position[""] = -1   # a model input's gradient (lynx.frontend.joint_weights)
+    start = {c.index: min(position[n] for b in c.blocks for n in blocks[b]["nodes"]) for c in pipe.device_chunks(s)}
+    # what each chunk sends (several chunks per device: each sends to the next chunk's device)
+    sent, sent_bytes = set(), 0
+    for c in pipe.device_chunks(s):
+        mine, nbytes = _sent_storages(graph, [n for b in c.blocks for n in blocks[b]["nodes"]])
+        sent |= mine
+        sent_bytes += nbytes
     # who saves each output: the profile's names hold only in an unfolded graph
     savers_known = not graph.graph.get("folded")
     # a row-parallel linear's output is all-reduced, and a collective is never recomputed: the
@@ -173,8 +186,25 @@ def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tup
             output_bytes=None if output_bytes is None else bytes_per_rank(output_bytes, attrs, tp),
             sent=n in sent or n in reduced,   # held whatever the plan says, as what a stage sends
             tp_collective=bool(tp > 1 and attrs.get("tp_allreduce", (0, 0))[1]),
+            chunk=chunk_of[n],
+            output_reads=_reads(attrs, "output", start[chunk_of[n]], position) if savers_known else None,
+            rest_reads=_reads(attrs, "rest", start[chunk_of[n]], position) if savers_known else None,
         ))
     return tuple(nodes), sent_bytes if any(marked(graph.nodes[n]) for n in names) else _per_rank(sent_bytes, tp)
+
+
+def _reads(attrs: dict, part: str, start: int, position: dict[str, int]) -> Optional[tuple[bool, bool]]:
+    """Whether a chunk starting at graph position ``start`` reads ``part`` of a node's saved values
+    in its input-gradient part and in its weight-gradient part (None: the profile does not say)."""
+    reach = attrs.get("backward_reach")
+    if reach is None:
+        return None
+    if part not in reach:
+        return (False, False)
+    earliest, latest = reach[part]
+    if (earliest is not None and earliest not in position) or (latest is not None and latest not in position):
+        return None
+    return (earliest is not None and position[earliest] < start, latest is None or position[latest] >= start)
 
 
 def _per_rank(nbytes: Any, tp: int) -> int:

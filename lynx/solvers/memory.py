@@ -28,6 +28,11 @@ Where the profile does not say (``saved_by`` None: every consumer may read the o
 the node itself; ``output_bytes`` None: all of the bytes are held as long as any are needed,
 until the node's own step) the model takes the side that holds longer.
 
+With the device's action list in the problem (``StageProblem.actions``: what the planner
+builds), :func:`peak_activation_bytes` replays it (:mod:`lynx.solvers.memory_replay`: chunks
+of their own, zero bubble's deferred weight gradients); the closed form below is what that
+replay gives for one chunk with backwards in microbatch order, and what it uses without a list.
+
 :func:`peak_activation_bytes` is the largest, over microbatches j and backward steps, of
 ``others(j) · held + what j holds at that step``, where ``held`` (:func:`held_bytes`)
 is what a microbatch holds between its forward and its backward and ``others(j)`` is
@@ -63,11 +68,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lynx.solvers.offload import group_layout, issue_steps, pending_by_group
-from lynx.planner.windows import WindowId
-from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, group_key, group_ranks, is_sent,
+from lynx.solvers.memory_microbatch import (arrivals_by_microbatch, held_bytes, microbatch_peak_bytes)
+from lynx.solvers.memory_replay import bound_counts, replay_peak_bytes
+from lynx.solvers.memory_weights import weight_read_bytes
+from lynx.solvers.offload import pending_by_group
+from lynx.solvers.problem import (Assignment, StageProblem, group_key, group_ranks, is_sent,
                                   savers_of)
-from lynx.solvers.problem import consumers_of as _consumers
 
 __all__ = [
     "peak_activation_bytes",
@@ -80,9 +86,6 @@ __all__ = [
     "savers_of",
     "is_sent",
 ]
-
-_NEVER = 1 << 60
-
 
 def kept_bytes(problem: StageProblem, assignment: Assignment) -> int:
     """Bytes one microbatch keeps on the device from forward to backward (a stage output's, even
@@ -130,130 +133,12 @@ def _signatures(problem: StageProblem, assignment: Assignment) -> dict[frozenset
 
 def _arrival_signatures(problem: StageProblem, assignment: Assignment) -> dict[frozenset[tuple[str, int]], int]:
     """Distinct sets of (prefetched node, backward step it is there from), each with its first
-    microbatch: step 0 but for recomputation in a tensor-parallel window (:func:`_window_steps`)."""
-    steps = _window_steps(problem)
-    index = {n.name: i for i, n in enumerate(problem.nodes)}
-    by_window: dict[tuple[int, WindowId], list[str]] = {}
-    for (name, mb), window in assignment.window_of.items():
-        by_window.setdefault((mb, window), []).append(name)
-    by_mb: dict[int, set[tuple[str, int]]] = {}
-    for (mb, window), names in by_window.items():
-        at = steps.get(window)
-        names.sort(key=index.__getitem__)
-        share = -(-len(names) // len(at)) if at else 1
-        for k, name in enumerate(names):
-            by_mb.setdefault(mb, set()).add((name, at[k // share] if at else 0))
-    for (name, mb) in assignment.prefetch_of:
-        by_mb.setdefault(mb, set()).add((name, 0))
+    microbatch: step 0 but for recomputation in a tensor-parallel window
+    (:func:`~lynx.solvers.memory_microbatch.window_steps`)."""
     out: dict[frozenset[tuple[str, int]], int] = {}
-    for mb in range(problem.microbatches):
-        out.setdefault(frozenset(by_mb.get(mb, ())), mb)
+    for mb, arrivals in arrivals_by_microbatch(problem, assignment).items():
+        out.setdefault(arrivals, mb)
     return out
-
-
-def _window_steps(problem: StageProblem) -> dict[WindowId, list[int]]:
-    """Backward steps at which a tensor-parallel window's recomputation runs: a window of layer
-    ``L`` (eligible: the layers below it) runs right after each of layer ``L``'s backward
-    all-reduces, its nodes in forward order split in equal shares over them, the first share
-    after the first all-reduce the backward issues (``lynx.rewrite.tp_windows``); every other
-    window runs before step 0."""
-    last = len(problem.nodes) - 1
-    steps: dict[int, list[int]] = {}
-    for i, n in enumerate(problem.nodes):
-        if n.layer is not None and n.tp_collective:
-            steps.setdefault(n.layer, []).append(last - i)
-    out: dict[WindowId, list[int]] = {}
-    for w in problem.windows:
-        if w.kind == "tp_allreduce" and w.eligible_layers and steps.get(max(w.eligible_layers) + 1):
-            out[w.id] = sorted(steps[max(w.eligible_layers) + 1])
-    return out
-
-
-def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str],
-                          pending: Sequence[int] | None = None, arrival: dict[str, int] | None = None) -> int:
-    """Most bytes one microbatch holds at any backward step, given the nodes prefetched for it.
-
-    Each node's saved bytes are two intervals of backward steps (see the module docstring):
-    its output's storage, from when it is there (step 0 if kept or prefetched, else when
-    first needed) to its last reader; the rest, from then to the node's own step. An
-    offloaded node is there from its prefetch's issue (step 0 when prefetched in a window,
-    else one group ahead of its read group: :func:`lynx.solvers.offload.issue_steps`);
-    ``pending`` adds, per group rank, what other microbatches'
-    offload copies still hold while that group is backpropagated; ``arrival``: the step a
-    node prefetched in a tensor-parallel window is there from (else 0).
-    """
-    arrival = arrival or {}
-    nodes = problem.nodes
-    last = len(nodes) - 1
-    step = {n.name: last - i for i, n in enumerate(nodes)}
-    consumers = _consumers(problem)
-    dropped = assignment.recompute
-    offloaded = assignment.offload
-    issue = issue_steps(problem, offloaded) if offloaded else {}
-    delta = [0] * (len(nodes) + 1)
-
-    def hold(first: int, until: int, nbytes: int) -> None:
-        if nbytes and first <= until:
-            delta[first] += nbytes
-            delta[until + 1] -= nbytes
-
-    regenerated: dict[str, int] = {}  # on-demand node -> backward step it is re-run at
-    for n in reversed(nodes):  # consumers before producers
-        name = n.name
-        out_bytes, own_bytes = _split(n)
-        # backward steps reading the output: its savers', and the re-runs of dropped consumers
-        reads = [step[s] for s in n.saved_by if s in step] if n.output_saved and n.saved_by is not None else []
-        for c in consumers[name]:
-            if c in prefetched:
-                reads.append(0)  # (an invalid plan) a window re-runs it first
-            elif regenerated.get(c, _NEVER) != _NEVER:
-                reads.append(regenerated[c])
-        if n.output_saved and n.saved_by is None:  # unknown savers: every consumer, perhaps itself
-            maybe = [step[c] for c in consumers[name]] + reads + ([step[name]] if n.saved_bytes else [])
-            first_read, last_read = min(maybe, default=_NEVER), step[name]
-        else:
-            first_read, last_read = min(reads, default=_NEVER), max(reads, default=-1)
-        if name in dropped and name not in prefetched:
-            at = min(first_read, step[name] if own_bytes else _NEVER)
-            regenerated[name] = at
-        elif name in offloaded and name not in prefetched:
-            at = issue[name]
-        else:
-            at = arrival.get(name, 0)
-        if is_sent(n):  # the stage holds what it sent until the microbatch's backward ends
-            hold(0, last, out_bytes)
-            if name in dropped and at != _NEVER and (n.saved_by is None or n.saved_by):
-                hold(at, last_read, out_bytes)  # in-stage readers get a recomputed copy
-        elif at != _NEVER:
-            hold(at, last_read, out_bytes)
-        if at != _NEVER:
-            hold(at, step[name], own_bytes)
-    if pending:
-        for s_, g in enumerate(group_layout(problem).group_of_step):
-            extra = pending[g] if g < len(pending) else 0
-            hold(s_, s_, extra)
-    live = best = 0
-    for change in delta[:-1]:
-        live += change
-        best = max(best, live)
-    return best
-
-
-def _split(node: ProblemNode) -> tuple[int, int]:
-    """(bytes of the saved output, the rest); unknown: all of it is the rest, or, for a value
-    only a later stage saves, the output."""
-    if node.output_bytes is None:
-        return (node.saved_bytes, 0) if is_sent(node) else (0, node.saved_bytes)
-    out = min(node.output_bytes, node.saved_bytes) if node.output_saved else 0
-    return out, node.saved_bytes - out
-
-
-def held_bytes(problem: StageProblem, assignment: Assignment) -> int:
-    """Bytes one microbatch holds between its forward and its backward: what it keeps, and
-    of a dropped node whose output only a later stage saves, that output (it was sent)."""
-    dropped = assignment.dropped
-    return sum(n.saved_bytes if n.name not in dropped else _split(n)[0] if is_sent(n) else 0
-               for n in problem.nodes)
 
 
 def peak_activation_bytes(problem: StageProblem, assignment: Assignment,
@@ -265,9 +150,11 @@ def peak_activation_bytes(problem: StageProblem, assignment: Assignment,
     copies still hold while that group is backpropagated) defaults to the solvers' bound from
     ``problem.copies`` (:func:`lynx.solvers.offload.pending_by_group`); the simulator passes
     the replay's own."""
-    held = held_bytes(problem, assignment)
     if pending is None and assignment.offload:
         pending = pending_by_group(problem, assignment)
+    if problem.actions:   # the device's action list: replayed per chunk and microbatch
+        return replay_peak_bytes(problem, assignment, pending)
+    held = held_bytes(problem, assignment)
     best = 0
     for pf, mb in _arrival_signatures(problem, assignment).items():
         others = problem.in_flight - 1
@@ -301,7 +188,11 @@ def peak_upper_bound_bytes(problem: StageProblem, assignment: Assignment) -> int
         transient = max(transient, max(per_group, default=0) + early)
     prefetched = max((sum(by_name[name].saved_bytes for name in pf if not is_sent(by_name[name]))
                       for pf in _signatures(problem, assignment)), default=0)
-    return problem.in_flight * kept + prefetched + transient
+    # several chunks per device, or deferred weight gradients (lynx.solvers.memory_replay)
+    kept_in_flight, held_over = bound_counts(problem)
+    handed = sum(weight_read_bytes(n) for n in problem.nodes if n.name in assignment.recompute) if held_over else 0
+    return (max(problem.in_flight, kept_in_flight) * kept + (1 + held_over) * prefetched + transient
+            + held_over * handed)
 
 
 def _group_ancestors(by_name: dict, group: dict[str, int], name: str) -> set[str]:

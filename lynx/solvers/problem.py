@@ -87,6 +87,14 @@ class ProblemNode:
     # its backward issues a tensor-parallel all-reduce (a column-parallel linear's input
     # gradient): a TP window's recomputation runs right after it (lynx.rewrite.tp_windows)
     tp_collective: bool = False
+    # the model chunk (pipeline position) the node runs in: a device runs several under
+    # interleaved schedules, each holding its own microbatches (lynx.solvers.memory_replay)
+    chunk: int = 0
+    # zero bubble: whether the input-gradient part ``I`` and the weight-gradient part ``W`` of the
+    # chunk's split backward read the saved output, and the rest (lynx.frontend.joint_weights);
+    # None: unknown, both may
+    output_reads: tuple[bool, bool] | None = None
+    rest_reads: tuple[bool, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,10 @@ class StageProblem:
     # the stage runs its backwards in microbatch order, one model chunk per device (1F1B,
     # GPipe): at B(j) at most m − 1 − j other microbatches are in flight (the cool-down)
     backward_in_order: bool = False
+    # the device's action list (lynx.planner.schedule.rank_actions): what the memory model
+    # replays, per chunk and microbatch (lynx.solvers.memory_replay); empty: the closed form
+    # ``others(j) · held + own(j)`` with ``in_flight``
+    actions: tuple = ()
 
 
 @dataclass(frozen=True)

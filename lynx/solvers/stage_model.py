@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from lynx.planner.windows import WindowId
 from lynx.solvers.copies import StageCopies
 from lynx.solvers.memory import is_sent, savers_of
+from lynx.solvers.memory_replay import bound_counts
+from lynx.solvers.memory_weights import weight_read_bytes
 from lynx.solvers.offload import offloadable, read_groups
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, microbatch_classes
 from lynx.solvers.validate import required_recompute_closure
@@ -55,6 +57,9 @@ class ModelItem:
     saved_until: int | None = None
     # its output is saved only by a later stage: the runtime holds it until the backward ends
     sent: bool = False
+    # zero bubble: bytes of what it saves that the deferred weight-gradient part reads (what its
+    # input-gradient part hands over when it regenerated them: lynx.solvers.memory_weights)
+    weight_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,11 @@ class StageModel:
     in_flight: int
     budget_bytes: int
     offload: OffloadItems | None = None   # the stage's copy lanes (offload=True)
+    # several chunks or deferred weight gradients (lynx.solvers.memory_replay.bound_counts): the
+    # most microbatches of one chunk in flight (0: ``in_flight``), and the most other microbatches
+    # that may hold prefetched and handed-over values
+    kept_in_flight: int = 0
+    held_over: int = 0
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,7 @@ def model_from_problem(problem: StageProblem) -> StageModel:
                 group=g,
                 saved_until=latest if latest > g else None,
                 sent=is_sent(by_name[h]),
+                weight_bytes=sum(weight_read_bytes(by_name[x]) for x in nodes),
             )
         )
     layer_of = [by_name[h].layer for h in heads]
@@ -209,8 +220,9 @@ def model_from_problem(problem: StageProblem) -> StageModel:
         )
         classes.append(ModelClass(len(mc.members), mc.capacities, eligible))
     items_t = tuple(items)
+    kept_in_flight, held_over = bound_counts(problem)
     return StageModel(items_t, tuple(classes), problem.in_flight, problem.activation_budget_bytes,
-                      offload_items(problem, items_t))
+                      offload_items(problem, items_t), kept_in_flight=kept_in_flight, held_over=held_over)
 
 
 def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution) -> Assignment:

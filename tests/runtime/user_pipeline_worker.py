@@ -65,6 +65,7 @@ def main() -> None:
                 "chunks": sorted(pipe.chunks),
                 "form": compiled.loss.form,
                 "stats": stats,
+                "predicted_activation_bytes": compiled.plan.stage(pipe.stage_index).activation_bytes,
             },
             os.path.join(out_dir, f"{kind}.{schedule}.rank{pipe.rank}.pt"),
         )

@@ -66,6 +66,7 @@ from lynx.solvers.stage_model import hint_from_assignment
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem, exposed_recompute_s, microbatch_classes
 from lynx.solvers.setup import cpsat
 from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.memory_replay import replayed_beyond_bound
 from lynx.solvers.validate import validate
 
 __all__ = ["solve_heu", "clear_cache"]
@@ -157,7 +158,9 @@ def solve_heu(problem: StageProblem, *, time_limit_s: float = 10.0, progress=Non
     if problem.copies is not None:
         return solve_heu_offload(problem, solve_heu, time_limit_s=time_limit_s)
     start = time.perf_counter()
-    if problem.in_flight * sum(n.saved_bytes for n in problem.nodes) <= problem.activation_budget_bytes:
+    if problem.in_flight * sum(n.saved_bytes for n in problem.nodes) <= problem.activation_budget_bytes and (
+            not replayed_beyond_bound(problem)
+            or peak_activation_bytes(problem, Assignment(frozenset())) <= problem.activation_budget_bytes):
         # Keeping everything fits (its peak is in_flight × all saved bytes: lynx.solvers.memory)
         # and exposes nothing: no plan is better, and none needs the stage's structure.
         return SolveResult(Assignment(frozenset()), "HEURISTIC", 0.0, None, time.perf_counter() - start)
@@ -297,12 +300,15 @@ def _checked(problem: StageProblem, model: StageModel, books: Books):
     (:func:`lynx.solvers.memory.peak_upper_bound_bytes`): on-demand items a later group
     regenerates early (``saved_until``) and dropped outputs only a later stage saves
     (``sent``, held anyway). Plans that have neither are within that bound, hence within the
-    runtime's peak; the others are checked at node level (rare: layer boundaries are kept).
+    runtime's peak; the others are checked at node level (rare: layer boundaries are kept), and
+    so is every plan of a device whose replay the bound does not cover (several chunks, or
+    deferred weight gradients: :func:`lynx.solvers.memory_replay.replayed_beyond_bound`).
     """
     msol = ModelSolution("HEURISTIC", tuple(books.rec), tuple(tuple(w) for w in books.where), 0.0, 0.0, 0.0)
     assignment = expand_solution(problem, model, msol)
-    if any(books.rec[i] and (it.sent or (it.saved_until is not None and any(w[i] is None for w in books.where)))
-           for i, it in enumerate(model.items)):
+    beyond = any(books.rec[i] and (it.sent or (it.saved_until is not None and any(w[i] is None for w in books.where)))
+                 for i, it in enumerate(model.items))
+    if beyond or replayed_beyond_bound(problem):
         if peak_activation_bytes(problem, assignment) > problem.activation_budget_bytes:
             return None
     return assignment

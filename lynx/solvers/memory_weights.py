@@ -1,0 +1,123 @@
+"""Zero bubble: what a microbatch holds for its deferred weight-gradient part ``W``.
+
+A zero-bubble chunk's backward is two generated graphs (:mod:`lynx.rewrite.emit`): the
+input-gradient part ``I`` regenerates each dropped value it reads (and the dropped inputs of
+what it re-runs) just before its first reader; the weight-gradient part ``W`` runs later, from
+the microbatch's slots and the values ``I`` regenerated that ``W``'s own backward nodes read —
+``I`` hands those over (*cross values*), and the stage holds them, with everything the
+microbatch kept, until ``W`` has run (the runtime's meter: ``StageModule.backward_weight``).
+``W`` regenerates whatever else it reads. Which part reads which saved value is the node's
+``output_reads`` / ``rest_reads`` (:mod:`lynx.frontend.joint_weights`; unknown: both).
+
+* :func:`weight_held_bytes`: from ``I``'s end to ``W``'s, per microbatch: what it held after
+  its forward (:func:`~lynx.solvers.memory_microbatch.held_bytes`), what was prefetched for it, and the
+  cross values;
+* :func:`weight_peak_bytes`: while ``W`` runs: that, plus the largest group (layer) of the
+  values ``W`` regenerates itself (each group's are read by that group's weight gradients).
+
+Example::
+
+    >>> from lynx.solvers.problem import Assignment
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> p = make_uniform_problem(layers=2, microbatches=2, in_flight=2)
+    >>> keep_all = Assignment(recompute=frozenset())
+    >>> weight_held_bytes(p, keep_all, frozenset()) == sum(n.saved_bytes for n in p.nodes)
+    True
+"""
+
+from __future__ import annotations
+
+from lynx.solvers.memory_microbatch import saved_parts
+from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, consumers_of, group_key, group_ranks,
+                                  is_sent)
+
+__all__ = ["weight_held_bytes", "weight_peak_bytes", "input_peak_bytes", "weight_read_bytes", "split_backward_bytes"]
+
+_BOTH = (True, True)
+
+
+def _regenerated(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
+                 ) -> tuple[set[str], set[str]]:
+    """The dropped nodes ``I`` regenerates, and those ``W`` regenerates (each re-run also brings
+    back its dropped inputs, unless handed over)."""
+    dropped = assignment.recompute
+    consumers = consumers_of(problem)
+    in_i: set[str] = set()
+    in_w: set[str] = set()
+    for n in reversed(problem.nodes):   # consumers before producers
+        if n.name not in dropped or n.name in prefetched:
+            continue
+        out, rest = n.output_reads or _BOTH, n.rest_reads or _BOTH
+        if out[0] or rest[0] or any(c in in_i for c in consumers[n.name]):
+            in_i.add(n.name)
+        handed = n.name in in_i and out[1]
+        if ((out[1] or rest[1]) and n.name not in in_i) or (not handed and any(c in in_w for c in consumers[n.name])):
+            in_w.add(n.name)
+    return in_i, in_w
+
+
+def weight_read_bytes(node: ProblemNode) -> int:
+    """Bytes of what ``node`` saves that the weight-gradient part reads (unknown: all)."""
+    out_bytes, rest_bytes = saved_parts(node)
+    out_read, rest_read = (node.output_reads or _BOTH)[1], (node.rest_reads or _BOTH)[1]
+    return (out_bytes if out_read else 0) + (rest_bytes if rest_read else 0)
+
+
+def weight_held_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]) -> int:
+    """Bytes one microbatch holds from its ``I``'s end to its ``W``'s (``prefetched``: the nodes
+    recomputed in windows for it)."""
+    return split_backward_bytes(problem, assignment, prefetched)[1]
+
+
+def weight_peak_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]) -> int:
+    """The most one microbatch holds while its ``W`` runs."""
+    return split_backward_bytes(problem, assignment, prefetched)[2]
+
+
+def input_peak_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]) -> int:
+    """The most one microbatch holds while its ``I`` runs."""
+    return split_backward_bytes(problem, assignment, prefetched)[0]
+
+
+def split_backward_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
+                         ) -> tuple[int, int, int]:
+    """(most held during ``I``, held from ``I``'s end to ``W``'s, most held during ``W``).
+
+    Each graph runs its groups (layers, edge blocks) in backward order, regenerating a group's
+    values just before it and dropping what the group read last (a value, after its own group;
+    what nobody in the graph reads, at once), as the generated code does; the meter counts the
+    microbatch's kept values until ``W`` ends and, above them, how far the graph's live values
+    rise over its inputs."""
+    dropped = assignment.dropped
+    ranks = group_ranks(problem)
+    in_i, in_w = _regenerated(problem, assignment, prefetched)
+    by_group: dict[int, list[ProblemNode]] = {}
+    for n in problem.nodes:
+        by_group.setdefault(ranks[group_key(n)], []).append(n)
+    order = sorted(by_group, reverse=True)
+
+    def inputs(n: ProblemNode) -> tuple[int, int]:   # (output, rest) bytes the microbatch holds of n
+        out_bytes, rest_bytes = saved_parts(n)
+        if n.name not in dropped or n.name in prefetched:
+            return out_bytes, rest_bytes
+        return (out_bytes, 0) if is_sent(n) else (0, 0)
+
+    def read(n: ProblemNode, part: int) -> int:   # held bytes of n the part (0: I, 1: W) reads
+        out_bytes, rest_bytes = inputs(n)
+        out_read, rest_read = (n.output_reads or _BOTH)[part], (n.rest_reads or _BOTH)[part]
+        return (out_bytes if out_read else 0) + (rest_bytes if rest_read else 0)
+
+    held = sum(sum(inputs(n)) for n in problem.nodes)
+    cross = sum(weight_read_bytes(n) for n in problem.nodes if n.name in in_i)
+    live = sum(read(n, 0) for n in problem.nodes)   # the rest is read by W only: dropped by I at once
+    peak = held
+    for g in order:
+        peak = max(peak, live + sum(n.saved_bytes for n in by_group[g] if n.name in in_i))
+        live += sum(weight_read_bytes(n) - read(n, 0) if n.name in in_i else -read(n, 0) for n in by_group[g])
+    during_i = peak
+    initial = live = sum(read(n, 1) for n in problem.nodes) + cross
+    peak = initial
+    for g in order:
+        peak = max(peak, live + sum(n.saved_bytes for n in by_group[g] if n.name in in_w))
+        live -= sum(read(n, 1) + (weight_read_bytes(n) if n.name in in_i else 0) for n in by_group[g])
+    return during_i, held + cross, held + cross + peak - initial
