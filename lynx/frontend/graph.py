@@ -260,8 +260,12 @@ def _unfold(G: nx.DiGraph, blocks: list[dict], total: int) -> tuple[nx.DiGraph, 
     def clone_name(n: str, i: int) -> str:
         return n if i <= 1 else f"{n}__L{i}"
 
-    def add(n: str, new: str, block: dict, layer: int | None, inputs: list[str]) -> None:
-        H.add_node(new, **{**G.nodes[n], "block": block["index"], "layer": layer})
+    def add(n: str, new: str, block: dict, layer: int | None, inputs: list[str], rename=lambda u: u) -> None:
+        attrs = {**G.nodes[n], "block": block["index"], "layer": layer}
+        if attrs.get("backward_reach"):   # the nodes a reader's gradient flows into, in this copy's place
+            attrs["backward_reach"] = {part: [rename(r) if r else r for r in reach]
+                                       for part, reach in attrs["backward_reach"].items()}
+        H.add_node(new, **attrs)
         for src in inputs:
             H.add_edge(src, new)
 
@@ -285,9 +289,11 @@ def _unfold(G: nx.DiGraph, blocks: list[dict], total: int) -> tuple[nx.DiGraph, 
             second, layer=i, name=f"{second['name']}[{i}]", nodes=[clone_name(n, i) for n in second["nodes"]]
         )
         for n in second["nodes"]:
-            add(n, clone_name(n, i), b, i, [name_in_layer(u, i) for u in G.predecessors(n)])
+            add(n, clone_name(n, i), b, i, [name_in_layer(u, i) for u in G.predecessors(n)],
+                rename=lambda u, i=i: name_in_layer(u, i))
     for block in post:
         b = copy_block(block, nodes=list(block["nodes"]))
         for n in block["nodes"]:
-            add(n, n, b, None, [name_in_layer(u, total - 1) for u in G.predecessors(n)])
+            add(n, n, b, None, [name_in_layer(u, total - 1) for u in G.predecessors(n)],
+                rename=lambda u: name_in_layer(u, total - 1))
     return H, out_blocks

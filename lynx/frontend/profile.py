@@ -334,10 +334,12 @@ def _named_attrs(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
 
 
 def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp: Any,
-                          mode: contextlib.AbstractContextManager) -> None:
-    """On a CPU target, count what the compiled stages keep (:func:`lynx.frontend.joint.saved_by_node`),
-    the ops they run per node (:func:`lynx.frontend.joint.generated_ops`) and which part of a
-    zero-bubble split backward reads what each saves (:func:`lynx.frontend.joint_weights.backward_reach`).
+                          mode: contextlib.AbstractContextManager, saves: bool = True) -> None:
+    """Which part of a zero-bubble split backward reads what each node saves
+    (:func:`lynx.frontend.joint_weights.backward_reach`: every target's stages lower the same
+    joint graph) and, with ``saves`` (a CPU target), what the compiled stages keep
+    (:func:`lynx.frontend.joint.saved_by_node`) and the ops they run per node
+    (:func:`lynx.frontend.joint.generated_ops`).
 
     Stages run graphs lowered from AOTAutograd's joint graph, whose CPU dropout keeps a 1-byte
     mask (eager's CPU dropout keeps a tensor of the input's dtype) and whose views are counted
@@ -355,8 +357,11 @@ def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp:
     except Exception:  # noqa: BLE001 - eager's attribution below stays in force
         return
     for name, record in interp.records.items():
-        record.forward_ops, record.backward_ops = ops.get(name, (0, 0))
         record.backward_reach = {part: list(r) for part, r in reach.get(name, {}).items()}
+        if saves:
+            record.forward_ops, record.backward_ops = ops.get(name, (0, 0))
+    if not saves:
+        return
     # two entries per owner: its output's storages (when saved) and the rest
     interp.saved, interp.output_keys = {}, {}
     for owner, (nbytes, out, savers, out_bytes) in saved.items():
@@ -395,8 +400,7 @@ def profile(captured: Captured, target: str = "cuda") -> Profile:
             "model's forward expects."
         ) from err
     del out
-    if target == "cpu":
-        _count_compiled_saves(gm, attrs, inputs, interp, mode)
+    _count_compiled_saves(gm, attrs, inputs, interp, mode, saves=target == "cpu")
     for key, (owner, nbytes, savers) in interp.saved.items():
         record = interp.records[owner]
         record.saved_bytes += nbytes

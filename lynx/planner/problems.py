@@ -187,8 +187,8 @@ def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tup
             sent=n in sent or n in reduced,   # held whatever the plan says, as what a stage sends
             tp_collective=bool(tp > 1 and attrs.get("tp_allreduce", (0, 0))[1]),
             chunk=chunk_of[n],
-            output_reads=_reads(attrs, "output", start[chunk_of[n]], position) if savers_known else None,
-            rest_reads=_reads(attrs, "rest", start[chunk_of[n]], position) if savers_known else None,
+            output_reads=_reads(attrs, "output", start[chunk_of[n]], position),
+            rest_reads=_reads(attrs, "rest", start[chunk_of[n]], position),
         ))
     return tuple(nodes), sent_bytes if any(marked(graph.nodes[n]) for n in names) else _per_rank(sent_bytes, tp)
 

@@ -340,12 +340,17 @@ def _peak(m: cp_model.CpModel, model: StageModel, free, r, x, od, mem_w, mem_t, 
                 members = groups.get(q, [])
                 m.add(T >= sum(mem_t[i] * odc[i] for i in members) + sum(early) + held)
     freed = off.kept_freed if off is not None else 0
-    kept = max(model.in_flight, model.kept_in_flight) * (sum(mem_w) - sum(mem_w[i] * r[i] for i in range(len(items))
-                                                                          if free[i]) - freed)
+    if model.chunk_in_flight:   # several chunks: each item's chunk's most microbatches in flight
+        times = dict(model.chunk_in_flight)
+        coef = [times.get(it.chunk, model.in_flight) for it in items]
+        kept = sum(coef[i] * mem_w[i] for i in range(len(items))) - sum(
+            coef[i] * mem_w[i] * r[i] for i in range(len(items)) if free[i])
+    else:
+        kept = model.in_flight * (sum(mem_w) - sum(mem_w[i] * r[i] for i in range(len(items)) if free[i]) - freed)
     if model.held_over:   # other microbatches holding prefetched and handed-over values (lynx.solvers.memory_replay)
         unit = _byte_unit(model)
         handed = sum(-(-it.weight_bytes * it.mult // unit) * r[i] for i, it in enumerate(items) if free[i])
-        return kept + (1 + model.held_over) * P + model.held_over * handed + T
+        return kept + (1 + model.held_over) * P + model.handing * handed + T
     return kept + P + T
 
 

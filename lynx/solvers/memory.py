@@ -70,7 +70,7 @@ from collections.abc import Sequence
 
 from lynx.solvers.memory_microbatch import (arrivals_by_microbatch, held_bytes, microbatch_peak_bytes)
 from lynx.solvers.memory_replay import bound_counts, replay_peak_bytes
-from lynx.solvers.memory_weights import weight_read_bytes
+from lynx.solvers.memory_weights import handed_bytes
 from lynx.solvers.offload import pending_by_group
 from lynx.solvers.problem import (Assignment, StageProblem, group_key, group_ranks, is_sent,
                                   savers_of)
@@ -188,11 +188,21 @@ def peak_upper_bound_bytes(problem: StageProblem, assignment: Assignment) -> int
         transient = max(transient, max(per_group, default=0) + early)
     prefetched = max((sum(by_name[name].saved_bytes for name in pf if not is_sent(by_name[name]))
                       for pf in _signatures(problem, assignment)), default=0)
-    # several chunks per device, or deferred weight gradients (lynx.solvers.memory_replay)
-    kept_in_flight, held_over = bound_counts(problem)
-    handed = sum(weight_read_bytes(n) for n in problem.nodes if n.name in assignment.recompute) if held_over else 0
-    return (max(problem.in_flight, kept_in_flight) * kept + (1 + held_over) * prefetched + transient
-            + held_over * handed)
+    # several chunks per device, or deferred weight gradients (lynx.solvers.memory_replay): each
+    # chunk's kept bytes times its most microbatches in flight
+    chunk_in_flight, held_over, handing = bound_counts(problem)
+    if chunk_in_flight:
+        dropped = assignment.dropped
+        kept_term = sum(chunk_in_flight.get(n.chunk, problem.in_flight) * n.saved_bytes for n in problem.nodes
+                        if n.name not in dropped or is_sent(n))
+    else:
+        kept_term = problem.in_flight * kept
+    if handing:
+        may_hand = handed_bytes(problem)
+        handed = sum(may_hand[n.name] for n in problem.nodes if n.name in assignment.recompute)
+    else:
+        handed = 0
+    return kept_term + (1 + held_over) * prefetched + transient + handing * handed
 
 
 def _group_ancestors(by_name: dict, group: dict[str, int], name: str) -> set[str]:

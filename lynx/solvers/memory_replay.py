@@ -74,35 +74,41 @@ def replayed_beyond_bound(problem: StageProblem) -> bool:
     return any(a.op is Op.BACKWARD_WEIGHT for a in problem.actions) or len({n.chunk for n in problem.nodes}) > 1
 
 
-def bound_counts(problem: StageProblem) -> tuple[int, int]:
-    """What a linear bound on the replay must count (``(1, 0)`` for one chunk and no ``W``, where
-    ``in_flight`` covers it): the most microbatches of one chunk in flight at a backward (each
-    holds at most the device's kept bytes), and the most *other* (chunk, microbatch) pairs that
-    may hold prefetched values — their microbatch's backward began on a later chunk — or wait
-    for their ``W`` (each holding at most one microbatch's prefetched bytes and the values its
-    ``I`` hands over)."""
+def bound_counts(problem: StageProblem) -> tuple[dict[int, int], int, int]:
+    """What a linear bound on the replay must count (``({}, 0, 0)`` for one chunk and no ``W``,
+    where ``in_flight`` covers it): per chunk, the most of its microbatches in flight at a
+    backward (each holds at most the chunk's kept bytes); the most *other* (chunk, microbatch)
+    pairs that may hold prefetched values — their microbatch's backward began on a later chunk,
+    or they wait for their ``W`` — each at most one microbatch's prefetched bytes; and the most
+    pairs holding what their ``I`` handed over (those waiting for their ``W``, and the one whose
+    ``I`` or ``W`` runs)."""
     if not replayed_beyond_bound(problem):
-        return 1, 0
-    live: dict[int, set[int]] = {}
+        return {}, 0, 0
+    chunks = {n.chunk for n in problem.nodes}
+    only = next(iter(chunks)) if len(chunks) == 1 else None   # one chunk: whatever the list numbers it
+    live: dict[int, set[int]] = {}     # per chunk: microbatches forwarded, backward (W) not yet done
     started: set[int] = set()          # microbatches whose backward began on some chunk
+    most_live: dict[int, int] = {}
+    held_over = handing = 0
     waiting: set[tuple[int, int]] = set()
-    most_live = held_over = 0
     for a in problem.actions:
-        c, j = a.chunk, a.microbatch
+        c, j = (a.chunk if only is None else only), a.microbatch
         if a.op is Op.FORWARD:
             live.setdefault(c, set()).add(j)
         elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
-            most_live = max(most_live, max(len(v) for v in live.values()))
-            others = sum(1 for cc, js in live.items() for jj in js if jj in started and (cc, jj) != (c, j))
-            held_over = max(held_over, others + len(waiting - {(c, j)}))
-            if a.op is Op.BACKWARD_WEIGHT:
-                waiting.discard((c, j))
+            for cc, js in live.items():
+                most_live[cc] = max(most_live.get(cc, 0), len(js))
+            held_over = max(held_over, sum(1 for cc, js in live.items() for jj in js
+                                           if jj in started and (cc, jj) != (c, j)))
+            # the pairs waiting for their W, and the one whose I or W runs: what each was handed
+            handing = max(handing, len(waiting - {(c, j)}) + (a.op is not Op.BACKWARD))
+            if a.op is Op.BACKWARD_INPUT:
+                waiting.add((c, j))
             else:
                 live[c].discard(j)
-                started.add(j)
-                if a.op is Op.BACKWARD_INPUT:
-                    waiting.add((c, j))
-    return most_live, held_over
+                waiting.discard((c, j))
+            started.add(j)
+    return most_live, held_over, handing
 
 
 def replay_peak_bytes(problem: StageProblem, assignment: Assignment, pending: Sequence[int] | None = None,

@@ -27,11 +27,12 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.memory_microbatch import saved_parts
+from lynx.solvers.memory_microbatch import held_bytes, microbatch_peak_bytes, saved_parts
 from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, consumers_of, group_key, group_ranks,
                                   is_sent)
 
-__all__ = ["weight_held_bytes", "weight_peak_bytes", "input_peak_bytes", "weight_read_bytes", "split_backward_bytes"]
+__all__ = ["weight_held_bytes", "weight_peak_bytes", "input_peak_bytes", "weight_read_bytes", "split_backward_bytes",
+           "handed_bytes"]
 
 _BOTH = (True, True)
 
@@ -63,6 +64,17 @@ def weight_read_bytes(node: ProblemNode) -> int:
     return (out_bytes if out_read else 0) + (rest_bytes if rest_read else 0)
 
 
+def handed_bytes(problem: StageProblem) -> dict[str, int]:
+    """Per node, the most its ``I`` may hand its ``W`` when it is dropped (what ``W`` reads of it;
+    nothing in a chunk whose ``I`` reads nothing: the first, whose ``W`` is its whole backward)."""
+    reads_i = {n.chunk for n in problem.nodes if _reads_input(n)}
+    return {n.name: weight_read_bytes(n) if n.chunk in reads_i else 0 for n in problem.nodes}
+
+
+def _reads_input(n: ProblemNode) -> bool:
+    return (n.output_reads or _BOTH)[0] or (n.rest_reads or _BOTH)[0]
+
+
 def weight_held_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]) -> int:
     """Bytes one microbatch holds from its ``I``'s end to its ``W``'s (``prefetched``: the nodes
     recomputed in windows for it)."""
@@ -89,6 +101,10 @@ def split_backward_bytes(problem: StageProblem, assignment: Assignment, prefetch
     microbatch's kept values until ``W`` ends and, above them, how far the graph's live values
     rise over its inputs."""
     dropped = assignment.dropped
+    if not any(_reads_input(n) for n in problem.nodes):
+        # the chunk sends no input gradient (the first): I is empty and W the whole backward
+        held = held_bytes(problem, assignment) + sum(n.saved_bytes for n in problem.nodes if n.name in prefetched)
+        return held, held, microbatch_peak_bytes(problem, assignment, prefetched)
     ranks = group_ranks(problem)
     in_i, in_w = _regenerated(problem, assignment, prefetched)
     by_group: dict[int, list[ProblemNode]] = {}

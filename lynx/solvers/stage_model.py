@@ -25,7 +25,7 @@ from lynx.planner.windows import WindowId
 from lynx.solvers.copies import StageCopies
 from lynx.solvers.memory import is_sent, savers_of
 from lynx.solvers.memory_replay import bound_counts
-from lynx.solvers.memory_weights import weight_read_bytes
+from lynx.solvers.memory_weights import handed_bytes
 from lynx.solvers.offload import offloadable, read_groups
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, microbatch_classes
 from lynx.solvers.validate import required_recompute_closure
@@ -60,6 +60,7 @@ class ModelItem:
     # zero bubble: bytes of what it saves that the deferred weight-gradient part reads (what its
     # input-gradient part hands over when it regenerated them: lynx.solvers.memory_weights)
     weight_bytes: int = 0
+    chunk: int = 0   # the model chunk its nodes run in
 
 
 @dataclass(frozen=True)
@@ -107,11 +108,12 @@ class StageModel:
     in_flight: int
     budget_bytes: int
     offload: OffloadItems | None = None   # the stage's copy lanes (offload=True)
-    # several chunks or deferred weight gradients (lynx.solvers.memory_replay.bound_counts): the
-    # most microbatches of one chunk in flight (0: ``in_flight``), and the most other microbatches
-    # that may hold prefetched and handed-over values
-    kept_in_flight: int = 0
+    # several chunks or deferred weight gradients (lynx.solvers.memory_replay.bound_counts): per
+    # chunk, the most of its microbatches in flight (empty: ``in_flight``), the most other
+    # microbatches that may hold prefetched values, and the most that hold handed-over ones
+    chunk_in_flight: tuple[tuple[int, int], ...] = ()
     held_over: int = 0
+    handing: int = 0   # the most other microbatches waiting for their W
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,7 @@ def model_from_problem(problem: StageProblem) -> StageModel:
             return set().union(*(resolve(s) for s in transparent[src])) if transparent[src] else set()
         return {head[src]}
 
+    may_hand = handed_bytes(problem)
     items = []
     for h in heads:
         nodes = members[h]
@@ -208,7 +211,8 @@ def model_from_problem(problem: StageProblem) -> StageModel:
                 group=g,
                 saved_until=latest if latest > g else None,
                 sent=is_sent(by_name[h]),
-                weight_bytes=sum(weight_read_bytes(by_name[x]) for x in nodes),
+                weight_bytes=sum(may_hand[x] for x in nodes),
+                chunk=by_name[h].chunk,
             )
         )
     layer_of = [by_name[h].layer for h in heads]
@@ -220,9 +224,10 @@ def model_from_problem(problem: StageProblem) -> StageModel:
         )
         classes.append(ModelClass(len(mc.members), mc.capacities, eligible))
     items_t = tuple(items)
-    kept_in_flight, held_over = bound_counts(problem)
+    chunk_in_flight, held_over, handing = bound_counts(problem)
     return StageModel(items_t, tuple(classes), problem.in_flight, problem.activation_budget_bytes,
-                      offload_items(problem, items_t), kept_in_flight=kept_in_flight, held_over=held_over)
+                      offload_items(problem, items_t), chunk_in_flight=tuple(sorted(chunk_in_flight.items())),
+                      held_over=held_over, handing=handing)
 
 
 def expand_solution(problem: StageProblem, model: StageModel, sol: ModelSolution) -> Assignment:
