@@ -132,7 +132,7 @@ def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any, load: RunLoad |
             if kind in ("compute", "recompute"):
                 summary.predicted_compute_s[device] = summary.predicted_compute_s.get(device, 0.0) + end - begin
         for device, kind, begin, end, label in getattr(plan, "timeline_detail", ()):
-            if kind == "comm" and (label.startswith("tp ") or ".tp." in label):
+            if kind == "comm" and label == "tp":   # lynx.viz.timeline_detail: a TP collective waited for
                 summary.predicted_tp_s[device] = summary.predicted_tp_s.get(device, 0.0) + end - begin
                 summary.predicted_compute_s[device] = summary.predicted_compute_s.get(device, 0.0) + end - begin
         summary.predicted_step_s = plan.predicted.step_time_s

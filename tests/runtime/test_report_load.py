@@ -48,3 +48,20 @@ def test_a_calibration_under_load_is_named_too() -> None:
     assert "the figures were measured at load 4.50" in format_summary(_summary(load))
     preset = RunLoad(start=0.2, end=2.1, ranks_here=2, cpus=2)   # a preset: nothing was measured
     assert not preset.differs and "no calibration (a preset's figures)" in format_summary(_summary(preset))
+
+
+def test_a_tp_stage_compute_includes_the_all_reduces_its_graphs_wait_for() -> None:
+    """A TP stage's forward and backward wait for their all-reduces inside the generated graphs,
+    so the predicted compute they are compared with counts the plan's TP collectives
+    (lynx.viz.timeline_detail's "tp" bars), and says how much of it they are."""
+    class TPPlan(_Plan):
+        timeline = [(0, "compute", 0.0, 0.02), (0, "comm", 0.02, 0.05), (0, "compute", 0.05, 0.06)]
+        timeline_detail = [(0, "forward", 0.0, 0.02, "F0"), (0, "comm", 0.02, 0.05, "tp"),
+                           (0, "comm", 0.05, 0.051, "a0"), (0, "backward", 0.05, 0.06, "B0")]
+
+    steps = [[StepStats(rank=0, stage=0, dp_rank=0, step_s=0.1, forward_s=0.03, backward_s=0.03)]] * 2
+    summary = run_summary(steps, TPPlan())
+    assert summary.predicted_tp_s == {0: pytest.approx(0.03)}       # the p2p bar "a0" is not TP
+    assert summary.predicted_compute_s == {0: pytest.approx(0.06)}
+    assert "predicted 60.0 ms with 30.0 ms of TP all-reduces waited for (measured/predicted 1.00)" in \
+        format_summary(summary)
