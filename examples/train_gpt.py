@@ -225,14 +225,17 @@ class _Quiet(Exception):
 
 
 def make_plan(args: argparse.Namespace, settings: dict[str, Any], device: torch.device) -> Any:
+    """Rank 0's compilation: the plan every rank runs (the model is the one :func:`train` builds,
+    from the same seed, so rank 0 trains this compilation instead of capturing the model again)."""
     import lynx
     from lynx.plan import Plan
 
+    torch.manual_seed(args.seed)
     model, inputs = build_model(args.model, args.seq, args.microbatch, str(device))
     if args.plan is not None:
         # checked against this model and these settings: LynxFingerprintError names what differs
-        return lynx.compile(model, inputs, plan=Plan.load(args.plan), **settings).plan
-    return lynx.compile(model, inputs, solver=args.solver, **settings).plan
+        return lynx.compile(model, inputs, plan=Plan.load(args.plan), **settings)
+    return lynx.compile(model, inputs, solver=args.solver, **settings)
 
 
 def run_meta(args: argparse.Namespace, plan: Any, settings: dict[str, Any], lr: float) -> dict[str, Any]:
@@ -312,6 +315,7 @@ class Setup:
     hardware_line: str = ""
     notes: list[str] = dataclasses.field(default_factory=list)   # what rank 0 found on the way (damaged checkpoints)
     calibration: Any = None   # how the hardware file was measured (None: a preset)
+    compiled: Any = None      # rank 0: the compilation that made the plan (None elsewhere)
 
 
 def setup(args: argparse.Namespace) -> Setup:
@@ -351,13 +355,15 @@ def setup(args: argparse.Namespace) -> Setup:
             pp * dp * tp,
             from_plan=args.hardware is None and saved_config is not None and "hardware" in saved_config,
         )
-        plan = make_plan(args, {**settings, "hardware": hardware}, device)
+        own.append(make_plan(args, {**settings, "hardware": hardware}, device))
+        plan = own[-1].plan
         return plan.to_json(), *find_resume_point(args, run_meta(args, plan, settings, lr)), line, calibration
 
+    own: list[Any] = []
     plan_json, resume_from, notes, hardware_line, calibration = decided_by_rank0(decide)
     plan = Plan.from_json(plan_json)
     return Setup(plan, settings, run_meta(args, plan, settings, lr), device, resume_from, lr, hardware_line, notes,
-                 calibration)
+                 calibration, own[-1] if own else None)
 
 
 def global_batch(source: Any, step: int, dp: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -376,13 +382,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     load_start = os.getloadavg()[0]  # before this run compiles or trains: the others' load
     run = setup(args)
     m, rank = run.settings["microbatches"], dist.get_rank()
-    torch.manual_seed(args.seed)  # the same weights on every rank
-    model, inputs = build_model(args.model, args.seq, args.microbatch, str(run.device))
-    settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
-    if run.plan.config.get("tp_plan"):   # tp > 1: shard as the plan was made for
-        settings["tp_plan"] = run.plan.config["tp_plan"]
     use_compile = args.compile or bool(run.plan.config.get("compile"))
-    compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)  # checked against this model
+    if run.compiled is not None:   # rank 0 planned on this model, built from --seed: no second capture
+        compiled = dataclasses.replace(run.compiled, config=run.compiled.config.replace(compile=use_compile))
+    else:
+        torch.manual_seed(args.seed)  # the same weights on every rank
+        model, inputs = build_model(args.model, args.seq, args.microbatch, str(run.device))
+        settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
+        if run.plan.config.get("tp_plan"):   # tp > 1: shard as the plan was made for
+            settings["tp_plan"] = run.plan.config["tp_plan"]
+        compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)  # checked against this model
     # the pipe seeds each rank's own dropout stream from --seed (lynx.runtime.rank_rng)
     pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s, seed=args.seed,
                                  skip_nonfinite=args.skip_nonfinite)
