@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -12,6 +14,7 @@ from lynx.calibrate.host import STARVED_SHARE, unreliable_figures
 from lynx.calibrate.repeats import Repeated, fastest
 from lynx.cli import app
 from lynx.config import CompileConfig
+from lynx.planner import hardware_cache
 from lynx.planner.hardware import RELIABLE_SPREAD
 from lynx.planner.hardware_cache import auto_path
 from lynx.planner.hardware_files import load_hardware_file
@@ -102,11 +105,22 @@ def test_auto_measures_once_then_reuses(tmp_path, monkeypatch, capfd) -> None:
     again = CompileConfig(hardware="auto", pp=2, microbatches=2)  # reused, not measured again
     assert path.stat().st_mtime_ns == stamp and again.fingerprint_fields() == config.fingerprint_fields()
     assert "measuring" not in capfd.readouterr().err
-    # a measurement older than MAX_AGE_DAYS is taken again, and stderr says why
-    data = json.loads(path.read_text())
+    # a measurement older than MAX_AGE_DAYS is taken again, and stderr says why (the policy is
+    # under test here, the measurement was above: the command's run writes today's figures)
+    fresh = path.read_text()
+    data = json.loads(fresh)
     data["calibration"]["date"] = "2020-01-01T00:00:00+00:00"
     path.write_text(json.dumps(data))
+    commands: list[list[str]] = []
+
+    def measure(command: list[str], **_: object) -> subprocess.CompletedProcess:
+        commands.append(command)
+        path.write_text(fresh)
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(hardware_cache.subprocess, "run", measure)
     CompileConfig(hardware="auto", pp=2, microbatches=2)
+    assert commands == [[sys.executable, "-m", "lynx.calibrate", "--output", str(path)]]
     assert "days old (measured again after 7); measuring (lynx calibrate)" in capfd.readouterr().err
     assert load_hardware_file(path).calibration.date != "2020-01-01T00:00:00+00:00"
 

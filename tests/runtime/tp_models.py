@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB, SEQ, MICRO, MICROBATCHES, STEPS, LR = 64, 8, 2, 4, 5, 1e-2
+VOCAB, SEQ, MICRO, MICROBATCHES, STEPS, LR = 64, 8, 2, 4, 3, 1e-2
 KINDS = ("gpt", "llama", "plain")
 
 
@@ -62,7 +62,7 @@ class PlainGPT(nn.Module):
         self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(SEQ, dim)
         self.blocks = nn.ModuleList(PlainBlock(dim, heads) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB, bias=False)
-        for p in self.parameters():   # scaled like GPT-2, so 5 AdamW steps move the loss
+        for p in self.parameters():   # scaled like GPT-2, so a few AdamW steps move the loss
             if p.dim() > 1:
                 nn.init.normal_(p, std=0.02 / math.sqrt(1 if p.shape[0] != dim else 2 * layers))
 

@@ -32,11 +32,13 @@ def main() -> None:
     for case in cases:
         kind, schedule = case.split(":")
         model, example = um.build(kind)
-        # rank 0 plans (users do the same: examples/train_gpt.py); every rank compiles with its plan
-        plan = [um.compile_recomputing(model, example, pp=pp, dp=world // pp, schedule=schedule).plan
-                if dist.get_rank() == 0 else None]
+        # rank 0 plans and trains that compilation; every other rank compiles with its plan (users
+        # do the same: examples/train_gpt.py)
+        own = um.compile_recomputing(model, example, pp=pp, dp=world // pp, schedule=schedule) \
+            if dist.get_rank() == 0 else None
+        plan = [own.plan if own is not None else None]
         dist.broadcast_object_list(plan, src=0)
-        compiled = um.compile_with(model, example, plan[0])
+        compiled = own if own is not None else um.compile_with(model, example, plan[0])
         recomputed = sum(d.action == "recompute" for s in compiled.plan.stages for d in s.decisions)
         offloaded = sum(d.action == "offload" for s in compiled.plan.stages for d in s.decisions)
         pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, trace=True)
