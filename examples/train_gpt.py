@@ -391,7 +391,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         settings = {k: run.plan.config[k] for k in FINGERPRINT_FIELDS if k in run.plan.config}
         if run.plan.config.get("tp_plan"):   # tp > 1: shard as the plan was made for
             settings["tp_plan"] = run.plan.config["tp_plan"]
-        compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)  # checked against this model
+        # checked against this model
+        compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)
     # the pipe seeds each rank's own dropout stream from --seed (lynx.runtime.rank_rng)
     pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s, seed=args.seed,
                                  skip_nonfinite=args.skip_nonfinite)
