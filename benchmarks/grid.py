@@ -56,12 +56,18 @@ OFFLOAD_BASELINES = ("offload-all", "offload-modules")
 HEU_OFFLOAD = "heu+offload"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def grid_parser(description: str) -> argparse.ArgumentParser:
+    """The grid's axes, shared with ``grid_schedules.py``: models, hardware, pp, tp."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--models", default="gpt-1.3b,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-20b")
     p.add_argument("--hardware", default="a100-80g,h100-sxm")
     p.add_argument("--pp", default="4,8")
     p.add_argument("--tp", default="1,2,4")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = grid_parser(__doc__.splitlines()[0])
     p.add_argument("--microbatches", default="8")
     p.add_argument("--full", action="store_true",
                    help="the whole grid: 8 and 32 microbatches (~25 min on 2 busy cores) → grid_full.*")

@@ -42,11 +42,7 @@ BASELINES, BUDGETED = grid.BASELINES, grid.BUDGETED
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt-1.3b,gpt-2.7b,gpt-6.7b,gpt-13b,gpt-20b")
-    p.add_argument("--hardware", default="a100-80g,h100-sxm")
-    p.add_argument("--pp", default="4,8")
-    p.add_argument("--tp", default="1,2,4")
+    p = grid.grid_parser(__doc__.splitlines()[0])
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--levels", default="0.3,0.0")
     p.add_argument("--iterations", type=int, default=4)

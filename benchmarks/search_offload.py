@@ -21,36 +21,24 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lynx.config import CompileConfig  # noqa: E402
 from lynx.planner.loop import plan_graph_outcome  # noqa: E402
+from search_time import cold_outcome  # noqa: E402
 
 BAR_S = 0.16
 
 
 def cold_plan(graph: Any, config: CompileConfig, pipe: Any) -> dict[str, Any]:
     """One cold whole plan: solver wall and CPU seconds, rounds, predicted step."""
-    from lynx.solvers import solve
-    from lynx.solvers.heu.solve import clear_cache
-
-    cpu = [0.0]
-
-    def timed(name: str, problem: Any, **kw: Any) -> Any:
-        started = time.process_time()
-        try:
-            return solve(name, problem, **kw)
-        finally:
-            cpu[0] += time.process_time() - started
-
-    clear_cache()
-    out = plan_graph_outcome(graph, config, solve=timed, pipeline=pipe, assemble=False)
-    return {"search_s": out.search_time_s, "cpu_s": cpu[0], "rounds": out.iterations,
+    out, cpu_s = cold_outcome(graph, config, pipe)
+    return {"search_s": out.search_time_s, "cpu_s": cpu_s, "rounds": out.iterations,
             "step_s": out.sim.step_time_s, "fits": out.sim.fits_budget,
             "offloaded_nodes": sum(len(r.assignment.offload) for r in out.results)}
 

@@ -65,6 +65,13 @@ def solve_round(solver: str, problems: list[Any], time_limit_s: float) -> tuple[
 
 def whole_plan(graph: Any, config: CompileConfig, pipe: Any) -> tuple[float, float, int]:
     """HEU's solver time over a whole plan (the planning loop's every round): wall, CPU, rounds."""
+    out, cpu_s = cold_outcome(graph, config, pipe)
+    return out.search_time_s, cpu_s, out.iterations
+
+
+def cold_outcome(graph: Any, config: CompileConfig, pipe: Any) -> tuple[Any, float]:
+    """One whole plan with HEU's structure cache cleared first: the planning loop's outcome
+    (unassembled) and the solver's CPU seconds over every round."""
     from lynx.solvers import solve
     from lynx.solvers.heu.solve import clear_cache
 
@@ -78,8 +85,7 @@ def whole_plan(graph: Any, config: CompileConfig, pipe: Any) -> tuple[float, flo
             cpu[0] += time.process_time() - started
 
     clear_cache()
-    out = plan_graph_outcome(graph, config, solve=timed, pipeline=pipe, assemble=False)
-    return out.search_time_s, cpu[0], out.iterations
+    return plan_graph_outcome(graph, config, solve=timed, pipeline=pipe, assemble=False), cpu[0]
 
 
 def bench_model(name: str, repeats: int, opt_time_limit: float, level: float = 0.3,

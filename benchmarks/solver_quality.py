@@ -71,25 +71,13 @@ def at_level(problem: StageProblem, level: float) -> StageProblem:
 def synthetic(model: str, microbatches: int, tp: int, level: float) -> StageProblem:
     hidden, heads, layers = MODELS[model]
     per_stage = -(-layers // PP)
-    base = make_uniform_problem(
-        layers=per_stage,
-        hidden=hidden // tp,
-        heads=heads // tp,
-        seq=2048,
-        microbatches=microbatches,
-        in_flight=min(PP, microbatches),
-        views=True,
-    )
+    shape = dict(layers=per_stage, hidden=hidden // tp, heads=heads // tp, seq=2048, microbatches=microbatches,
+                 in_flight=min(PP, microbatches), views=True)
+    base = make_uniform_problem(**shape)
     forward = sum(n.recompute_s for n in base.nodes)
     caps = [3 * 3 * forward] + [0.0] * (microbatches - 4) + [forward / 4] * 3
     problem = make_uniform_problem(
-        layers=per_stage,
-        hidden=hidden // tp,
-        heads=heads // tp,
-        seq=2048,
-        microbatches=microbatches,
-        in_flight=min(PP, microbatches),
-        views=True,
+        **shape,
         recv_grad_capacity_s=caps,
         tp_capacity_s=0.05 * forward / per_stage if tp > 1 else 0.0,
     )
