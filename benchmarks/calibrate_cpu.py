@@ -34,8 +34,6 @@ import torch.multiprocessing as mp
 
 from lynx.planner.hardware import HARDWARE_PRESETS
 
-MATMUL_OPS = ("linear", "matmul", "mm", "addmm", "bmm", "baddbmm", "conv")
-
 
 def _best(fn, repeats: int = 15) -> float:
     """The fastest of ``repeats`` runs: on a shared machine, the run least disturbed by others."""
@@ -70,26 +68,12 @@ def node_rates(analysis, overhead: float) -> dict[str, float]:
     Microbenchmarks that discard each result hit the cache and overstate both rates 1.5-5×;
     in a forward the activations are fresh memory, so the model's own ops are the reference.
     """
+    from lynx.calibrate.cpu import fit_node_rates
     from lynx.frontend.measure import measure_times
-    from lynx.planner.cost import random_elements
 
-    G = measure_times(analysis.graph.copy(), analysis.captured, repeats=9, statistic=min)
-    flops = matmul_s = moved = moved_s = 0.0
-    random_nodes = []
-    for _, attrs in G.nodes(data=True):
-        if attrs.get("is_view"):
-            continue
-        t = max(0.0, attrs["forward_s"] - overhead)
-        if random_elements(attrs):
-            random_nodes.append((attrs, t))
-        elif attrs.get("flops", 0) > 0 and any(w in str(attrs.get("op")) for w in MATMUL_OPS):
-            flops, matmul_s = flops + attrs["flops"], matmul_s + t
-        else:
-            moved, moved_s = moved + attrs["input_bytes"] + attrs["output_bytes"], moved_s + t
-    bandwidth = moved / moved_s
-    elements = sum(random_elements(a) for a, _ in random_nodes)
-    rng_s = sum(t - (a["input_bytes"] + a["output_bytes"]) / bandwidth for a, t in random_nodes)
-    return {"matmul_flops": flops / matmul_s, "bandwidth": bandwidth, "rng_s_per_element": max(0.0, rng_s) / elements}
+    rates = fit_node_rates(measure_times(analysis.graph.copy(), analysis.captured, repeats=9, statistic=min), overhead)
+    return {"matmul_flops": rates["matmul_flops"], "bandwidth": rates["memory_bandwidth"],
+            "rng_s_per_element": rates["rng_s_per_element"]}
 
 
 def stage_extra_per_node(resolved, analysis) -> float:

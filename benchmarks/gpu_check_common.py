@@ -32,7 +32,7 @@ import lynx
 
 __all__ = ["Sizes", "SIZES", "Part", "CheckResult", "Env", "verdict_of", "build_gpt", "compiled_for",
            "time_interleaved", "sync", "free_memory", "rel_diff", "VERDICTS", "shared_gpt",
-           "between_budget", "judged", "shared_plan"]
+           "between_budget", "judged", "shared_plan", "sent_grads"]
 
 VERDICTS = ("pass", "fail", "skipped")
 
@@ -250,3 +250,18 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], device: torch.device, 
             samples[name]["host_s"].append(host)
     return {name: {k: statistics.median(v) for k, v in s.items()} | {"repeats": repeats}
             for name, s in samples.items()}
+
+
+def sent_grads(stage: Any, batch: dict, device: torch.device) -> list:
+    """Fixed gradients for the values stage 0 sends (shapes from one forward, then its backward,
+    so nothing of it stays alive: saved tensors a pack hook kept can form reference cycles)."""
+    from lynx.runtime.step import backward_step, forward_step
+
+    flight = forward_step(stage, 0, batch, [])
+    gen = torch.Generator(device=device).manual_seed(1)
+    grads = [torch.randn(o.shape, dtype=o.dtype, device=device, generator=gen) * 1e-3
+             if o.requires_grad and o.is_floating_point() else None for o in flight.output]
+    backward_step(stage, 0, flight, grads)
+    stage.release(0)
+    del flight
+    return grads

@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from gpu_check_common import (CheckResult, Env, Part, compiled_for, free_memory, judged, rel_diff, shared_gpt, sync,
-                              time_interleaved)
+from gpu_check_common import (CheckResult, Env, Part, compiled_for, free_memory, judged, rel_diff, sent_grads,
+                              shared_gpt, sync, time_interleaved)
 
 __all__ = ["check_offload", "copy_seconds_alone"]
 
@@ -71,18 +71,6 @@ def _one_step(stage: Any, plan: Any, batch: dict, grads: list) -> None:
             stage.prefetch(j, nodes)
         backward_step(stage, j, flights.pop(j), grads)
         stage.release(j)
-
-
-def _sent_grads(stage: Any, batch: dict, device: torch.device) -> list:
-    from lynx.runtime.step import backward_step, forward_step
-
-    flight = forward_step(stage, 0, batch, [])
-    gen = torch.Generator(device=device).manual_seed(1)
-    grads = [torch.randn(o.shape, dtype=o.dtype, device=device, generator=gen) * 1e-3
-             if o.requires_grad and o.is_floating_point() else None for o in flight.output]
-    backward_step(stage, 0, flight, grads)
-    stage.release(0)
-    return grads
 
 
 def _grads_of(stage: Any) -> dict[str, torch.Tensor]:
@@ -125,7 +113,7 @@ def check_offload(env: Env) -> CheckResult:
         parts[f"{name}/gradients"] = Part({}, "fail", "the offload-all plan offloads nothing on stage 0")
         return CheckResult(figure, "nothing offloaded", parts)
     stages = {"keep": keep.stage(0), "offload": offload.stage(0)}
-    grads = _sent_grads(stages["keep"], batch, env.device)
+    grads = sent_grads(stages["keep"], batch, env.device)
     got = {}
     for kind, stage in stages.items():
         stage.zero_grad(set_to_none=True)

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from gpu_check_common import CheckResult, Env, Part, free_memory, judged, rel_diff, shared_gpt, shared_plan, sync
+from gpu_check_common import (CheckResult, Env, Part, free_memory, judged, rel_diff, sent_grads, shared_gpt,
+                              shared_plan, sync)
 
 __all__ = ["check_peak_memory", "run_stage_alone"]
 
@@ -84,24 +85,9 @@ def run_stage_alone(stage: Any, plan: Any, stage_index: int, batch: dict, grads:
     return probes
 
 
-def _sent_grads(stage: Any, batch: dict, device: torch.device) -> list:
-    """Fixed gradients for the values stage 0 sends (shapes from one forward, then its backward,
-    so nothing of it stays alive: saved tensors a pack hook kept can form reference cycles)."""
-    from lynx.runtime.step import backward_step, forward_step
-
-    flight = forward_step(stage, 0, batch, [])
-    gen = torch.Generator(device=device).manual_seed(1)
-    grads = [torch.randn(o.shape, dtype=o.dtype, device=device, generator=gen) * 1e-3
-             if o.requires_grad and o.is_floating_point() else None for o in flight.output]
-    backward_step(stage, 0, flight, grads)
-    stage.release(0)
-    del flight
-    return grads
-
-
 def _measure(env: Env, compiled: Any, batch: dict) -> dict[str, Any]:
     stage = compiled.stage(0)
-    grads = _sent_grads(stage, batch, env.device)
+    grads = sent_grads(stage, batch, env.device)
     run_stage_alone(stage, compiled.plan, 0, batch, grads, env.device)      # warm-up pass
     free_memory(env.device)  # nothing the warm-up left to the garbage collector may fall into the pass
     baseline = _allocated(env.device)

@@ -38,6 +38,7 @@ __all__ = [
     "ReferenceModel",
     "op_overhead_s",
     "node_rates",
+    "fit_node_rates",
     "generated_graphs_s",
     "generated_ops",
     "priced_graphs_s",
@@ -76,15 +77,24 @@ def node_rates(reference: ReferenceModel, overhead_s: float, runs: int = 5) -> d
     """``matmul_flops``, ``memory_bandwidth`` and ``rng_s_per_element`` fitted to the reference's
     nodes (each the fastest of ``runs`` in CPU time), and ``cpu_share`` of the pass."""
     from lynx.frontend.measure import measure_times
-    from lynx.planner.cost import random_elements
 
     wall, cpu = time.perf_counter(), time.thread_time()
     G = measure_times(reference.analysis.graph.copy(), reference.analysis.captured, repeats=runs, statistic=min,
                       clock=time.thread_time)
     share = min(1.0, (time.thread_time() - cpu) / max(time.perf_counter() - wall, 1e-9))
+    return {**fit_node_rates(G, overhead_s), "cpu_share": share}
+
+
+def fit_node_rates(timed: Any, overhead_s: float) -> dict[str, float]:
+    """``matmul_flops``, ``memory_bandwidth`` and ``rng_s_per_element`` from a graph whose nodes
+    carry measured ``forward_s`` (:func:`lynx.frontend.measure.measure_times`), each node's time
+    less ``overhead_s``: matmuls' FLOPs over their time, the bytes the other ops move over
+    theirs, and random ops' time beyond moving their bytes per random element."""
+    from lynx.planner.cost import random_elements
+
     flops = matmul_s = moved = moved_s = 0.0
     random_nodes = []
-    for _, attrs in G.nodes(data=True):
+    for _, attrs in timed.nodes(data=True):
         if attrs.get("is_view"):
             continue
         t = max(0.0, attrs["forward_s"] - overhead_s)
@@ -101,7 +111,6 @@ def node_rates(reference: ReferenceModel, overhead_s: float, runs: int = 5) -> d
         "matmul_flops": flops / max(matmul_s, 1e-12),
         "memory_bandwidth": bandwidth,
         "rng_s_per_element": max(0.0, rng_s) / elements if elements else 0.0,
-        "cpu_share": share,
     }
 
 
