@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overlap_baseline import CheckpointStage
+from rank_rows import print_rows, rows_from_stdout
 from shared_machine import renice_session
 from overlap_model import Stage, best_transfer_ms, simulate
 from overlap_setup import (
@@ -147,10 +148,7 @@ def worker(args: argparse.Namespace) -> None:
                     stats.wait_sync_s += time.perf_counter() - t0
                 if rep > 0 and (block == 0 or i > 0):
                     rows.append({"variant": variant, "rep": rep, "i": i, **stats.as_dict()})
-    gathered: list = [None] * topo.world
-    dist.all_gather_object(gathered, rows)
-    if topo.rank == 0:
-        print("LYNX_RESULT " + json.dumps([r for rank_rows in gathered for r in rank_rows]))
+    print_rows(rows)
     for pipe in pipes.values():
         pipe.close()
     dist.destroy_process_group()
@@ -422,8 +420,7 @@ def run(args: argparse.Namespace) -> None:
                 timeout_s=1800,
             )
         os.unlink(f.name)
-        line = next(ln for ln in out[0].stdout.splitlines() if ln.startswith("LYNX_RESULT "))
-        rows = json.loads(line[len("LYNX_RESULT ") :])
+        rows = rows_from_stdout(out[0].stdout)
         if args.trace:
             print_trace(rows)
         res = summarize(rows, args.pp, dp)

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rank_rows import print_rows, rows_from_stdout  # noqa: E402
 from shared_machine import renice_session  # noqa: E402
 
 CFG = {"vocab_size": 512, "seq_len": 128, "hidden": 256, "heads": 4, "layers": 4, "dropout": 0.0}
@@ -155,10 +156,7 @@ def worker(spec_path: str) -> None:
                              "step_s": s.step_s + opt_s, "bubble_s": s.step_s + opt_s - busy,
                              "peak_saved_bytes": s.peak_saved_bytes, "hidden_s": s.recompute_hidden_s,
                              "exposed_s": s.exposed_recompute_s})
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        print("LYNX_RESULT " + json.dumps([r for part in gathered for r in part]))
+    print_rows(rows)
     for pipe in pipes.values():
         pipe.close()
     dist.destroy_process_group()
@@ -229,8 +227,7 @@ def main() -> None:
         out = bed.run([sys.executable, __file__, "--worker", f.name],
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=3600)
     os.unlink(f.name)
-    line = next(ln for ln in out[0].stdout.splitlines() if ln.startswith("LYNX_RESULT "))
-    res = summarise(json.loads(line[len("LYNX_RESULT "):]), plans)
+    res = summarise(rows_from_stdout(out[0].stdout), plans)
     print(f"\nbed: rate-limited={limited}" + (f", {link}" if link else "") + f"; load {load} at start, "
           f"{os.getloadavg()} at end")
     print(f"{'schedule/variant':>26} {'step ms [IQR]':>21} {'pred':>7} {'ratio':>6} | {'bubble ms':>9} {'pred':>7} "

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rank_rows import print_rows, rows_from_stdout
 from shared_machine import renice_session
 
 VARIANTS = ("none", "on-demand", "lynx")
@@ -143,10 +144,7 @@ def worker(args: argparse.Namespace) -> None:
             pipes[variant].step(idx, targets)
             if rep > 0:
                 rows.append({"variant": variant, "rep": rep, **pipes[variant].last_stats.as_dict()})
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        print("LYNX_RESULT " + json.dumps([r for rank_rows in gathered for r in rank_rows]))
+    print_rows(rows)
     for pipe in pipes.values():
         pipe.close()
     dist.destroy_process_group()
@@ -207,8 +205,7 @@ def run(args: argparse.Namespace) -> None:
             out = bed.run([sys.executable, __file__, "--worker", "--spec", f.name],
                           env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=1800)
         os.unlink(f.name)
-        line = next(ln for ln in out[0].stdout.splitlines() if ln.startswith("LYNX_RESULT "))
-        res = summarize(json.loads(line[len("LYNX_RESULT "):]))
+        res = summarize(rows_from_stdout(out[0].stdout))
         res.update(pp=pp, rate_limited=limited, link=str(link) if link else "loopback, not limited",
                    loadavg_start=load, loadavg_end=os.getloadavg())
         for v in VARIANTS:

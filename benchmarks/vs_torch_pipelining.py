@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rank_rows import print_rows, rows_from_stdout  # noqa: E402
 from shared_machine import renice_session  # noqa: E402
 
 CFG = {"vocab": 512, "seq": 128, "hidden": 256, "heads": 4, "layers": 8}
@@ -156,10 +157,7 @@ def worker(reps: int, nice: int) -> None:
                     row.update(forward_s=s.forward_s, backward_s=s.backward_s, wait_s=s.wait_s,
                                runner_step_s=s.step_s)
                 rows.append(row)
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        print("LYNX_RESULT " + json.dumps([r for part_rows in gathered for r in part_rows]))
+    print_rows(rows)
     pipe.close()
     dist.destroy_process_group()
 
@@ -219,8 +217,7 @@ def main() -> None:
             limited = bed.rate_limited
             out = bed.run([sys.executable, __file__, "--worker", "--reps", str(args.reps), "--nice", str(args.nice)],
                           env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=3600)
-        line = next(ln for ln in out[0].stdout.splitlines() if ln.startswith("LYNX_RESULT "))
-        res = summarise(json.loads(line[len("LYNX_RESULT "):]))
+        res = summarise(rows_from_stdout(out[0].stdout))
         res.update(rate_mbit=rate, rate_limited=limited, loadavg_start=load, loadavg_end=os.getloadavg())
         results["links"][link] = res
         print(f"{link}{'' if rate is None or limited else ' (NOT rate-limited here)'}: Lynx "
