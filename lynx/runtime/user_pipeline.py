@@ -47,15 +47,13 @@ Conventions (see ``docs/train_your_model.md``):
 
 from __future__ import annotations
 
-import datetime
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lynx.errors import LynxConfigError, LynxFingerprintError
+from lynx.errors import LynxConfigError
 from lynx.runtime import nonfinite
 from lynx.runtime.batching import (
     bind_inputs,
@@ -67,12 +65,13 @@ from lynx.runtime.batching import (
     split_rows,
 )
 from lynx.runtime.executable import check_executable
+from lynx.runtime.job import check_runnable, check_same_everywhere, join_job
 from lynx.runtime.p2p import Pollable
 from lynx.runtime.data_parallel import syncs_own_buckets
 from lynx.runtime.runner import RuntimeConfig, StageRunner
 from lynx.runtime.rank_rng import RankRNG
 from lynx.runtime.stats import StepStats
-from lynx.runtime.topology import make_topology, select_backend, tied_groups
+from lynx.runtime.topology import make_topology, rank_device, tied_groups
 from lynx.runtime.tp import tp_window_schedule
 
 __all__ = ["Pipeline"]
@@ -141,22 +140,22 @@ class Pipeline:
             raise LynxConfigError(f"the plan is for tp={tp} but the model was compiled without a sharding plan: "
                                   f"compile it with tp={tp} (lynx.compile(..., tp={tp}, plan=...))")
         self.microbatches = m
-        self._own_group = _join_job(pp * dp * tp, timeout_s)
-        self.topology = topo = make_topology(pp, dp, device_type=_device_type(), tp=tp)
-        _check_same_everywhere(plan.fingerprint, self.loss.form)
+        self._own_group = join_job(pp * dp * tp, timeout_s)
+        self.topology = topo = make_topology(pp, dp, device_type=rank_device().type, tp=tp)
+        check_same_everywhere(plan.fingerprint, self.loss.form)
         captured = compiled.analysis.captured
         self.input_names = list(captured.input_names)
         self._examples = dict(zip(self.input_names, captured.example_inputs))
         self._index_limits = index_limits(captured.gm)   # token ids an embedding or a loss indexes
         schedule = plan.config.get("schedule", "1f1b")
         virtual = int(plan.config.get("virtual_stages", 1)) if schedule == "interleaved1f1b" else 1
-        _check_runnable(schedule, pp, m, virtual)
+        check_runnable(schedule, pp, m, virtual)
         # this rank's model chunks (one, or `virtual` under interleaved 1F1B), by pipeline position;
         # with tp > 1 this TP rank's shards of them
         tp_mesh = topo.tp_mesh if tp > 1 else None
         self.chunks = (build_chunk_modules(compiled, topo.stage, tp_mesh=tp_mesh) if stage is None
                        else {topo.stage: stage})
-        self.device = _rank_device()
+        self.device = rank_device()
         for chunk in self.chunks.values():
             if any(p.device != self.device for p in chunk.parameters()):
                 chunk.to(self.device)   # the user's parameters: the chunk shares them
@@ -414,63 +413,3 @@ class _StepByUser:
 
     def step(self) -> None:
         pass
-
-
-def _device_type() -> str:
-    return _rank_device().type
-
-
-def _rank_device() -> torch.device:
-    from lynx.runtime.topology import rank_device
-
-    return rank_device()
-
-
-def _join_job(world: int, timeout_s: float) -> bool:
-    """Join the job's process group (torchrun's environment); True when this call created it."""
-    if dist.is_initialized():
-        if dist.get_world_size() != world:
-            raise LynxConfigError(f"the process group has {dist.get_world_size()} ranks but the plan needs "
-                                  f"pp × dp × tp = {world}")
-        return False
-    env_world = os.environ.get("WORLD_SIZE")
-    if env_world is None:
-        if world != 1:
-            raise LynxConfigError(f"this plan runs on pp × dp × tp = {world} processes: launch the script with "
-                                  f"`torchrun --nproc_per_node {world} SCRIPT.py` (no torchrun environment found)")
-        from lynx.runtime.topology import free_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-    elif int(env_world) != world:
-        raise LynxConfigError(f"{env_world} processes were started but the plan needs pp × dp × tp = {world}: "
-                              f"launch `torchrun --nproc_per_node {world}` or compile with pp × dp × tp = {env_world}")
-    backend, device = select_backend(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(60.0, timeout_s)))
-    return True
-
-
-def _check_runnable(schedule: str, pp: int, microbatches: int, virtual: int) -> None:
-    """Refuse a schedule this runtime cannot execute on this backend."""
-    from lynx.planner.schedule import link_order_problems, rank_actions
-
-    # schedules not in RUNTIME_SCHEDULES were refused before the process group (check_executable)
-    if dist.get_backend() == "nccl":
-        problems = link_order_problems(rank_actions(schedule, pp, microbatches, virtual), pp)
-        if problems:   # NCCL matches point-to-point messages in posting order, not by tag
-            raise LynxConfigError(f"schedule {schedule!r} posts receives out of their senders' order ({problems[0]}"
-                                  f"{'; …' if len(problems) > 1 else ''}), which NCCL would match to the wrong "
-                                  "messages; run it on gloo or choose 1f1b, gpipe or zbh1")
-
-
-def _check_same_everywhere(fingerprint: str, loss_form: str | None) -> None:
-    """Every rank compiled the same plan (and found the same loss): else stop before any step."""
-    mine = (fingerprint, loss_form)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differ:
-        raise LynxFingerprintError(
-            f"ranks {differ} compiled another plan than rank 0 (fingerprint, loss: {everyone[differ[0]]} vs "
-            f"{everyone[0]}): build the same model with the same seed and settings on every rank")
