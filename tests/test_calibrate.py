@@ -10,12 +10,11 @@ import pytest
 
 from typer.testing import CliRunner
 
-from lynx.calibrate.host import STARVED_SHARE, unreliable_figures
+from lynx.calibrate.host import unreliable_figures
 from lynx.calibrate.repeats import Repeated, fastest
 from lynx.cli import app
 from lynx.config import CompileConfig
 from lynx.planner import hardware_cache
-from lynx.planner.hardware import RELIABLE_SPREAD
 from lynx.planner.hardware_cache import auto_path
 from lynx.planner.hardware_files import load_hardware_file
 
@@ -73,8 +72,9 @@ def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> Non
     assert set(MEASURED) <= set(cal.spread) and all(v >= 0 for v in cal.spread.values())
     assert set(CPU_TIMED) <= set(cal.cpu_share) and all(0 < v <= 1 for v in cal.cpu_share.values())
     assert set(cal.unreliable) <= set(cal.spread)
-    assert all((cal.spread[k] > RELIABLE_SPREAD or cal.cpu_share.get(k, 1.0) < STARVED_SHARE) and "Measure again" in why
-               for k, why in cal.unreliable.items())
+    # (which repeats make a figure unreliable — the spread, or a best-of figure's two best, or a
+    # starved core — is test_unreliable_figures_name_the_spread_and_why's; the file says why)
+    assert all("Measure again" in why for why in cal.unreliable.values())
     assert all("10%" in why or "of a core" in why for why in cal.unreliable.values())
     assert 0 < spec.runtime_action_s < 0.01 and any(n.startswith("runtime: lynx.runtime.Pipeline") for n in cal.notes)
     assert all(r > 0 for r in spec.peak_flops.values()) and spec.memory_bandwidth > 0 and spec.op_overhead_s > 0
