@@ -36,11 +36,13 @@ import os
 import statistics
 import tempfile
 import time
+from typing import Any
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from lynx.calibrate.forked import collect
 from lynx.errors import LynxRuntimeError
 from lynx.planner.hardware import PHYSICAL_RANGES, LinkSpec
 
@@ -62,17 +64,9 @@ def measure_allreduce(repeats: int = 5, trips: int = 40, sizes: Sequence[int] = 
         queue = ctx.Queue()
         args = (os.path.join(folder, "store"), repeats, trips, tuple(sizes), timeout_s, queue)
         procs = [ctx.Process(target=_worker, args=(rank, *args), daemon=True) for rank in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            status, result = queue.get(timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - queue.Empty or a dead worker: say what was measured
-            status, result = "error", f"no result within {timeout_s:.0f} s"
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+        items, missing = collect(procs, queue, 1, timeout_s)
+        reply: Any = items[0] if items else ("error", missing)   # rank 0's ("ok", figures) or why not
+        status, result = reply
     if status != "ok":
         raise LynxRuntimeError(f"could not measure gloo all-reduces between two processes: {result}")
     return result

@@ -23,10 +23,12 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lynx.calibrate.forked import collect
 from lynx.errors import LynxRuntimeError
 
 __all__ = ["measure_link"]
@@ -40,17 +42,9 @@ def measure_link(backend: str, repeats: int = 5, small_trips: int = 400, large_t
         queue = ctx.Queue()
         args = (backend, os.path.join(folder, "store"), repeats, small_trips, large_trips, large_numel, timeout_s)
         procs = [ctx.Process(target=_worker, args=(rank, queue, *args), daemon=True) for rank in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            status, result = queue.get(timeout=timeout_s)
-        except Exception:  # noqa: BLE001 - queue.Empty or a dead worker: say what was measured
-            status, result = "error", f"no result within {timeout_s:.0f} s"
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+        items, missing = collect(procs, queue, 1, timeout_s)
+        reply: Any = items[0] if items else ("error", missing)   # rank 0's ("ok", figures) or why not
+        status, result = reply
     if status != "ok":
         raise LynxRuntimeError(f"could not measure the {backend} link between two processes: {result}")
     return result

@@ -52,6 +52,7 @@ def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring the runtime's own cost forks two ranks of this process; this platform "
                                "has no fork")
+    from lynx.calibrate.forked import collect
     from lynx.runtime.topology import free_port
 
     from lynx.planner.schedule import list_actions
@@ -64,21 +65,9 @@ def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(rank, pp, port, compiled, repeats, steps, timeout_s, queue),
                          daemon=True) for rank in range(pp)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, result = queue.get(timeout=timeout_s)
-            results[rank] = result
-    except Exception:  # noqa: BLE001 - queue.Empty: a worker died or hung
-        results.setdefault(-1, f"no result within {timeout_s:.0f} s")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    errors = [r for r in results.values() if isinstance(r, str)]
+    items, missing = collect(procs, queue, len(procs), timeout_s)
+    results: dict[int, Any] = dict(items)
+    errors = [r for r in results.values() if isinstance(r, str)] + ([missing] if missing else [])
     if errors or len(results) != pp:
         raise LynxRuntimeError(f"could not run lynx.runtime.Pipeline on {pp} processes to measure its own cost: "
                                f"{'; '.join(errors) or 'a rank sent no result'}")

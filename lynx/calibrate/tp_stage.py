@@ -50,6 +50,7 @@ def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeo
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring a tensor-parallel stage forks two ranks of this process; this platform "
                                "has no fork")
+    from lynx.calibrate.forked import collect
     from lynx.runtime.topology import free_port
 
     tp = reference.compiled.config.tp
@@ -58,21 +59,9 @@ def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeo
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(rank, tp, port, reference.compiled, repeats, runs, timeout_s, queue),
                          daemon=True) for rank in range(tp)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, result = queue.get(timeout=timeout_s)
-            results[rank] = result
-    except Exception:  # noqa: BLE001 - queue.Empty: a worker died or hung
-        results.setdefault(-1, f"no result within {timeout_s:.0f} s")
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    errors = [r for r in results.values() if isinstance(r, str)]
+    items, missing = collect(procs, queue, len(procs), timeout_s)
+    results: dict[int, Any] = dict(items)
+    errors = [r for r in results.values() if isinstance(r, str)] + ([missing] if missing else [])
     if errors or 0 not in results:
         raise LynxRuntimeError(f"could not run a tensor-parallel stage on {tp} processes to time its collectives: "
                                f"{'; '.join(errors) or 'rank 0 sent no result'}")
