@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lynx.config import CompileConfig  # noqa: E402
 from lynx.planner.loop import plan_graph_outcome  # noqa: E402
-from search_time import cold_outcome  # noqa: E402
+from search_time import cold_outcome, level_budget  # noqa: E402
 
 BAR_S = 0.16
 
@@ -49,12 +49,7 @@ def bench(model: str, repeats: int, level: float) -> dict[str, Any]:
 
     resolved = resolve_model(model)
     graph = analyze(resolved.model, resolved.example_inputs, target="cuda", hardware="h100-sxm").graph
-    base = CompileConfig(pp=4, microbatches=8, hardware="h100-sxm", memory_budget=2**50, solver="none")
-    none = plan_graph_outcome(graph, base, check_budget=False, assemble=False)
-    full = plan_graph_outcome(graph, base.replace(solver="full"), check_budget=False, pipeline=none.pipeline,
-                              assemble=False)
-    none_peak, full_peak = max(none.sim.peak_memory_bytes), max(full.sim.peak_memory_bytes)
-    budget = int(full_peak + level * (none_peak - full_peak))
+    base, none, _full, budget = level_budget(graph, level)
     row: dict[str, Any] = {"model": model, "level": level, "budget": budget, "none_step_s": none.sim.step_time_s}
     for label, offload in (("offload", True), ("recompute_only", False)):
         config = base.replace(solver="heu", memory_budget=budget, offload=offload)

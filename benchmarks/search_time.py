@@ -63,6 +63,17 @@ def solve_round(solver: str, problems: list[Any], time_limit_s: float) -> tuple[
     return time.perf_counter() - started, time.process_time() - started_cpu, results
 
 
+def level_budget(graph: Any, level: float) -> tuple[CompileConfig, Any, Any, int]:
+    """The section's setting (pp 4, 1F1B, 8 microbatches, h100-sxm; solver none), the outcomes of
+    plans ``none`` and ``full``, and the budget ``level`` of the way from ``full``'s peak to ``none``'s."""
+    base = CompileConfig(pp=4, microbatches=8, hardware="h100-sxm", memory_budget=2**50, solver="none")
+    none = plan_graph_outcome(graph, base, check_budget=False, assemble=False)
+    full = plan_graph_outcome(graph, base.replace(solver="full"), check_budget=False, pipeline=none.pipeline,
+                              assemble=False)
+    none_peak, full_peak = max(none.sim.peak_memory_bytes), max(full.sim.peak_memory_bytes)
+    return base, none, full, int(full_peak + level * (none_peak - full_peak))
+
+
 def whole_plan(graph: Any, config: CompileConfig, pipe: Any) -> tuple[float, float, int]:
     """HEU's solver time over a whole plan (the planning loop's every round): wall, CPU, rounds."""
     out, cpu_s = cold_outcome(graph, config, pipe)
@@ -100,12 +111,7 @@ def bench_model(name: str, repeats: int, opt_time_limit: float, level: float = 0
     t0 = time.perf_counter()
     graph = analyze(resolved.model, resolved.example_inputs, target="cuda", hardware="h100-sxm").graph
     analyse_s = time.perf_counter() - t0
-    base = CompileConfig(pp=4, microbatches=8, hardware="h100-sxm", memory_budget=2**50, solver="none")
-    none = plan_graph_outcome(graph, base, check_budget=False, assemble=False)
-    full = plan_graph_outcome(graph, base.replace(solver="full"), check_budget=False, pipeline=none.pipeline,
-                              assemble=False)
-    none_peak, full_peak = max(none.sim.peak_memory_bytes), max(full.sim.peak_memory_bytes)
-    budget = int(full_peak + level * (none_peak - full_peak))
+    base, none, full, budget = level_budget(graph, level)
     pipe, static = none.pipeline, none.sim.static_bytes
     problems = build_problems(graph, pipe, run_timeline(pipe, record=False), budget_bytes=budget, static=static)
     heu_times, heu_cpu = [], []
