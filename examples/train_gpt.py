@@ -143,17 +143,20 @@ def plan_settings(
     return settings
 
 
-def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, str, Any]:
+def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool, source: Any = None) -> tuple[Any, str, Any]:
     """Rank 0: the spec to plan with (``auto`` may measure this machine first), a line naming
     it, and how it was measured (its ``Calibration``, None for a preset).
 
     A CPU spec assumes a core per rank; with more ranks than cores each rank gets its share
-    (``lynx.planner.hardware.share_cores``). A saved plan's hardware is used as recorded.
+    (``lynx.planner.hardware.share_cores``). A saved plan's hardware is used as recorded, with
+    the file and calibration it came from (``source``: the plan's ``hardware_source``).
     """
     from lynx.planner.hardware import HARDWARE_PRESETS, HardwareSpec, share_cores
     from lynx.planner.hardware_ref import resolve_hardware
 
     spec = HardwareSpec.model_validate(hardware) if isinstance(hardware, dict) else resolve_hardware(hardware)
+    if from_plan and source is not None:
+        spec = source.applied_to(spec)
     if not from_plan:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         shared = share_cores(spec, ranks, cores)
@@ -163,7 +166,7 @@ def hardware_for_plan(hardware: Any, ranks: int, from_plan: bool) -> tuple[Any, 
 
 def _hardware_line(spec: Any, used: Any) -> str:
     """Where the cost model's figures come from: a preset, or a file (and how it was measured)."""
-    name = used if isinstance(used, str) else getattr(used, "name", "a custom spec")
+    name = used if isinstance(used, str) else _hardware_name(used) if isinstance(used, dict) else spec.name
     line = f"hardware {name}: " + (f"file {spec.source}" if spec.source else "preset (lynx/planner/hardware.py)")
     cal = spec.calibration
     if cal is not None:
@@ -328,7 +331,8 @@ def setup(args: argparse.Namespace) -> Setup:
         raise LynxConfigError("--checkpoint-every and --resume need --checkpoint-dir")
     # a missing or corrupt plan file, or one the runtime cannot execute, stops here, on every
     # rank, before any process group
-    saved_config = Plan.load(args.plan).config if args.plan is not None else None
+    saved = Plan.load(args.plan) if args.plan is not None else None
+    saved_config = saved.config if saved is not None else None
     if saved_config is not None:
         from lynx.runtime.executable import check_executable
 
@@ -354,6 +358,7 @@ def setup(args: argparse.Namespace) -> Setup:
             settings["hardware"],
             pp * dp * tp,
             from_plan=args.hardware is None and saved_config is not None and "hardware" in saved_config,
+            source=saved.hardware_source if saved is not None else None,
         )
         own.append(make_plan(args, {**settings, "hardware": hardware}, device))
         plan = own[-1].plan

@@ -38,6 +38,7 @@ __all__ = [
     "WindowRecord",
     "Predicted",
     "Plan",
+    "HardwareSource",
     "StageSchedule",
     "fingerprint_of",
     "field_fingerprints",
@@ -137,6 +138,31 @@ class Predicted(BaseModel):
     fits_budget: bool = True
 
 
+class HardwareSource(BaseModel):
+    """The hardware file a plan's figures were read from, and how it was measured
+    (:class:`lynx.planner.hardware.Calibration`'s fields, its notes left out; None: written by hand)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    file: Optional[str] = None
+    calibration: Optional[dict[str, Any]] = None
+
+    @classmethod
+    def of(cls, spec: Any) -> Optional["HardwareSource"]:
+        """``spec``'s source and calibration, or None for a preset."""
+        calibration = getattr(spec, "calibration", None)
+        if getattr(spec, "source", None) is None and calibration is None:
+            return None
+        return cls(file=spec.source,
+                   calibration=None if calibration is None else calibration.model_dump(mode="json", exclude={"notes"}))
+
+    def applied_to(self, spec: Any) -> Any:
+        """``spec`` (the plan's recorded figures) with this source and calibration attached."""
+        from lynx.planner.hardware import Calibration
+
+        calibration = None if self.calibration is None else Calibration.model_validate(self.calibration)
+        return spec.model_copy(update={"source": self.file, "calibration": calibration})
+
+
 class Plan(BaseModel):
     """A complete recomputation plan; see the module docstring."""
 
@@ -160,6 +186,9 @@ class Plan(BaseModel):
     timeline_detail: list[tuple[int, str, float, float, str]] = []
     # per fingerprinted setting, a hash of the value the plan was made for: names an edited config field
     config_fingerprints: dict[str, str] = {}
+    # where the hardware figures came from, when a file gave them (``hardware_source``): not
+    # fingerprinted — a run of the saved plan reports the calibration its prediction assumes
+    hardware_source: Optional[HardwareSource] = None
 
     # ------------------------------------------------------------------ files
     def to_json(self, indent: Optional[int] = 1) -> str:

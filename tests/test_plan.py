@@ -109,3 +109,22 @@ def test_decisions_round_trip_assignments() -> None:
     assert decisions[0].windows == {0: "s0.recv_grad.mb0", 1: "s0.recv_grad.mb1", 2: "s0.recv_grad.mb2"}
     assert decisions[2].action == "recompute" and decisions[2].windows is None
     assert assignment_from_decisions(decisions, 3) == assignment
+
+
+def test_a_calibrated_spec_travels_with_the_plan_but_not_in_its_fingerprint(tmp_path) -> None:
+    from lynx.plan import HardwareSource
+    from lynx.planner.hardware import Calibration, get_hardware
+
+    preset = get_hardware("cpu-local")
+    assert HardwareSource.of(preset) is None
+    calibration = Calibration(host="h", date="2026-12-04T00:00:00+00:00", seconds=12.5, repeats=5, threads=1,
+                              cpus=2, load_before=0.6, load_after=1.4, torch="2.13", spread={"op_overhead_s": 0.05},
+                              notes=["long prose the plan does not need"])
+    measured = preset.model_copy(update={"source": "/cache/hw.json", "calibration": calibration})
+    source = HardwareSource.of(measured)
+    plan = _plan().model_copy(update={"hardware_source": source})
+    again = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert again.hardware_source == source and again.fingerprint == _plan().fingerprint
+    spec = again.hardware_source.applied_to(preset)
+    assert spec.source == "/cache/hw.json" and spec.calibration.load_before == 0.6 and spec.calibration.notes == []
+    assert spec.model_dump() == preset.model_dump()   # the figures are the recorded ones

@@ -32,7 +32,8 @@ import networkx as nx
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.phases import Phases
-from lynx.plan import Plan, Predicted, StagePlan, WindowRecord, field_fingerprints, fingerprint_of
+from lynx.plan import (HardwareSource, Plan, Predicted, StagePlan, WindowRecord, field_fingerprints,
+                       fingerprint_of)
 from lynx.planner.comm import CommModel
 from lynx.planner.copy_lanes import HostCopies
 from lynx.planner.fingerprint import graph_fingerprint
@@ -218,7 +219,7 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, pro
                             bubble_s=sim.bubble_s,
                             peak_memory_bytes=sim.peak_memory_bytes, fits_budget=sim.fits_budget),
         timeline=timeline_bars(sim.timeline), timeline_detail=timeline_detail(sim.timeline),
-        config_fingerprints=field_fingerprints(fields))
+        config_fingerprints=field_fingerprints(fields), hardware_source=HardwareSource.of(config.hardware_spec()))
 
 
 def _still_hidden(problem: StageProblem, result: Any) -> Any:
