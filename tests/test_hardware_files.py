@@ -174,3 +174,22 @@ def test_cli_plans_gpt_13b_on_the_ethernet_cluster(tmp_path) -> None:
     bad.write_text("device: a100-80g\nlinks: 3\n")
     result = CliRunner().invoke(app, ["plan", "gpt-tiny", "--hardware", str(bad)])
     assert result.exit_code == 2 and "bad.yaml" in result.output and "links" in result.output
+
+
+def test_a_calibration_written_before_methods_were_numbered_reads_as_method_1(tmp_path) -> None:
+    import json
+
+    from lynx.planner.hardware import CALIBRATION_METHOD
+    from lynx.planner.hardware_cache import stale_reason
+
+    cal = Calibration(host="h", date="2026-12-03T00:00:00+00:00", seconds=12.5, repeats=5, threads=1, cpus=2,
+                      load_before=0.5, load_after=0.7, torch="2.x")
+    path = write_hardware_file(HARDWARE_PRESETS["cpu-local"].model_copy(update={"calibration": cal}),
+                               tmp_path / "hw.json")
+    assert load_hardware_file(path).calibration.method == CALIBRATION_METHOD
+    data = json.loads(path.read_text())
+    del data["calibration"]["method"]
+    path.write_text(json.dumps(data))
+    old = load_hardware_file(path).calibration
+    assert old.method == 1
+    assert "older `lynx calibrate`" in stale_reason(old, load=0.5, cpus=2)

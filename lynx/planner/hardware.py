@@ -28,7 +28,13 @@ from lynx.errors import LynxConfigError
 from lynx.planner.host_link import HOST_MEMORY_PER_GPU, PCIE4_X16, PCIE5_X16, HostLinkSpec
 
 __all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES", "RELIABLE_SPREAD",
-           "get_hardware", "share_cores"]
+           "CALIBRATION_METHOD", "get_hardware", "share_cores"]
+
+# What `lynx calibrate` measures and how, numbered; raised whenever a figure is measured anew or
+# differently, so that `--hardware auto` measures a cached file of an older method again.
+# 1: files without the field (before 2026-12-04); 2: the tp link from all-reduces inside a
+# sharded stage, the runtime's own work per action.
+CALIBRATION_METHOD = 2
 
 # A measured figure is repeatable when every repeat is within ±10% of the repeats' median (for a
 # best-of-repeats figure: its two best repeats within 10%); `lynx calibrate` flags the others.
@@ -89,6 +95,7 @@ class Calibration(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     host: str
     date: str  # ISO 8601, UTC
+    method: int = CALIBRATION_METHOD  # what measured it (:data:`CALIBRATION_METHOD`; a file without it: 1)
     seconds: float = Field(ge=0.0)  # how long the calibration took
     repeats: int = Field(ge=1)
     threads: int = Field(ge=1)  # torch threads per process while measuring (a rank's)

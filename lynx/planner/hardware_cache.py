@@ -41,7 +41,7 @@ from importlib import metadata
 from pathlib import Path
 
 from lynx.errors import LynxConfigError
-from lynx.planner.hardware import Calibration, HardwareSpec
+from lynx.planner.hardware import CALIBRATION_METHOD, Calibration, HardwareSpec
 
 __all__ = ["cache_dir", "auto_path", "host_description", "auto_hardware", "stale_reason", "MAX_AGE_DAYS",
            "LOAD_MARGIN_PER_CPU"]
@@ -151,8 +151,9 @@ def stale_reason(calibration: Calibration | None, load: float | None, cpus: int,
                  now: datetime.datetime | None = None) -> str | None:
     """Why a cached measurement should be taken again now, or None to use it.
 
-    Older than :data:`MAX_AGE_DAYS`, or made at a 1-minute load average (the lower of before and
-    after) more than ``LOAD_MARGIN_PER_CPU × cpus`` above ``load``, the present one.
+    Made by an older method (:data:`lynx.planner.hardware.CALIBRATION_METHOD`), older than
+    :data:`MAX_AGE_DAYS`, or made at a 1-minute load average (the lower of before and after)
+    more than ``LOAD_MARGIN_PER_CPU × cpus`` above ``load``, the present one.
 
     Example::
 
@@ -166,6 +167,8 @@ def stale_reason(calibration: Calibration | None, load: float | None, cpus: int,
         True
         >>> stale_reason(cal, load=4.5, cpus=2, now=now + datetime.timedelta(days=8))
         'the cached measurement is 9 days old (measured again after 7)'
+        >>> stale_reason(cal.model_copy(update={"method": 1}), load=4.5, cpus=2, now=now)
+        'the cached measurement was made by an older `lynx calibrate` (method 1; this Lynx measures by method 2)'
     """
     if calibration is None:
         return None  # a file written by hand into the cache: used as it is
@@ -176,6 +179,9 @@ def stale_reason(calibration: Calibration | None, load: float | None, cpus: int,
             made = made.replace(tzinfo=datetime.timezone.utc)
     except ValueError:
         return f"the cached measurement's date {calibration.date!r} does not read"
+    if calibration.method < CALIBRATION_METHOD:
+        return (f"the cached measurement was made by an older `lynx calibrate` (method {calibration.method}; this "
+                f"Lynx measures by method {CALIBRATION_METHOD})")
     age = now - made
     if age > datetime.timedelta(days=MAX_AGE_DAYS):
         return f"the cached measurement is {age.days} days old (measured again after {MAX_AGE_DAYS})"

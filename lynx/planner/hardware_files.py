@@ -165,6 +165,8 @@ def _over_base(data: dict[str, Any], base: HardwareSpec, path: Path) -> dict[str
 def _calibration(value: Any, path: Path) -> Calibration | None:
     if value is None:
         return None
+    if isinstance(value, dict) and "method" not in value:
+        value = {**value, "method": 1}   # written before calibrations were numbered
     try:
         return Calibration.model_validate(value)
     except ValidationError as err:
