@@ -73,7 +73,7 @@ def test_input_then_weight_graphs_equal_the_backward_bitwise(dropping):
 
 
 def test_the_weight_part_reads_what_only_it_needs():
-    from lynx.rewrite.emit import split_backward_nodes
+    from lynx.rewrite.emit_backward import split_backward_nodes
 
     _, _, _, nodes = _captured()
     stages = build_stages(_captured()[2].gm, nodes, [set(), set()])

@@ -1,6 +1,6 @@
 """Which part of a split backward reads each saved value: zero bubble's input- or weight-gradient part.
 
-A zero-bubble stage splits its backward (:func:`lynx.rewrite.emit.split_backward_nodes`): the
+A zero-bubble stage splits its backward (:func:`lynx.rewrite.emit_backward.split_backward_nodes`): the
 input-gradient part ``I`` is every backward node the gradients of the stage's inputs need, the
 weight-gradient part ``W`` the rest, run later. In the whole model's joint graph a backward
 node ``u`` serves the input gradients of a stage that starts at captured node ``k`` exactly

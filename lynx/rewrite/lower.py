@@ -46,7 +46,8 @@ from torch import fx
 
 from lynx.frontend.joint import JointGraph, classify, input_saver, storage_nbytes, storage_root
 from lynx.frontend.joint_tp import is_collective
-from lynx.rewrite.emit import BackwardGraph, RecomputeGraph, build_backward, build_forward, build_recompute, compiled
+from lynx.rewrite.emit import BackwardGraph, RecomputeGraph, build_forward, build_recompute, compiled
+from lynx.rewrite.emit_backward import build_backward
 from lynx.torch_private import is_op_overload
 
 __all__ = ["LoweredStage", "lower"]
@@ -134,7 +135,7 @@ class LoweredStage:
         ``tp_windows`` (:func:`lynx.rewrite.tp_windows.window_targets`): dropped slots
         recomputed between a backward collective and its wait. ``streamed``: ``(kept slot,
         issuing node)`` of the offloaded values the graph brings back itself
-        (:func:`~lynx.rewrite.emit.build_backward`).
+        (:func:`~lynx.rewrite.emit_backward.build_backward`).
         """
         key = (available, sink, tp_windows, streamed)
         graph = self._backward.get(key)
