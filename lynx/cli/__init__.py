@@ -35,7 +35,7 @@ def table_console() -> Console:
 
 
 # Sub-command modules: importing one registers its commands on `app`.
-from lynx.cli import calibrate_cmd, inspect_cmd, plan_cmd  # noqa: E402,F401
+from lynx.cli import calibrate_cmd, inspect_cmd, plan_cmd, compare_cmd  # noqa: E402,F401  (the order of --help)
 
 
 def main() -> None:

@@ -87,13 +87,14 @@ def test_offload_plans_show_their_bytes_and_copy_lanes(tmp_path) -> None:
 def test_auto_plans_each_rank_on_its_share_of_this_machine(monkeypatch, capsys) -> None:
     """`lynx plan --hardware auto` is this machine: 4 ranks on 2 cores get half a core each (as
     examples/train_gpt.py plans), the tp link's host work included; presets stay as they are."""
-    from lynx.cli.plan_cmd import _config, _shared_cores
+    from lynx.cli.common import compile_config
+    from lynx.cli.plan_cmd import _shared_cores
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    config = _config(2, 1, 2, 4, "1f1b", 1, None, "cpu-local", "adamw", "heu", 5.0, None, 0, 100)
+    config = compile_config(2, 1, 2, 4, "1f1b", 1, None, "cpu-local", "adamw", "heu", 5.0, None, 0, 100)
     shared = _shared_cores(config).hardware_spec()
     assert shared.name == "cpu-local-4on2" and "4 ranks (pp 2 × tp 2 × dp 1)" in capsys.readouterr().err
     base = config.hardware_spec()
     assert shared.links["tp"].alpha_s == 2 * base.links["tp"].alpha_s and shared.links["pp"] == base.links["pp"]
-    two = _config(1, 1, 2, 4, "1f1b", 1, None, "cpu-local", "adamw", "heu", 5.0, None, 0, 100)
+    two = compile_config(1, 1, 2, 4, "1f1b", 1, None, "cpu-local", "adamw", "heu", 5.0, None, 0, 100)
     assert _shared_cores(two) is two   # a core per rank: nothing to share
