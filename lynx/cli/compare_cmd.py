@@ -48,7 +48,7 @@ def compare_records(graph: Any, config: CompileConfig, solvers: tuple[str, ...] 
 
     from lynx.solvers.setup import OFFLOAD_SOLVERS
 
-    records = []
+    records: list[dict[str, Any]] = []
     runs = [(solver, solver, config) for solver in solvers if config.offload or solver not in OFFLOAD_SOLVERS]
     if config.offload and "heu" in solvers:   # recompute-only Lynx beside it
         runs.insert(next(i for i, r in enumerate(runs) if r[0] == "heu") + 1,
@@ -62,17 +62,20 @@ def compare_records(graph: Any, config: CompileConfig, solvers: tuple[str, ...] 
             continue
         if cfg is config:
             pipeline = out.pipeline
-        p = out.plan.predicted
-        records.append({"solver": label, "status": out.plan.status, "gap": out.plan.gap,
+        plan = out.plan
+        if plan is None:   # never: plan_graph_outcome assembles a plan unless asked not to
+            raise LynxError(f"planning with {solver} assembled no plan")
+        p = plan.predicted
+        records.append({"solver": label, "status": plan.status, "gap": plan.gap,
                         "step_time_s": p.step_time_s, "exposed_recompute_s": p.exposed_recompute_s,
                         "hidden_recompute_s": p.hidden_recompute_s, "bubble_s": p.bubble_s,
                         "peak_memory_bytes": p.peak_memory_bytes, "fits_budget": p.fits_budget,
-                        "search_time_s": out.plan.search_time_s,
-                        "offloaded_bytes": [st.offloaded_bytes for st in out.plan.stages],
+                        "search_time_s": plan.search_time_s,
+                        "offloaded_bytes": [st.offloaded_bytes for st in plan.stages],
                         "exposed_copy_s": p.exposed_copy_s,
                         "copy_lanes_s": [[lanes.get(k, 0.0) for k in ("d2h", "h2d")] for lanes in (
-                            copy_lane_seconds(out.plan.timeline_detail).get(st.index, {})
-                            for st in out.plan.stages)]})
+                            copy_lane_seconds(plan.timeline_detail).get(st.index, {})
+                            for st in plan.stages)]})
     full = next((r for r in records if r["solver"] == "full" and "step_time_s" in r), None)
     for r in records:
         if "step_time_s" in r:
@@ -108,8 +111,8 @@ def compare_command(
         raise typer.Exit(2)
 
     def work() -> list[dict[str, Any]]:
-        config = compile_config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
-                         "heu", time_limit, target, seed, iterations, offload, host_memory_budget)
+        config = compile_config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware,
+                                optimizer, "heu", time_limit, target, seed, iterations, offload, host_memory_budget)
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
             sharded, _sharding = apply_sharding(analysis, config)

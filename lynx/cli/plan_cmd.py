@@ -22,6 +22,7 @@ from lynx.cli.common import (ATTENTION, DP, DTYPE, HARDWARE, HOST_MEMORY_BUDGET,
                              TARGET, TIME_LIMIT, TP, VIRTUAL_STAGES, analyze_spec, apply_sharding, compile_config,
                              run_or_exit)
 from lynx.config import SOLVERS, CompileConfig
+from lynx.errors import LynxError
 from lynx.units import format_size
 
 __all__ = ["plan_command", "show_command", "schedule_name", "copy_lane_seconds"]
@@ -50,9 +51,9 @@ def plan_command(
     startup = since_process_start()
 
     def work() -> Any:
-        config = compile_config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware, optimizer,
-                         solver, time_limit, target, seed, iterations, offload,
-                         host_memory_budget).replace(compile=compile_graphs)
+        config = compile_config(pp, dp, tp, microbatches, schedule, virtual_stages, memory_budget, hardware,
+                                optimizer, solver, time_limit, target, seed, iterations, offload,
+                                host_memory_budget).replace(compile=compile_graphs)
         config = _shared_cores(config) if hardware == "auto" else config
         with console.status(f"analysing {model} …") as status:
             analysis = analyze_spec(model, config, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention)
@@ -60,9 +61,12 @@ def plan_command(
             outcome = plan_graph_outcome(analysis.graph, config, progress=lambda msg: status.update(msg))
         phases = Phases() if startup is None else Phases(startup=startup)
         phases.update_from(analysis.phases).update_from(outcome.phases)
+        plan = outcome.plan
+        if plan is None:   # never: plan_graph_outcome assembles a plan unless asked not to
+            raise LynxError("planning assembled no plan")
         with phases.timed("write"):
-            outcome.plan.save(output)
-        return outcome.plan, phases, _sharding, config
+            plan.save(output)
+        return plan, phases, _sharding, config
 
     plan, phases, sharding, used = run_or_exit(work)
     _summary(plan)

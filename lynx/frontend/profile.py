@@ -11,7 +11,7 @@ A profile describes a **target** device. What autograd saves differs by device: 
 dropout saves a 1-byte mask where the CPU (and meta) path saves a tensor of the input's dtype,
 and CUDA's flash attention saves no s×s matrix. Fake CUDA tensors cannot run on a CPU-only
 torch build, so for a ``cuda`` target the ops in :data:`CUDA_EMULATED_OPS` run as small
-autograd functions that save exactly what the CUDA kernels save.
+autograd functions that save exactly what the CUDA kernels save (:mod:`lynx.frontend.cuda_saves`).
 
 :class:`SaveTracker` is the attribution rule itself; the runtime's pack hook uses the same
 class, so what a plan drops is exactly what the profile counted.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import fx
@@ -39,6 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
 from lynx.frontend.capture import Captured, is_op_node, quiet_torch
+from lynx.frontend.cuda_saves import CUDA_EMULATED_OPS
 from lynx.frontend.joint import on_profile_device
 from lynx.errors import LynxConfigError, LynxProfileError
 from lynx.torch_private import fake_tensor_mode, tree_flatten, tree_map
@@ -108,87 +109,6 @@ class SaveTracker:
             self._producer[key] = (StorageWeakRef(t.untyped_storage()), self.current)
             owner = self.current
         return owner
-
-
-# --- target emulation: what CUDA kernels save, reproduced on fake CPU tensors -------------
-
-
-class _CudaDropout(torch.autograd.Function):
-    """``native_dropout`` on CUDA: saves a 1-byte mask."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(torch.empty(x.shape, dtype=torch.bool, device=x.device))
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never run
-        return grad
-
-
-class _CudaFlashAttention(torch.autograd.Function):
-    """Fused attention on CUDA: saves q, k, v, the output, logsumexp, RNG.
-
-    The output takes q's layout, as cuDNN attention (the H200's choice) does: a (B, S, H, D)
-    storage where q's heads are inner to its sequence (q viewed out of one projection, whose
-    ``transpose(1, 2).reshape`` back is then free), else contiguous (B, H, S, D), whose reshape
-    back to (B, S, C) copies. Both checked on an H200 against what the compiled stage holds, for
-    a GPT (q split from the qkv projection) and a Llama (q made contiguous by the rotary
-    embedding): ``benchmarks/results/gpu_check_rerun.md``."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        B, H, S, D = q.shape
-        if q.stride(1) < q.stride(2):  # heads inner to the sequence: a (B, S, H, D) layout
-            out = torch.empty(B, S, H, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)  # (B, H, S, D)
-        else:
-            out = torch.empty(B, H, S, v.shape[-1], dtype=q.dtype, device=q.device)  # (B, H, S, D)
-        lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)  # (B, H, S)
-        rng_state = torch.empty(2, dtype=torch.int64, device=q.device)  # philox seed and offset
-        ctx.save_for_backward(q, k, v, out, lse, rng_state)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # pragma: no cover - never run
-        return grad, grad, grad
-
-
-class _CudaFusedRMSNorm(torch.autograd.Function):
-    """``rms_norm`` on CUDA (``_fused_rms_norm``): saves the input and a float32 ``rstd`` per
-    normalised row, where the composite the CPU runs keeps float32 copies of the rows."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int) -> torch.Tensor:
-        rstd = torch.empty(*x.shape[:x.dim() - dims], *[1] * dims, dtype=torch.float32, device=x.device)  # (B, T, 1)
-        ctx.save_for_backward(x, rstd, *([weight] if weight is not None else []))
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # pragma: no cover - never run
-        return grad, None, None
-
-
-def _emulate_rms_norm(x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None = None,
-                      eps: float | None = None) -> torch.Tensor:
-    return _CudaFusedRMSNorm.apply(x, weight, len(normalized_shape))
-
-
-def _emulate_dropout(x: torch.Tensor, p: float, train: bool | None) -> torch.Tensor:
-    if not train or p == 0.0:
-        return x
-    return _CudaDropout.apply(x)
-
-
-def _emulate_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return _CudaFlashAttention.apply(q, k, v)
-
-
-#: Ops whose saved tensors on a CUDA target differ from what they save on the machine at hand.
-CUDA_EMULATED_OPS: dict[Any, Callable[..., Any]] = {
-    torch.ops.aten.dropout.default: _emulate_dropout,
-    torch.ops.aten.scaled_dot_product_attention.default: _emulate_sdpa,
-    torch.ops.aten.rms_norm.default: _emulate_rms_norm,
-}
 
 
 # --- the profile ---------------------------------------------------------------------------
