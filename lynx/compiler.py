@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # torch-side types: importing lynx.compiler stays light
     from lynx.rewrite.stage import StageModule
     from lynx.runtime.loss import LossSpec
 
-__all__ = ["compile", "Compiled", "resolve_config"]
+__all__ = ["compile", "compile_analysis", "Compiled", "resolve_config"]
 
 
 @dataclass
@@ -109,11 +109,41 @@ def compile(
     """
     config = resolve_config(config, settings)
     from lynx.frontend.analyze import analyze
+    from lynx.runtime.loss import LossSpec
+
+    LossSpec(None, "").with_loss_fn(loss_fn)  # a loss_fn that is not callable fails here, before the analysis
+    analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
+    return _plan_analysis(analysis, config, loss_fn)
+
+
+def compile_analysis(
+    analysis: Analysis,
+    config: Optional[CompileConfig] = None,
+    *,
+    loss_fn: Optional[Callable[..., Any]] = None,
+    **settings: Any,
+) -> Compiled:
+    """:func:`compile` from an analysis already made (:func:`lynx.analyze`, for the same target
+    and hardware): several layouts of one model (``pp``, ``tp``) plan from one capture and
+    profile. ``analysis`` is left as it was: each layout plans on a copy of its graph (sharding
+    and planning mark the graph's nodes and blocks)."""
+    import copy
+    import dataclasses
+
+    config = resolve_config(config, settings)
+    if analysis.target != config.target or analysis.hardware.name != config.hardware_spec().name:
+        raise LynxConfigError(
+            f"the analysis was made for target {analysis.target!r} on {analysis.hardware.name!r}, the config asks "
+            f"for {config.target!r} on {config.hardware_spec().name!r}: analyse the model again for them")
+    return _plan_analysis(dataclasses.replace(analysis, graph=copy.deepcopy(analysis.graph)), config, loss_fn)
+
+
+def _plan_analysis(analysis: Analysis, config: CompileConfig, loss_fn: Optional[Callable[..., Any]]) -> Compiled:
+    """The loss, the sharding (tp > 1) and the plan (saved and re-checked, or searched) of ``analysis``."""
     from lynx.frontend.tp_profile import apply_sharding
     from lynx.runtime.loss import LossSpec, find_loss, output_structure
 
-    loss = LossSpec(None, "").with_loss_fn(loss_fn)  # a loss_fn that is not callable fails here, first
-    analysis = analyze(model, example_inputs, target=config.target, hardware=config.hardware_spec())
+    loss = LossSpec(None, "").with_loss_fn(loss_fn)
     if loss_fn is None:
         structure = output_structure(analysis.captured.gm)
         loss = (

@@ -54,7 +54,8 @@ OPTIMIZERS = ("adamw", "demo", "lion")
 class ReferenceModel:
     """gpt-tiny at the given shapes, captured, profiled and planned (``pp`` stages of ``tp``
     ranks, everything kept) once for every repeat; ``compiled`` is what
-    :class:`lynx.runtime.Pipeline` runs."""
+    :class:`lynx.runtime.Pipeline` runs. :meth:`layout` plans the same capture for another
+    ``pp`` × ``tp`` (a capture and profile cost ~1-2 s each)."""
 
     def __init__(self, seq: int = 64, microbatch: int = 8, pp: int = 1, microbatches: int = 4, tp: int = 1) -> None:
         import lynx
@@ -64,6 +65,36 @@ class ReferenceModel:
         self.compiled = lynx.compile(self.resolved.model, self.resolved.example_inputs, pp=pp, tp=tp,
                                      microbatches=microbatches, solver="none", hardware="cpu-local", target="cpu")
         self.analysis = self.compiled.analysis
+        self._stage: Any = None
+
+    def layout(self, pp: int = 1, tp: int = 1, microbatches: int = 4) -> "ReferenceModel":
+        """The same model and shapes planned for ``pp`` stages of ``tp`` ranks, from this capture."""
+        from lynx.compiler import compile_analysis
+
+        other = object.__new__(ReferenceModel)
+        other.resolved, other._stage = self.resolved, None
+        other.compiled = compile_analysis(self.analysis, pp=pp, tp=tp, microbatches=microbatches, solver="none",
+                                          hardware="cpu-local", target="cpu")
+        other.analysis = other.compiled.analysis
+        return other
+
+    def one_stage(self) -> Any:
+        """The whole reference as one compiled stage that keeps everything, built once: its
+        first run traces and partitions the joint graph (~1 s), which every later run reuses."""
+        if self._stage is None:
+            from lynx.rewrite.build import build_stages
+
+            (self._stage,) = build_stages(self.analysis.captured.gm, [list(self.analysis.graph.nodes)])
+            _run_microbatches(self._stage, self.analysis.captured.example_inputs, 1)   # the trace
+        return self._stage
+
+
+def _run_microbatches(stage: Any, inputs: Any, in_flight: int) -> None:
+    """``in_flight`` microbatches through ``stage``: all forwards, then all backwards."""
+    losses = [stage(*inputs, microbatch=j) for j in range(in_flight)]
+    for j, loss in enumerate(losses):
+        (loss[0] if isinstance(loss, tuple) else loss).backward()
+        stage.release(j)
 
 
 def op_overhead_s(ops: int = 2000, runs: int = 5) -> Timing:
@@ -120,21 +151,10 @@ def generated_graphs_s(reference: ReferenceModel, in_flight: int = 4, runs: int 
 
     The reference runs as one compiled stage that keeps everything, ``in_flight`` microbatches
     forward then backward (a pipeline stage holds several); the fastest of ``runs`` and of as
-    many as ``min_total_s`` of CPU time takes."""
-    from lynx.rewrite.build import build_stages
-
-    graph, captured = reference.analysis.graph, reference.analysis.captured
-    (stage,) = build_stages(captured.gm, [list(graph.nodes)])
-    inputs = captured.example_inputs
-
-    def microbatches() -> None:
-        losses = [stage(*inputs, microbatch=j) for j in range(in_flight)]
-        for j, loss in enumerate(losses):
-            (loss[0] if isinstance(loss, tuple) else loss).backward()
-            stage.release(j)
-
-    microbatches()  # traces and partitions the joint graph once
-    t = fastest(microbatches, runs, min_total_s)
+    many as ``min_total_s`` of CPU time takes. The stage is built and traced once per reference
+    (:meth:`ReferenceModel.one_stage`), so repeats time the same code without tracing it again."""
+    stage, inputs = reference.one_stage(), reference.analysis.captured.example_inputs
+    t = fastest(lambda: _run_microbatches(stage, inputs, in_flight), runs, min_total_s)
     for p in stage.parameters():
         p.grad = None
     return Timing(t.seconds / in_flight, t.cpu_share)
@@ -175,12 +195,15 @@ def generated_op_overhead_s(small: ReferenceModel, rates: dict[str, float], grap
 
 
 def matmul_dtype_ratios(m: int = 512, k: int = 128, n: int = 512, runs: int = 3) -> dict[str, float]:
-    """Per dtype, the speed of a ``(m, k) @ (k, n)`` matmul relative to float32's."""
+    """Per dtype, the speed of a ``(m, k) @ (k, n)`` matmul relative to float32's: the fastest of
+    ``runs`` and of 10 ms of runs (a CPU without native bf16/fp16 takes ~50 ms for one of
+    gpt-tiny's shape, so 2 runs of those: 0.1 s a repeat saved, their spread still ~5%)."""
     times = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)  # (m, k), (k, n)
         torch.mm(a, b)
-        times[str(dtype).removeprefix("torch.")] = fastest(lambda: torch.mm(a, b), runs, min_total_s=0.01).seconds
+        times[str(dtype).removeprefix("torch.")] = fastest(lambda: torch.mm(a, b), runs if dtype == torch.float32
+                                                           else min(runs, 2), min_total_s=0.01).seconds
     return {name: times["float32"] / t for name, t in times.items()}
 
 

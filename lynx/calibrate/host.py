@@ -9,11 +9,13 @@ first GPU instead (:mod:`lynx.calibrate.gpu`) and the NCCL link between the firs
 one GPU no link can be seen, so the links are a datasheet preset's (named in the notes). Every
 quantity is measured ``repeats`` times, each the fastest of several runs; the spec holds the
 medians of the rates, and the best repeat of the host costs (op overhead, optimizer steps, the
-runtime's work: other jobs' bursts on the shared caches only add to them) and of what is timed
-across processes (the link); its
-``calibration`` block, per figure, the spread and the share of a core it was measured with,
-the figures that may be off by more than 10% and why, the time taken and the load average
-before and after.
+runtime's work: other jobs' bursts on the shared caches only add to them) and the link's
+latency (timed across processes), the median repeat of its bandwidth; its ``calibration``
+block, per figure, the spread and the share of a core it was measured with, the figures that
+may be off by more than 10% and why, the time taken and the load average before and after.
+The ranks that measure the runtime and a TP stage fork early and trace their
+stages while this process captures the references (the captures use one core), then wait to
+measure until nothing else runs (:class:`lynx.calibrate.forked.Staged`).
 
 Example (about 20 s on 2 cores; ``lynx calibrate`` runs it)::
 
@@ -25,6 +27,7 @@ Example (about 20 s on 2 cores; ``lynx calibrate`` runs it)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -97,7 +100,10 @@ def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict
         else:
             why = (f"its two best of {len(m.values)} repeats differ by {m.deviation:.0%} (a repeatable figure: "
                    f"within {RELIABLE_SPREAD:.0%})")
-        if m.name.startswith("links."):
+        if m.name == "links.beta_bytes_per_s":
+            why += (f"; a 1 MiB trip between two cores is as fast as the cache the two cores share, which the "
+                    f"host's placement of them changes from moment to moment ({busy})")
+        elif m.name.startswith("links."):
             why += f"; a round trip needs both processes on a core at once, and at {busy} other jobs hold them"
         elif m.name == "runtime_action_s":
             why += f"; two ranks and their threads shared the cores with other jobs ({busy})"
@@ -112,14 +118,11 @@ def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict
 
 # ------------------------------------------------------------------------------- CPU
 def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
-    from lynx.calibrate.cpu import OPTIMIZERS, ReferenceModel, generated_graphs_s, generated_op_overhead_s
-    from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s, optimizer_s_per_param
     from lynx.calibrate.allreduce import LADDER_BYTES, allreduce_link, measure_allreduce
-    from lynx.calibrate.cpu import priced_graphs_s
-    from lynx.calibrate.host_copies import memcpy_link
+    from lynx.calibrate.cpu import ReferenceModel
     from lynx.calibrate.links import measure_link
-    from lynx.calibrate.runtime import runtime_action_s
-    from lynx.calibrate.tp_stage import per_collective_s, priced_stage_s, tp_stage_s
+    from lynx.calibrate.runtime import start_runtime_action_s
+    from lynx.calibrate.tp_stage import start_tp_stage_s
 
     say.total(4 + repeats)
     ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
@@ -129,9 +132,36 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     alphas, betas = measure_link("gloo", repeats=repeats)
     tp_link, tp_fits = allreduce_link(measure_allreduce(repeats=repeats))
     torch.set_num_threads(1)
-    say.step("capturing the references: gpt-tiny at seq 64 × 8, and at seq 4 × 1 in 2 stages")
-    reference = ReferenceModel()
+    say.step("capturing the references: gpt-tiny at seq 4 × 1 in 2 stages and tp 2, then at seq 64 × 8, while "
+             "the runtime's and the TP stage's ranks trace theirs")
     small = ReferenceModel(seq=4, microbatch=1, pp=2)
+    sharded = small.layout(tp=2)   # the same capture and profile, planned for pp 1 × tp 2
+    # the forked ranks build and trace their stages (seconds of CPU, nothing timed) on the core
+    # the captures leave idle, then wait to measure until nothing else runs here
+    with contextlib.ExitStack() as ranks:
+        runtime_ranks = ranks.enter_context(start_runtime_action_s(small, repeats=repeats))
+        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=repeats, runs=3))
+        reference = ReferenceModel()
+        small.one_stage(), reference.one_stage()   # their traces, before any timed run
+        runtime_ranks.wait_prepared(), tp_ranks.wait_prepared()
+        return _measure_cpu_figures(repeats, say, reference, small, sharded, runtime_ranks, tp_ranks,
+                                    (alphas, betas), (tp_link, tp_fits))
+
+
+def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: Any, sharded: Any,
+                         runtime_ranks: Any, tp_ranks: Any, pp_link: tuple, tp_measured: tuple
+                         ) -> tuple[dict[str, Any], list[Repeated], list[str], int]:
+    """The CPU figures from the references and the prepared ranks (:func:`_measure_cpu`)."""
+    from lynx.calibrate.cpu import OPTIMIZERS, generated_graphs_s, generated_op_overhead_s
+    from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s, optimizer_s_per_param
+    from lynx.calibrate.allreduce import LADDER_BYTES
+    from lynx.calibrate.cpu import priced_graphs_s
+    from lynx.calibrate.host_copies import memcpy_link
+    from lynx.calibrate.runtime import runtime_action_results
+    from lynx.calibrate.tp_stage import per_collective_s, priced_stage_s, tp_stage_results
+
+    (alphas, betas), (tp_link, tp_fits) = pp_link, tp_measured
+    ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
     m = {name: Repeated(name) for name in (
         "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
         "rng_s_per_element", *_HOST_LINK)}
@@ -165,10 +195,13 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         m["op_overhead_s"].add(generated_op_overhead_s(small, rates, t), share)
     say.step("lynx.runtime.Pipeline on 2 processes: the runtime's own work per action; a check")
     reference_s = generated_graphs_s(reference, runs=3).seconds
-    main, threads = runtime_action_s(small, repeats=repeats)
+    main, threads = runtime_action_results(small, runtime_ranks)
     for a, b in zip(main, threads):
         m["runtime_action_s"].add(a + b)
-    alpha, beta = Repeated("links.alpha_s", alphas, best="min"), Repeated("links.beta_bytes_per_s", betas, best="max")
+    # β: the median repeat, not the best. Pinned to two cores (lynx.calibrate.forked.pin_to_core),
+    # a 1 MiB trip's repeats sat at 3.6-4.3 GB/s with now and then one at ~7.5 (the hypervisor
+    # putting the two vCPUs where they share a cache, for a moment): the best repeat took the blip
+    alpha, beta = Repeated("links.alpha_s", alphas, best="min"), Repeated("links.beta_bytes_per_s", betas)
     link = LinkSpec(alpha_s=alpha.value, beta_bytes_per_s=beta.value)
     fields = {
         "name": f"{socket.gethostname()}-cpu", "device": "cpu",
@@ -182,8 +215,7 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         "runtime_action_s": m["runtime_action_s"].value,
     }
     say.step("a tensor-parallel stage on 2 processes: what its collectives cost beyond the all-reduces alone")
-    sharded = ReferenceModel(seq=4, microbatch=1, tp=2)
-    stage_walls = tp_stage_s(sharded, repeats=repeats, runs=3)
+    stage_walls = tp_stage_results(sharded, tp_ranks)
     priced, collectives = priced_stage_s(sharded, HardwareSpec(**fields))
     extra = [per_collective_s(w, priced, collectives) for w in stage_walls]
     # a ring all-reduce over 2 ranks pays 2 α (lynx.planner.cost.allreduce_time): the per-collective
@@ -206,10 +238,12 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
              f"({modelled / reference_s:.2f}×)",
              f"runtime: lynx.runtime.Pipeline, pp 2 × 4 microbatches on 2 forked processes: "
              f"{min(main) * 1e6:.0f}-{max(main) * 1e6:.0f} µs per action of a rank's list (forward, backward, "
-             f"send, receive) on the main thread beside the graphs, {min(threads) * 1e6:.0f}-"
-             f"{max(threads) * 1e6:.0f} µs in its other threads (p2p waiters, gloo); the least sum is the figure",
-             "links: gloo between two processes of this host; pp and dp: point-to-point round trips, the fastest "
-             "repeat; tp: the functional all-reduce and its wait as a TP stage's generated code runs them, per size "
+             f"send, receive) on the main thread outside the graph calls of the step, {min(threads) * 1e6:.0f}-"
+             f"{max(threads) * 1e6:.0f} µs in its other threads (p2p waiters, gloo), each rank on a core of its "
+             "own; the least sum is the figure",
+             "links: gloo between two processes of this host; pp and dp: point-to-point round trips between "
+             "processes on cores of their own, α the fastest repeat, β the median; tp: the functional all-reduce "
+             "and its wait as a TP stage's generated code runs them, per size "
              f"({ladder}) the fastest of 40 per repeat, α + n/β fitted to the repeats' medians (α "
              f"{tp_link.alpha_s * 1e6:.1f} µs, a 32 KiB all-reduce {allreduce_time(32768, 2, tp_link) * 1e6:.0f} µs), "
              f"and α raised by half of what each collective costs inside a TP stage beyond that: gpt-tiny at seq "

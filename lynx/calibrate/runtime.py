@@ -3,21 +3,32 @@
 A reference compiled for 2 stages (:class:`~lynx.calibrate.cpu.ReferenceModel` with ``pp=2``:
 gpt-tiny at seq 4 × 1, 4 microbatches, nothing recomputed, so its graphs are short and the
 runtime's share of a step is large) is trained for real by ``lynx.runtime.Pipeline`` on two
-processes of this host, forked from this one (gloo on 127.0.0.1, a port of their own). Each
-rank alternates a training step with the same microbatches' forwards and backwards through its
-stage alone (the boundary values made up in place, nothing sent), so both run under the same
-load, and per repeat keeps the least CPU time of each over ``steps`` rounds:
+processes of this host, forked from this one (gloo on 127.0.0.1, a port of their own), each
+pinned to a core of its own where there are two (:func:`lynx.calibrate.forked.pin_to_core`:
+as the main job's ranks run, a core each). Per step, each rank measures directly:
 
-- the main thread's CPU time of a step less that of its graphs alone is the runtime's work on
-  the rank's critical path: scheduling, posting and completing sends and receives, the loss,
-  the statistics;
-- the CPU time of the process's other threads during a step (a waiter per message, gloo's) is
+- the runtime's work on the rank's critical path: the main thread's CPU time of the step less
+  the CPU time of the graph calls inside it (``forward_step``, ``backward_step`` and the
+  stage's ``release``, which the rates and the op overhead price: timed by wrapping them in the
+  forked rank, :class:`_GraphClock`) — scheduling, posting and completing sends and receives,
+  the loss, the statistics;
+- the CPU time of the process's other threads during the step (a waiter per message, gloo's):
   the work the runtime adds beside it, which takes a core from some rank where none is spare.
 
-Both are divided by the actions of the rank's list (:func:`lynx.planner.schedule.rank_actions`:
+Each is divided by the actions of the rank's list (:func:`lynx.planner.schedule.list_actions`:
 its forwards and backwards and the sends and receives it posts, 4 per microbatch here) and
-averaged over the two ranks: the timeline charges that much per action of every device's list.
-CPU time leaves out the time other processes hold the core.
+averaged over the two ranks; per repeat, the least over ``steps`` steps (other load only adds
+to CPU time, through the caches it shares), and the figure is the best repeat. The timeline
+charges that much per action of every device's list.
+
+Why measured inside the step, not as a difference: the previous measure, a step's CPU time
+less that of the same graphs run alone (the least of 8 of each), was a difference of two
+minima of ~15 ms that differ by ~3 ms, so 5% of noise in either moved the figure 25%: three
+calibrations on a quiet machine read 158, 229 and 217 µs per action. Timing the graph calls
+within the step leaves only the runtime's own ~3 ms to vary, on the same step, and needs no
+graphs-alone runs (half the time). What it leaves out: the graphs inside a step ran 20-90 µs
+per action slower than alone (caches cooled by the waits), a spread that did not repeat run to
+run; the main job's prediction sat at 0.96 of the measured step without it.
 
 Example (forks two processes; a few seconds)::
 
@@ -31,7 +42,6 @@ Example (forks two processes; a few seconds)::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -42,77 +52,116 @@ import torch
 from lynx.calibrate.cpu import ReferenceModel
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["runtime_action_s", "graphs_alone"]
+__all__ = ["runtime_action_s", "start_runtime_action_s", "runtime_action_results", "graphs_alone"]
 
 
-def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8,
+def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8, warmups: int = 2,
                      timeout_s: float = 120.0) -> tuple[list[float], list[float]]:
     """Per repeat: the runtime's main-thread seconds per action of a rank's list, and its other
     threads' CPU seconds per action (module docstring). Needs ``fork`` (Linux, macOS)."""
+    with start_runtime_action_s(reference, repeats, steps, warmups, timeout_s) as started:
+        return runtime_action_results(reference, started)
+
+
+def start_runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8, warmups: int = 2,
+                           timeout_s: float = 120.0) -> Any:
+    """Fork the two ranks: they build the pipeline and run its ``warmups`` steps (the traces),
+    then wait for :func:`runtime_action_results` to let them measure
+    (:class:`lynx.calibrate.forked.Staged`)."""
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring the runtime's own cost forks two ranks of this process; this platform "
                                "has no fork")
-    from lynx.calibrate.forked import collect
+    from lynx.calibrate.forked import Staged
     from lynx.runtime.topology import free_port
 
+    compiled = reference.compiled
+    return Staged(_worker, compiled.config.pp, (compiled.config.pp, free_port(), compiled, repeats, steps, warmups,
+                                                 timeout_s), timeout_s)
+
+
+def runtime_action_results(reference: ReferenceModel, started: Any) -> tuple[list[float], list[float]]:
+    """What the ranks of :func:`start_runtime_action_s` measured, per repeat and per action."""
     from lynx.planner.schedule import list_actions
 
-    compiled = reference.compiled
-    pp = compiled.config.pp
-    actions = [list_actions(compiled.config.schedule, pp, compiled.config.microbatches, rank) for rank in range(pp)]
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, pp, port, compiled, repeats, steps, timeout_s, queue),
-                         daemon=True) for rank in range(pp)]
-    items, missing = collect(procs, queue, len(procs), timeout_s)
+    config = reference.compiled.config
+    pp = config.pp
+    actions = [list_actions(config.schedule, pp, config.microbatches, rank) for rank in range(pp)]
+    items, missing = started.results()
     results: dict[int, Any] = dict(items)
     errors = [r for r in results.values() if isinstance(r, str)] + ([missing] if missing else [])
     if errors or len(results) != pp:
         raise LynxRuntimeError(f"could not run lynx.runtime.Pipeline on {pp} processes to measure its own cost: "
                                f"{'; '.join(errors) or 'a rank sent no result'}")
-    main, threads = [], []
-    for r in range(repeats):
-        main.append(statistics.mean(results[s][r][0] / actions[s] for s in range(pp)))
-        threads.append(statistics.mean(results[s][r][1] / actions[s] for s in range(pp)))
+    repeats = len(results[0])
+    main = [statistics.mean(results[s][r][0] / actions[s] for s in range(pp)) for r in range(repeats)]
+    threads = [statistics.mean(results[s][r][1] / actions[s] for s in range(pp)) for r in range(repeats)]
     return main, threads
 
 
-def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, steps: int, timeout_s: float,
-            queue: Any) -> None:
-    """One rank: per repeat, the least main-thread CPU seconds of a step beyond its graphs', and
-    the least other-thread CPU seconds of a step."""
+class _GraphClock:
+    """This thread's CPU seconds in the graph calls of ``pipe``'s steps since :meth:`reset`:
+    the runner's ``forward_step`` and ``backward_step`` and its stages' ``release``, wrapped in
+    this (forked, measuring) process only."""
+
+    def __init__(self, pipe: Any) -> None:
+        import lynx.runtime.runner as runner
+
+        self.seconds = 0.0
+        runner.forward_step = self._timed(runner.forward_step)
+        runner.backward_step = self._timed(runner.backward_step)
+        for chunk in pipe.chunks.values():
+            chunk.release = self._timed(chunk.release)
+
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - start
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = 0.0
+
+
+def _worker(rank: int, gate: Any, queue: Any, world: int, port: int, compiled: Any, repeats: int, steps: int,
+            warmups: int, timeout_s: float) -> None:
+    """One rank: the pipeline and its warm-up steps; then, once let go, per repeat the least
+    main-thread CPU seconds of a step outside its graph calls, and the least other-thread CPU
+    seconds of a step."""
     try:
         import lynx
+        from lynx.calibrate.forked import GO_WAIT_S, pin_to_core
 
+        pin_to_core(rank)   # before any thread starts: gloo's and the waiters inherit it
         torch.set_num_threads(1)
         for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
             del os.environ[name]  # under torchrun the store would be its agent's, not this job's own
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         m = compiled.config.microbatches
-        captured = compiled.analysis.captured
-        batch = [torch.cat([x] * m) for x in captured.example_inputs]  # the step's m microbatches
+        batch = [torch.cat([x] * m) for x in compiled.analysis.captured.example_inputs]  # the step's m microbatches
         pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
-        graphs = graphs_alone(pipe.stage, dict(zip(captured.input_names, captured.example_inputs)), m)
-        for _ in range(3):
+        graphs = _GraphClock(pipe)
+        for _ in range(warmups):
             pipe.step(*batch)   # warm-up: the joint graphs' traces, the gloo pairs' connections
-            graphs()
+        gate.prepared(GO_WAIT_S)
+        pipe.step(*batch)       # the caches, after the wait
         out = []
         for _ in range(repeats):
-            alone, main, threads = float("inf"), float("inf"), float("inf")
+            main, threads = float("inf"), float("inf")
             for _ in range(steps):
-                cpu = time.thread_time()
-                graphs()
-                alone = min(alone, time.thread_time() - cpu)
+                graphs.reset()
                 cpu, process = time.thread_time(), time.process_time()
                 pipe.step(*batch)
                 cpu, process = time.thread_time() - cpu, time.process_time() - process
-                main, threads = min(main, cpu), min(threads, max(0.0, process - cpu))
-            out.append((max(0.0, main - alone), threads))
+                main, threads = min(main, max(0.0, cpu - graphs.seconds)), min(threads, max(0.0, process - cpu))
+            out.append((main, threads))
         pipe.close()
         queue.put((rank, out))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
+        gate.failed()
         queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
     finally:
         queue.close()

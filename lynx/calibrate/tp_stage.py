@@ -31,7 +31,6 @@ Example (forks two processes; a few seconds)::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from typing import Any
@@ -41,30 +40,38 @@ import torch
 from lynx.calibrate.cpu import ReferenceModel
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["tp_stage_s", "priced_stage_s", "per_collective_s"]
+__all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "priced_stage_s", "per_collective_s"]
 
 
 def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0) -> list[float]:
     """Per repeat, the fastest of ``runs`` wall seconds of the TP reference's generated forwards
     and backwards (all its microbatches) on rank 0 of two forked processes. Needs ``fork``."""
+    with start_tp_stage_s(reference, repeats, runs, timeout_s) as started:
+        return tp_stage_results(reference, started)
+
+
+def start_tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0) -> Any:
+    """Fork the two ranks: they build the TP stage and trace it (the first run, ~5 s of CPU
+    each), then wait for :func:`tp_stage_results` to let them time it
+    (:class:`lynx.calibrate.forked.Staged`)."""
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring a tensor-parallel stage forks two ranks of this process; this platform "
                                "has no fork")
-    from lynx.calibrate.forked import collect
+    from lynx.calibrate.forked import Staged
     from lynx.runtime.topology import free_port
 
     tp = reference.compiled.config.tp
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, tp, port, reference.compiled, repeats, runs, timeout_s, queue),
-                         daemon=True) for rank in range(tp)]
-    items, missing = collect(procs, queue, len(procs), timeout_s)
+    return Staged(_worker, tp, (tp, free_port(), reference.compiled, repeats, runs, timeout_s), timeout_s)
+
+
+def tp_stage_results(reference: ReferenceModel, started: Any) -> list[float]:
+    """What rank 0 of :func:`start_tp_stage_s` measured: per repeat, the fastest run's seconds."""
+    items, missing = started.results()
     results: dict[int, Any] = dict(items)
     errors = [r for r in results.values() if isinstance(r, str)] + ([missing] if missing else [])
     if errors or 0 not in results:
-        raise LynxRuntimeError(f"could not run a tensor-parallel stage on {tp} processes to time its collectives: "
-                               f"{'; '.join(errors) or 'rank 0 sent no result'}")
+        raise LynxRuntimeError(f"could not run a tensor-parallel stage on {reference.compiled.config.tp} processes "
+                               f"to time its collectives: {'; '.join(errors) or 'rank 0 sent no result'}")
     return results[0]
 
 
@@ -101,13 +108,15 @@ def per_collective_s(measured_s: float, priced_s: float, collectives: int) -> fl
     return max(0.0, measured_s - priced_s) / collectives if collectives else 0.0
 
 
-def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, runs: int, timeout_s: float,
-            queue: Any) -> None:
-    """One rank: per repeat, the fastest wall seconds of its stage's graphs alone."""
+def _worker(rank: int, gate: Any, queue: Any, world: int, port: int, compiled: Any, repeats: int, runs: int,
+            timeout_s: float) -> None:
+    """One rank: its stage, traced; then, once let go, per repeat the fastest wall seconds of
+    its stage's graphs alone."""
     try:
         import torch.distributed as dist
 
         import lynx
+        from lynx.calibrate.forked import GO_WAIT_S
         from lynx.calibrate.runtime import graphs_alone
 
         torch.set_num_threads(1)
@@ -119,8 +128,10 @@ def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, runs:
         pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
         graphs = graphs_alone(pipe.stage, dict(zip(captured.input_names, captured.example_inputs)),
                                compiled.config.microbatches)
-        for _ in range(3):
-            graphs()   # warm-up: the joint graphs' traces, gloo's connections
+        graphs()   # the joint graphs' traces, gloo's connections
+        gate.prepared(GO_WAIT_S)
+        for _ in range(2):
+            graphs()   # warm-up: the caches, after the wait
         out = []
         for _ in range(repeats):
             best = float("inf")
@@ -133,6 +144,7 @@ def _worker(rank: int, world: int, port: int, compiled: Any, repeats: int, runs:
         pipe.close()
         queue.put((rank, out))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
+        gate.failed()
         queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
     finally:
         queue.close()
