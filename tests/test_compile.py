@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import lynx
+from lynx.planner.fingerprint import graph_fingerprint
 from lynx.planner.loop import plan_graph, plan_graph_outcome
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxConfigError, LynxFingerprintError
@@ -92,6 +93,22 @@ def test_compile_tiny_model_and_plan_reuse(tiny, tmp_path) -> None:
         lynx.compile(model, inputs, pp=2, microbatches=8, hardware="cpu-local", plan=path)
     config = lynx.CompileConfig(pp=2, microbatches=4, hardware="cpu-local")
     assert lynx.compile(model, inputs, config, solver="full").plan.solver == "full"
+
+
+def test_compile_analysis_plans_other_layouts_from_one_capture(tiny) -> None:
+    """lynx.compiler.compile_analysis: another pp × tp from the same analysis, which stays as it
+    was (the tp layout marks a copy of the graph); a different target or hardware is refused."""
+    from lynx.compiler import compile_analysis
+
+    model, inputs = tiny
+    compiled = lynx.compile(model, inputs, pp=2, microbatches=4, hardware="cpu-local", solver="none")
+    before = graph_fingerprint(compiled.analysis.graph)
+    sharded = compile_analysis(compiled.analysis, pp=1, tp=2, microbatches=4, hardware="cpu-local", solver="none")
+    assert sharded.sharding is not None and sharded.analysis.captured is compiled.analysis.captured
+    assert "tp_plan" in sharded.analysis.graph.graph and "tp_plan" not in compiled.analysis.graph.graph
+    assert graph_fingerprint(compiled.analysis.graph) == before and len(sharded.plan.stages) == 1
+    with pytest.raises(LynxConfigError, match="analyse the model again"):
+        compile_analysis(compiled.analysis, pp=2, hardware="h100-sxm")
 
 
 def test_fixed_point_stops_when_a_round_gains_under_a_tenth_of_a_percent() -> None:
