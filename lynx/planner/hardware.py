@@ -33,8 +33,9 @@ __all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSI
 # What `lynx calibrate` measures and how, numbered; raised whenever a figure is measured anew or
 # differently, so that `--hardware auto` measures a cached file of an older method again.
 # 1: files without the field (before 2026-12-04); 2: the tp link from all-reduces inside a
-# sharded stage, the runtime's own work per action.
-CALIBRATION_METHOD = 2
+# sharded stage, the runtime's own work per action; 3: the runtime's work timed inside the step
+# (not a step less its graphs run alone), the pp link's ranks pinned to a core each, β the median.
+CALIBRATION_METHOD = 3
 
 # A measured figure is repeatable when every repeat is within ±10% of the repeats' median (for a
 # best-of-repeats figure: its two best repeats within 10%); `lynx calibrate` flags the others.
