@@ -9,6 +9,11 @@ and the running totals the memory model needs —
 for class c and ``T_{c,g}`` the bytes of group g regenerated on demand for class c (the same
 accounting as :func:`lynx.solvers.memory.peak_activation_bytes`, in item terms).
 
+On a device the linear count does not cover (several chunks, deferred weight gradients) the
+layout carries the device's replay events (``Layout.chunked``) and the books keep one running
+total per event instead (``Books.ev``, :mod:`lynx.solvers.heu.chunked`); every helper here
+answers from those then.
+
 The helpers here answer "what would the peak be if ..." without copying the books, and
 move items between kept, prefetched and on demand.
 
@@ -25,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+from lynx.solvers.heu import chunked as _ch
 from lynx.solvers.stage_model import StageModel
 
 __all__ = [
@@ -40,6 +46,7 @@ __all__ = [
     "apply_keep",
     "unplace",
     "repair_order",
+    "drop_items",
 ]
 
 # Relative slack on window capacity (float sums of recompute seconds)
@@ -67,6 +74,9 @@ class Layout:
         for i, it in enumerate(items):
             for u, _ in it.inputs:
                 self.consumers[u].append(i)
+        # the device's events where the linear count is not the replay's peak (several chunks,
+        # deferred W): lynx.solvers.heu.chunked; None: ``in_flight · kept + P + T``
+        self.chunked: _ch.Chunked | None = None
 
     def for_model(self, model: StageModel) -> Layout:
         """This layout for a model with the same items and other classes, in-flight or budget."""
@@ -74,6 +84,14 @@ class Layout:
         other.__dict__.update(self.__dict__)
         other.model, other.classes, other.in_flight = model, model.classes, model.in_flight
         other.counts = [cls.count for cls in model.classes]
+        other.chunked = None   # (the events depend on the problem's windows: attached again)
+        return other
+
+    def with_chunked(self, chunked: _ch.Chunked) -> Layout:
+        """This layout with the device's events attached (:mod:`lynx.solvers.heu.chunked`)."""
+        other = object.__new__(Layout)
+        other.__dict__.update(self.__dict__)
+        other.chunked = chunked
         return other
 
     def cost(self, unit: list[int]) -> float:
@@ -87,7 +105,7 @@ class Layout:
 class Books:
     """One partial plan on a :class:`Layout` with its exact peak-memory totals."""
 
-    __slots__ = ("lay", "rec", "where", "kept", "P", "T", "load", "_tmax", "_tops", "_stale")
+    __slots__ = ("lay", "rec", "where", "kept", "P", "T", "load", "_tmax", "_tops", "_stale", "ev", "_ctop")
 
     def __init__(self, lay: Layout, rec: list[bool], *, _empty: bool = False) -> None:
         self.lay = lay
@@ -95,6 +113,9 @@ class Books:
         self._tmax: list[int] | None = None  # per class: largest on-demand group bytes
         self._tops: list[tuple[int, int | None, int]] | None = None  # per class: see tops()
         self._stale: set[int] = set()  # classes whose cached maxima are out of date
+        self.ev: list[int] | None = None  # per replay event: its total but for T (lay.chunked)
+        # per class, per chunk: largest on-demand group; at -1 the per-event list (chunked.py)
+        self._ctop: dict = {}
         if _empty:
             return
         n, classes = lay.n, lay.classes
@@ -108,6 +129,15 @@ class Books:
                 on_demand[group[i]] = on_demand.get(group[i], 0) + tbytes[i]
         self.T = [dict(on_demand) for _ in classes]
         self.load = [[0.0] * len(cls.capacities) for cls in classes]
+        ch = lay.chunked
+        if ch is not None:
+            self.ev = [0] * ch.n_events
+            for i in range(n):
+                if not rec[i]:
+                    _ch.add(self.ev, ch.keep_gain[i])
+                elif ch.handed_parts[i]:
+                    for c in range(len(classes)):
+                        _ch.add(self.ev, ch.hand_gain(c, i))
 
     def copy(self) -> Books:
         other = Books(self.lay, list(self.rec), _empty=True)
@@ -117,6 +147,11 @@ class Books:
         other.T = [dict(t) for t in self.T]
         other.load = [list(ld) for ld in self.load]
         other._stale = set(self._stale)
+        if self.ev is not None:
+            other.ev = list(self.ev)
+            other._ctop = dict(self._ctop)
+            if -1 in other._ctop:   # (the per-event list is patched in place: each books its own)
+                other._ctop[-1] = list(other._ctop[-1])
         if self._tmax is not None:
             other._tmax, other._tops = list(self._tmax), list(self._tops)
         return other
@@ -125,6 +160,7 @@ class Books:
         """Call after changing T directly (the per-class maxima are cached)."""
         self._tmax = self._tops = None
         self._stale.clear()
+        self._ctop = {}
 
     def tmax(self) -> list[int]:
         """Largest on-demand group bytes per class."""
@@ -149,13 +185,24 @@ class Books:
         """Class c's T changed: its cached maxima are refreshed when next read."""
         if self._tmax is not None:
             self._stale.add(c)
+        if self.ev is not None:
+            _ch.retop(self, c)
 
     def peak(self) -> int:
+        if self.ev is not None:
+            return _ch.peak(self)
         return self.lay.in_flight * self.kept + max(self.P, default=0) + max(self.tmax(), default=0)
 
-    def peak_if_placed(self, c: int, cluster: list[int]) -> int:
-        """The peak after prefetching ``cluster`` in class c (not applied)."""
+    def peak_if_placed(self, c: int, cluster: list[int], k: int | None = None) -> int:
+        """The peak after prefetching ``cluster`` in class c (window k; not applied). Per
+        (chunk, microbatch) books need k: None is the least of the class's windows."""
         lay = self.lay
+        if self.ev is not None:
+            drop = {c: _drop_of(lay, cluster)}
+            if k is None:
+                return min(_ch.peak_after(self, _ch.place_delta(self, c, w, cluster), drop)
+                           for w in range(len(lay.classes[c].capacities)))
+            return _ch.peak_after(self, _ch.place_delta(self, c, k, cluster), drop)
         wbytes = lay.wbytes
         b = 0
         for i in cluster:
@@ -206,7 +253,17 @@ class Books:
             self.P[c] += lay.wbytes[i]
             tc[lay.group[i]] -= lay.tbytes[i]
             load[k] += lay.wcost[i]
+        if self.ev is not None:
+            _ch.add(self.ev, _ch.place_delta(self, c, k, cluster))
         self._retop(c)  # only class c's maxima moved
+
+
+def _drop_of(lay: Layout, unit: list[int]) -> dict[int, int]:
+    """On-demand bytes of ``unit`` per group."""
+    out: dict[int, int] = {}
+    for i in unit:
+        out[lay.group[i]] = out.get(lay.group[i], 0) + lay.tbytes[i]
+    return out
 
 
 def _tops_of(tc: dict[int, int]) -> tuple[int, int | None, int]:
@@ -310,6 +367,14 @@ def tmax_after(books: Books, c: int, drop: dict[int, int]) -> int:
 
 def peak_if_placed_all(lay: Layout, books: Books, spots: list[tuple[int, int, list[int]]]) -> int:
     """The peak after prefetching each (class, window, unit) of ``spots`` (not applied)."""
+    if books.ev is not None:
+        delta = [0] * len(books.ev)
+        drops: dict[int, dict[int, int]] = {}
+        for c, k, unit in spots:
+            _ch.add(delta, _ch.place_delta(books, c, k, unit))
+            for g, b in _drop_of(lay, unit).items():
+                drops.setdefault(c, {})[g] = drops.get(c, {}).get(g, 0) + b
+        return _ch.peak_after(books, delta, drops)
     P = list(books.P)
     tmax = list(books.tmax())
     wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
@@ -324,6 +389,13 @@ def peak_if_placed_all(lay: Layout, books: Books, spots: list[tuple[int, int, li
 
 def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
     """The peak after keeping ``cl`` (no longer recomputed in any class; not applied)."""
+    if books.ev is not None:
+        drops = {}
+        for c, where in enumerate(books.where):
+            on_demand = [i for i in cl if where[i] is None]
+            if on_demand:
+                drops[c] = _drop_of(lay, on_demand)
+        return _ch.peak_after(books, _ch.keep_delta(books, cl), drops)
     wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
     nbytes = sum(wbytes[i] for i in cl)
     pmax, tmax_all = 0, 0
@@ -349,6 +421,8 @@ def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
 def apply_keep(lay: Layout, books: Books, cl: list[int]) -> None:
     """Keep ``cl``: undo its placements in every class and stop recomputing it."""
     wbytes, tbytes, group, wcost = lay.wbytes, lay.tbytes, lay.group, lay.wcost
+    if books.ev is not None:
+        _ch.add(books.ev, _ch.keep_delta(books, cl))
     for c in range(len(lay.classes)):
         where, tc = books.where[c], books.T[c]
         for i in cl:
@@ -368,6 +442,8 @@ def apply_keep(lay: Layout, books: Books, cl: list[int]) -> None:
 def unplace(lay: Layout, books: Books, c: int, i: int) -> None:
     """Send item i of class c back to on demand."""
     k = books.where[c][i]
+    if books.ev is not None:
+        _ch.add(books.ev, _ch.place_delta(books, c, k, [i]), -1)
     books.where[c][i] = None
     books.P[c] -= lay.wbytes[i]
     tc = books.T[c]
@@ -400,3 +476,16 @@ def repair_order(lay: Layout, books: Books) -> None:
                         if rec[u] and not out_saved[u] and where[u] is not None:
                             unplace(lay, books, c, u)
                             changed = True
+
+
+def drop_items(lay: Layout, books: Books, unit: list[int]) -> None:
+    """Drop the kept items ``unit`` to on demand in every class (not placed anywhere)."""
+    if books.ev is not None:
+        _ch.add(books.ev, _ch.drop_delta(books, unit))
+    for i in unit:
+        books.rec[i] = True
+        books.kept -= lay.wbytes[i]
+        g = lay.group[i]
+        for tc in books.T:
+            tc[g] = tc.get(g, 0) + lay.tbytes[i]
+    books.changed()

@@ -27,6 +27,7 @@ from lynx.solvers.heu.books import (
     Layout,
     apply_keep,
     clusters_of,
+    drop_items,
     first_fit,
     first_window,
     peak_if_kept,
@@ -99,10 +100,11 @@ def _best_keep(lay: Layout, books: Books, budget: int, now: int) -> tuple[tuple 
     kept_base = lay.in_flight * books.kept
     tmax = books.tmax()
     tops = [books.tops(c) for c in classes]
+    chunked = books.ev is not None   # (per-event books: no shortcut below)
     for i in range(lay.n):
         if not rec[i]:
             continue
-        if out_saved[i]:
+        if out_saved[i] and not chunked:
             unit = [i]
             gain = 0  # Σ_c |c| · (cost if on demand for c), summed as below for a longer unit
             for c in classes:
@@ -124,7 +126,7 @@ def _best_keep(lay: Layout, books: Books, budget: int, now: int) -> tuple[tuple 
                     tall = t
             after = kept_base + lay.in_flight * wb + pmax + tall
         else:
-            unit = _keep_unit(lay, rec, i)
+            unit = _keep_unit(lay, rec, i) if not out_saved[i] else [i]
             gain = sum(counts[c] * sum(wcost[j] for j in unit if wheres[c][j] is None) for c in classes)
             if gain <= 0:
                 continue
@@ -186,7 +188,10 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
                     continue
                 p_c, t_c = P[c] + cl_bytes, tmax_after(books, c, cl_drop)
             spots.append((c, k, unit, cost, p_c, t_c))
-            after = base + max(p_c, p_other[c]) + max(t_c, t_other[c])
+            if books.ev is not None:
+                after = books.peak_if_placed(c, unit, k)
+            else:
+                after = base + max(p_c, p_other[c]) + max(t_c, t_other[c])
             if after <= budget:
                 key = _ratio(counts[c] * cost, after - now)
                 if key > best_key:
@@ -195,7 +200,10 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
             p_all, t_all = list(P), list(tmax)
             for c, _, _, _, p_c, t_c in spots:
                 p_all[c], t_all[c] = p_c, t_c
-            after = base + max(p_all) + max(t_all)
+            if books.ev is not None:
+                after = peak_if_placed_all(lay, books, [(c, k, unit) for c, k, unit, _, _, _ in spots])
+            else:
+                after = base + max(p_all) + max(t_all)
             if after <= budget:
                 key = _ratio(sum(counts[c] * cost for c, _, _, cost, _, _ in spots), after - now)
                 if key > best_key:
@@ -328,13 +336,7 @@ def try_drop(lay: Layout, books: Books, unit: list[int], hide: bool = False) -> 
     """A copy of the books with ``unit`` dropped, prefetched wherever a window has room (and
     that costs no peak, unless ``hide``)."""
     trial = books.copy()
-    for i in unit:
-        trial.rec[i] = True
-        trial.kept -= lay.wbytes[i]
-        g = lay.group[i]
-        for tc in trial.T:
-            tc[g] = tc.get(g, 0) + lay.tbytes[i]
-    trial.changed()
+    drop_items(lay, trial, unit)
     cost = lay.cost(unit)
     spots = [(c, k, unit) for c in range(len(lay.classes))
              if (k := first_window(lay, trial, c, unit, cost)) is not None]
@@ -346,7 +348,7 @@ def try_drop(lay: Layout, books: Books, unit: list[int], hide: bool = False) -> 
             trial.place(c, k, u)
     else:
         for c, k, u in spots:
-            if trial.peak_if_placed(c, u) <= trial.peak():
+            if trial.peak_if_placed(c, u, k) <= trial.peak():
                 trial.place(c, k, u)
     if _needs_repair(lay, trial, unit):  # consumers prefetched before their newly dropped input
         repair_order(lay, trial)

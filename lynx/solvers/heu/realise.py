@@ -28,6 +28,7 @@ from lynx.solvers.heu.books import (
     CAPACITY_SLACK,
     Books,
     Layout,
+    apply_keep,
     clusters_of,
     peak_if_kept,
     repair_order,
@@ -128,7 +129,9 @@ def fill(lay: Layout, books: Books, clusters: list[list[int]], budget: int, *, w
                 # Cheap bound first: placing never raises the on-demand term.
                 added = sum(wbytes[i] for i in unit)
                 bound = in_flight * books.kept + max(p_max, books.P[c] + added) + t_max
-                if bound <= budget or books.peak_if_placed(c, unit) <= budget:
+                if books.ev is not None:   # (per-event books: no shortcut)
+                    bound = budget + 1
+                if bound <= budget or books.peak_if_placed(c, unit, k) <= budget:
                     books.place(c, k, unit)
                     p_max = max(p_max, books.P[c])
 
@@ -186,24 +189,13 @@ def prefetch_needed(lay: Layout, books: Books, clusters: list[list[int]], budget
                           and any(u in members for u in lay.srcs[j])), default=len(cls.capacities))
             spots = [k for k, e in enumerate(cls.eligible) if k <= latest and (e is None or all(i in e for i in cl))]
             inputs_ok = all(not rec[u] or u in members or where[u] is not None for i in cl for u in lay.srcs[i])
-            if spots and inputs_ok and books.peak_if_placed(c, cl) <= budget:
-                k = max(spots, key=lambda q: cls.capacities[q] - books.load[c][q])
+            k = max(spots, key=lambda q: cls.capacities[q] - books.load[c][q]) if spots else None
+            if spots and inputs_ok and books.peak_if_placed(c, cl, k) <= budget:
                 books.place(c, k, cl)
                 continue
             if not all(lay.out_saved[i] for i in cl if i in crossed):
                 return False
-            for c2 in range(len(lay.classes)):  # keep it: undo its placements, stop dropping it
-                for i in cl:
-                    if books.where[c2][i] is not None:
-                        books.P[c2] -= lay.wbytes[i]
-                        books.load[c2][books.where[c2][i]] -= lay.wcost[i]
-                        books.where[c2][i] = None
-                    else:
-                        books.T[c2][lay.group[i]] -= lay.tbytes[i]
-            books.changed()
-            books.kept += lay.nbytes(cl)
-            for i in cl:
-                rec[i] = False
+            apply_keep(lay, books, cl)  # keep it: undo its placements, stop dropping it
             if books.peak() > budget:
                 return False
             break
@@ -228,15 +220,8 @@ def keep_more(lay: Layout, books: Books, clusters: list[list[int]], budget: int)
         if saving > 0:
             scored.append((-saving / max(lay.nbytes(cl), 1), cl))
     scored.sort(key=lambda t: (t[0], t[1][0]))
-    group, tbytes = lay.group, lay.tbytes
     for _, cl in scored:
         if any(books.where[c][cl[0]] is not None for c in classes):
             continue
         if peak_if_kept(lay, books, cl) <= budget:  # (on demand in every class, as checked above)
-            for tc in books.T:
-                for i in cl:
-                    tc[group[i]] -= tbytes[i]
-            books.changed()
-            books.kept += lay.nbytes(cl)
-            for i in cl:
-                rec[i] = False
+            apply_keep(lay, books, cl)
