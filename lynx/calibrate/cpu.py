@@ -40,6 +40,8 @@ __all__ = [
     "node_rates",
     "fit_node_rates",
     "generated_graphs_s",
+    "start_generated_graphs_s",
+    "generated_graphs_results",
     "generated_ops",
     "priced_graphs_s",
     "generated_op_overhead_s",
@@ -158,6 +160,45 @@ def generated_graphs_s(reference: ReferenceModel, in_flight: int = 4, runs: int 
     for p in stage.parameters():
         p.grad = None
     return Timing(t.seconds / in_flight, t.cpu_share)
+
+
+def start_generated_graphs_s(reference: ReferenceModel, runs: int = 3, timeout_s: float = 120.0) -> Any:
+    """:func:`generated_graphs_s` of ``reference`` in a forked process: it builds and traces the
+    stage (~1 s of CPU) beside this one, then times it once let go
+    (:class:`lynx.calibrate.forked.Staged`; :func:`generated_graphs_results` lets it)."""
+    from lynx.calibrate.forked import Staged
+
+    return Staged(_graphs_worker, 1, (reference, runs), timeout_s)
+
+
+def generated_graphs_results(started: Any) -> float:
+    """What :func:`start_generated_graphs_s` measured: CPU seconds per microbatch."""
+    from lynx.errors import LynxRuntimeError
+
+    items, missing = started.results()
+    result = dict(items).get(0, missing)
+    if not isinstance(result, float):
+        raise LynxRuntimeError(f"could not time the reference's generated graphs in a forked process: {result}")
+    return result
+
+
+def _graphs_worker(rank: int, gate: Any, queue: Any, reference: ReferenceModel, runs: int) -> None:
+    import os
+
+    from lynx.calibrate.forked import GO_WAIT_S
+
+    try:
+        torch.set_num_threads(1)
+        reference.one_stage()
+        gate.prepared(GO_WAIT_S)
+        queue.put((rank, generated_graphs_s(reference, runs=runs).seconds))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
+        gate.failed()
+        queue.put((rank, f"{type(err).__name__}: {err}"))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
 
 
 def generated_ops(reference: ReferenceModel) -> int:

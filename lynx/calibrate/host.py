@@ -14,8 +14,9 @@ latency (timed across processes), the median repeat of its bandwidth; its ``cali
 block, per figure, the spread and the share of a core it was measured with, the figures that
 may be off by more than 10% and why, the time taken and the load average before and after.
 The ranks that measure the runtime and a TP stage fork early and trace their
-stages while this process captures the references (the captures use one core), then wait to
-measure until nothing else runs (:class:`lynx.calibrate.forked.Staged`).
+stages while this process captures the references (the captures use one core), as does the
+process that times the 64 × 8 reference's generated graphs for the check; all wait to measure
+until nothing else runs (:class:`lynx.calibrate.forked.Staged`).
 
 Example (about 20 s on 2 cores; ``lynx calibrate`` runs it)::
 
@@ -119,7 +120,7 @@ def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict
 # ------------------------------------------------------------------------------- CPU
 def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     from lynx.calibrate.allreduce import LADDER_BYTES, allreduce_link, measure_allreduce
-    from lynx.calibrate.cpu import ReferenceModel
+    from lynx.calibrate.cpu import ReferenceModel, start_generated_graphs_s
     from lynx.calibrate.links import measure_link
     from lynx.calibrate.runtime import start_runtime_action_s
     from lynx.calibrate.tp_stage import start_tp_stage_s
@@ -142,17 +143,19 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         runtime_ranks = ranks.enter_context(start_runtime_action_s(small, repeats=repeats))
         tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=repeats, runs=3))
         reference = ReferenceModel()
-        small.one_stage(), reference.one_stage()   # their traces, before any timed run
-        runtime_ranks.wait_prepared(), tp_ranks.wait_prepared()
-        return _measure_cpu_figures(repeats, say, reference, small, sharded, runtime_ranks, tp_ranks,
-                                    (alphas, betas), (tp_link, tp_fits))
+        # the check's timing of the reference's generated graphs: traced in a process of its own
+        check = ranks.enter_context(start_generated_graphs_s(reference, runs=3))
+        small.one_stage()   # its trace, before any timed run
+        runtime_ranks.wait_prepared(), tp_ranks.wait_prepared(), check.wait_prepared()
+        return _measure_cpu_figures(repeats, say, reference, small, (runtime_ranks, tp_ranks, check),
+                                    (alphas, betas), (tp_link, tp_fits), sharded)
 
 
-def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: Any, sharded: Any,
-                         runtime_ranks: Any, tp_ranks: Any, pp_link: tuple, tp_measured: tuple
+def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: Any, started: tuple,
+                         pp_link: tuple, tp_measured: tuple, sharded: Any
                          ) -> tuple[dict[str, Any], list[Repeated], list[str], int]:
-    """The CPU figures from the references and the prepared ranks (:func:`_measure_cpu`)."""
-    from lynx.calibrate.cpu import OPTIMIZERS, generated_graphs_s, generated_op_overhead_s
+    """The CPU figures from the references and the prepared processes (:func:`_measure_cpu`)."""
+    from lynx.calibrate.cpu import OPTIMIZERS, generated_graphs_results, generated_graphs_s, generated_op_overhead_s
     from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s, optimizer_s_per_param
     from lynx.calibrate.allreduce import LADDER_BYTES
     from lynx.calibrate.cpu import priced_graphs_s
@@ -160,7 +163,7 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
     from lynx.calibrate.runtime import runtime_action_results
     from lynx.calibrate.tp_stage import per_collective_s, priced_stage_s, tp_stage_results
 
-    (alphas, betas), (tp_link, tp_fits) = pp_link, tp_measured
+    (alphas, betas), (tp_link, tp_fits), (runtime_ranks, tp_ranks, check) = pp_link, tp_measured, started
     ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
     m = {name: Repeated(name) for name in (
         "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
@@ -194,7 +197,7 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
     for t, share in zip(small_s.values, small_s.cpu_shares):
         m["op_overhead_s"].add(generated_op_overhead_s(small, rates, t), share)
     say.step("lynx.runtime.Pipeline on 2 processes: the runtime's own work per action; a check")
-    reference_s = generated_graphs_s(reference, runs=3).seconds
+    reference_s = generated_graphs_results(check)
     main, threads = runtime_action_results(small, runtime_ranks)
     for a, b in zip(main, threads):
         m["runtime_action_s"].add(a + b)
