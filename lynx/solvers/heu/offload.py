@@ -161,6 +161,8 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
         candidates.sort(key=lambda c: _estimate(problem, *c))
         winner: frozenset[str] = frozenset()
         for chosen, rest in candidates[:SOLVED]:
+            if best is not None and best[0] <= 1e-12:
+                break   # nothing exposed: no later set can win (it must expose 1e-12 s less)
             found = _with_offload(problem, chosen, rest, solve_plain, time_limit_s)
             if found is not None and (best is None or found[0] < best[0] - 1e-12):
                 best, winner = found, chosen
