@@ -87,14 +87,11 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
     node prefetched in a tensor-parallel window is there from (else 0).
     """
     arrival = arrival or {}
-    nodes = problem.nodes
-    last = len(nodes) - 1
-    step = {n.name: last - i for i, n in enumerate(nodes)}
-    consumers = _consumers(problem)
+    last, rows = _static(problem)
     dropped = assignment.recompute
     offloaded = assignment.offload
     issue = issue_steps(problem, offloaded) if offloaded else {}
-    delta = [0] * (len(nodes) + 1)
+    delta = [0] * (last + 2)
 
     def hold(first: int, until: int, nbytes: int) -> None:
         if nbytes and first <= until:
@@ -102,36 +99,33 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
             delta[until + 1] -= nbytes
 
     regenerated: dict[str, int] = {}  # on-demand node -> backward step it is re-run at
-    for n in reversed(nodes):  # consumers before producers
-        name = n.name
-        out_bytes, own_bytes = saved_parts(n)
+    for name, own_step, consumers, saver_steps, unknown, maybe, out_bytes, own_bytes, sent, reread in rows:
         # backward steps reading the output: its savers', and the re-runs of dropped consumers
-        reads = [step[s] for s in n.saved_by if s in step] if n.output_saved and n.saved_by is not None else []
-        for c in consumers[name]:
+        reads = list(saver_steps)
+        for c in consumers:
             if c in prefetched:
                 reads.append(0)  # (an invalid plan) a window re-runs it first
             elif regenerated.get(c, _NEVER) != _NEVER:
                 reads.append(regenerated[c])
-        if n.output_saved and n.saved_by is None:  # unknown savers: every consumer, perhaps itself
-            maybe = [step[c] for c in consumers[name]] + reads + ([step[name]] if n.saved_bytes else [])
-            first_read, last_read = min(maybe, default=_NEVER), step[name]
+        if unknown:  # unknown savers: every consumer, perhaps itself
+            first_read, last_read = min(min(maybe, default=_NEVER), min(reads, default=_NEVER)), own_step
         else:
             first_read, last_read = min(reads, default=_NEVER), max(reads, default=-1)
         if name in dropped and name not in prefetched:
-            at = min(first_read, step[name] if own_bytes else _NEVER)
+            at = min(first_read, own_step if own_bytes else _NEVER)
             regenerated[name] = at
         elif name in offloaded and name not in prefetched:
             at = issue[name]
         else:
             at = arrival.get(name, 0)
-        if is_sent(n):  # the stage holds what it sent until the microbatch's backward ends
+        if sent:  # the stage holds what it sent until the microbatch's backward ends
             hold(0, last, out_bytes)
-            if name in dropped and at != _NEVER and (n.saved_by is None or n.saved_by):
+            if name in dropped and at != _NEVER and reread:
                 hold(at, last_read, out_bytes)  # in-stage readers get a recomputed copy
         elif at != _NEVER:
             hold(at, last_read, out_bytes)
         if at != _NEVER:
-            hold(at, step[name], own_bytes)
+            hold(at, own_step, own_bytes)
     if pending:
         for s_, g in enumerate(group_layout(problem).group_of_step):
             extra = pending[g] if g < len(pending) else 0
@@ -141,6 +135,52 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
         live += change
         best = max(best, live)
     return best
+
+
+_STATIC: dict[int, tuple[tuple, tuple[int, tuple]]] = {}
+_SHAPES: dict[tuple, tuple] = {}
+
+
+def _static(problem: StageProblem) -> tuple[int, tuple]:
+    """What :func:`microbatch_peak_bytes` reads of the nodes alone, consumers before producers:
+    the last backward step, and per node its name, backward step, consumers, savers' steps (a
+    known saved output), whether its savers are unknown and then the steps that may read it,
+    its output's and its other saved bytes, whether it is sent and then whether in-stage
+    readers reread it. Cached per node tuple (a solver replays one stage's plans many times),
+    and the part that is not bytes per graph shape (HEU with offload plans the stage again
+    with the offloaded values' bytes zeroed: :mod:`lynx.solvers.heu.offload`)."""
+    key = id(problem.nodes)
+    found = _STATIC.get(key)
+    if found is not None and found[0] is problem.nodes:
+        return found[1]
+    nodes = problem.nodes
+    last = len(nodes) - 1
+    # (is_sent and the readers depend on these alone; the bytes are read below)
+    shape = tuple((n.name, n.inputs, n.saved_by, n.output_saved, n.sent) for n in nodes)
+    structure = _SHAPES.get(shape)
+    if structure is None:
+        step = {n.name: last - i for i, n in enumerate(nodes)}
+        consumers = _consumers(problem)
+        rows = []
+        for n in reversed(nodes):
+            unknown = n.output_saved and n.saved_by is None
+            savers = tuple(step[s] for s in n.saved_by if s in step) if n.output_saved and n.saved_by is not None else ()
+            maybe = tuple(step[c] for c in consumers[n.name]) if unknown else ()
+            rows.append((n.name, step[n.name], tuple(consumers[n.name]), savers, unknown, maybe, is_sent(n),
+                         n.saved_by is None or bool(n.saved_by)))
+        if len(_SHAPES) > 64:
+            _SHAPES.clear()
+        structure = _SHAPES[shape] = tuple(rows)
+    table = []
+    for n, (name, own_step, consumers_, savers, unknown, maybe, sent, reread) in zip(reversed(nodes), structure):
+        out_bytes, own_bytes = saved_parts(n)
+        if unknown and n.saved_bytes:
+            maybe = (*maybe, own_step)
+        table.append((name, own_step, consumers_, savers, unknown, maybe, out_bytes, own_bytes, sent, reread))
+    if len(_STATIC) > 256:
+        _STATIC.clear()
+    _STATIC[key] = (nodes, (last, tuple(table)))
+    return last, tuple(table)
 
 
 def saved_parts(node: ProblemNode) -> tuple[int, int]:

@@ -225,11 +225,18 @@ def offload_overhead(problem: StageProblem, offload: frozenset[str] | set[str]) 
     ranks = group_ranks(problem)
     size = {n.name: n.saved_bytes for n in problem.nodes}
     own = {n.name: ranks[group_key(n)] for n in problem.nodes}
-    slot = sum(size[n] for n in offload if issue_group(reads[n], layout) < 0)
+    slot = 0
+    change = [0] * (layout.groups + 2)   # a streamed value is held from its own group to the one above its read
+    for n in offload:
+        if issue_group(reads[n], layout) < 0:
+            slot += size[n]
+        elif own[n] <= reads[n] + 1:
+            change[own[n]] += size[n]
+            change[reads[n] + 2] -= size[n]
     pending = pending_by_group(problem, Assignment(frozenset(), offload=frozenset(offload))) or [0] * layout.groups
-    worst = 0
+    worst = held = 0
     for q in range(layout.groups):
-        held = sum(size[n] for n in offload if issue_group(reads[n], layout) >= 0 and own[n] <= q <= reads[n] + 1)
+        held += change[q]
         worst = max(worst, held + pending[q])
     return slot + worst
 

@@ -195,11 +195,22 @@ def group_key(node: ProblemNode) -> str:
     return f"layer{node.layer}" if node.layer is not None else f"edge:{node.layer_class}"
 
 
+_RANKS: dict[int, tuple[tuple, dict[str, int]]] = {}
+
+
 def group_ranks(problem: StageProblem) -> dict[str, int]:
-    """Forward rank of each group; on-demand regeneration runs in decreasing rank."""
+    """Forward rank of each group; on-demand regeneration runs in decreasing rank. Cached per
+    node tuple (the solvers ask for it many times per stage): callers must not change it."""
+    key = id(problem.nodes)
+    found = _RANKS.get(key)
+    if found is not None and found[0] is problem.nodes:
+        return found[1]
     ranks: dict[str, int] = {}
     for n in problem.nodes:
         ranks.setdefault(group_key(n), len(ranks))
+    if len(_RANKS) > 256:
+        _RANKS.clear()
+    _RANKS[key] = (problem.nodes, ranks)
     return ranks
 
 

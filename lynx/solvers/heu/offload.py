@@ -158,11 +158,17 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
                     candidates.append((chosen, rest))
         # solve the SOLVED most promising by a quick estimate (what the rest must recompute at
         # least, on demand, plus the copy time), not every one: each solve costs a base solve
+        # (those whose rest cannot fit at all are skipped when their turn comes: the check
+        # replays the stage, and a set that exposes nothing ends the search before)
         candidates.sort(key=lambda c: _estimate(problem, *c))
         winner: frozenset[str] = frozenset()
-        for chosen, rest in candidates[:SOLVED]:
-            if best is not None and best[0] <= 1e-12:
-                break   # nothing exposed: no later set can win (it must expose 1e-12 s less)
+        solved = 0
+        for chosen, rest in candidates:
+            if solved == SOLVED or best is not None and best[0] <= 1e-12:
+                break   # (nothing exposed: no later set can win, it must expose 1e-12 s less)
+            if not _lean_fits(problem, chosen, rest):
+                continue
+            solved += 1
             found = _with_offload(problem, chosen, rest, solve_plain, time_limit_s)
             if found is not None and (best is None or found[0] < best[0] - 1e-12):
                 best, winner = found, chosen
@@ -191,7 +197,8 @@ def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_
 
 def _rest(problem: StageProblem, chosen: frozenset[str]) -> StageProblem | None:
     """The recompute problem of what ``chosen`` leaves on the device (see the module docstring),
-    or None when not even its leanest plan (Megatron-full's kept set) fits."""
+    or None when what offloading can add to a backward leaves no budget (:func:`_lean_fits`
+    says whether its leanest plan fits)."""
     overhead = offload_overhead(problem, chosen)
     if overhead >= problem.activation_budget_bytes:
         return None
@@ -199,16 +206,18 @@ def _rest(problem: StageProblem, chosen: frozenset[str]) -> StageProblem | None:
                   if n.name in chosen else n for n in problem.nodes)
     rest = dataclasses.replace(problem, nodes=nodes, copies=None,
                                activation_budget_bytes=problem.activation_budget_bytes - overhead)
+    return rest
+
+
+def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> bool:
+    """Whether the leanest plan of ``rest`` (Megatron-full's kept set) fits its budget."""
     key = id(problem.nodes)   # (Megatron-full's set follows the groups, not the bytes: once per stage)
     found = _LEAN.get(key)
     if found is None or found[0] is not problem.nodes:
         if len(_LEAN) > 256:
             _LEAN.clear()
         found = _LEAN[key] = (problem.nodes, layer_recompute_set(problem))
-    lean = Assignment(found[1] - chosen)
-    if peak_activation_bytes(rest, lean) > rest.activation_budget_bytes:
-        return None
-    return rest
+    return peak_activation_bytes(rest, Assignment(found[1] - chosen)) <= rest.activation_budget_bytes
 
 
 def _estimate(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> float:
