@@ -59,13 +59,21 @@ def test_a_slow_link_or_a_small_host_leaves_offload_out() -> None:
 def test_heu_offload_sets_keep_identical_layers_identical() -> None:
     p = _tight()
     by = {n.name: n for n in p.nodes}
-    for chosen in (choose_offload(p, 1.0), choose_offload(p, 0.5), boundaries(p)):
+    for chosen in (choose_offload(p, 1.0), choose_offload(p, 0.5), boundaries(p),
+                   choose_offload(p, 0.9, boundaries(p))):
         per_layer: dict[int, list[int]] = {}
         for n in p.nodes:
             if n.layer is not None and n.layer < 3:   # (the top layer reads in its slot: its own room)
                 per_layer.setdefault(n.layer, []).append(int(n.name in chosen))
         assert len({tuple(v) for v in per_layer.values()}) == 1
         assert chosen <= set(offloadable(p)) and all(by[n].saved_bytes > 0 for n in chosen)
+
+
+def test_seeded_offload_sets_take_the_boundaries_first() -> None:
+    p = _tight()
+    bounds = boundaries(p)
+    seeded = choose_offload(p, 0.9, bounds)
+    assert bounds and bounds < seeded <= set(offloadable(p))
 
 
 def test_offload_baselines() -> None:
