@@ -86,9 +86,13 @@ def add_offload(m: cp_model.CpModel, model: Any, off: OffloadItems, free: list[b
             m.add(in_service >= expr)
         pending = m.new_int_var(0, total * max(1, model.in_flight), "pending")
         m.add(pending >= in_service)
+        # (a term's drain is negative where the copies' latency outweighs the lane's time: it
+        # counts only when something is copied at all, as StageCopies.pending_bytes does)
+        some = m.new_bool_var("some_offloaded")
+        m.add_max_equality(some, list(f.values()))
         for counts, drained in copies.pending:
             terms = sum(c * out_bytes[g] for g, c in enumerate(counts) if c and g < off.groups)
-            m.add(pending >= terms - int(drained // unit) + in_service)
+            m.add(pending >= terms - int(drained // unit) + in_service).only_enforce_if(some)
     for q in range(off.groups):
         held = sum(size[i] * v for i, v in f.items()
                    if off.streamed(i) and items[i].group <= q <= off.read_group[i] + 1)

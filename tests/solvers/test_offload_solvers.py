@@ -107,3 +107,15 @@ def test_plans_with_offload_end_to_end_on_a_synthetic_pipeline() -> None:
     for solver in ("offload-all", "offload-modules"):
         out = plan_graph_outcome(g, cfg.replace(solver=solver), comm=comm, check_budget=False)
         assert any(d.action == "offload" for s in out.plan.stages for d in s.decisions)
+
+
+def test_opt_charges_copy_latency_only_when_something_is_copied() -> None:
+    # a pending term whose drain is negative (copy latency beyond the lane's time, as tiny
+    # models get) must not hold memory when nothing is offloaded: OPT plans as without lanes
+    p = _tight(fraction=0.5)
+    groups = len({(n.layer, n.layer_class) for n in p.nodes})
+    p = dataclasses.replace(p, copies=dataclasses.replace(p.copies, pending=(((1,) * groups, -2.0 * 2**40),)))
+    plain = solve("opt", dataclasses.replace(p, copies=None), time_limit_s=10)
+    res = solve("opt", p, time_limit_s=10)
+    _check(p, res)
+    assert not res.assignment.offload and res.objective_s <= plain.objective_s + 1e-12
