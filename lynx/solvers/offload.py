@@ -137,11 +137,12 @@ def offloadable(problem: StageProblem) -> list[str]:
 
 def offloaded_by_group(problem: StageProblem, offload: frozenset[str] | set[str]) -> list[int]:
     """Per group rank: the bytes its forward copies to the host, per microbatch."""
-    ranks = group_ranks(problem)
-    out = [0] * len(ranks)
-    for n in problem.nodes:
+    layout = group_layout(problem)
+    out = [0] * layout.groups
+    last = len(problem.nodes) - 1
+    for i, n in enumerate(problem.nodes):
         if n.name in offload:
-            out[ranks[group_key(n)]] += n.saved_bytes
+            out[layout.group_of_step[last - i]] += n.saved_bytes
     return out
 
 
@@ -186,14 +187,27 @@ def copy_exposed_s(problem: StageProblem, assignment: Assignment) -> float:
     total = sum(size[n] for n in assignment.offload)
     exposed = 0.0
     cache: dict[tuple, float] = {}
+    prefetched: dict[int, set[str]] = {}
+    for (n, j) in assignment.prefetch_of:
+        prefetched.setdefault(j, set()).add(n)
+    # (what prefetch_bytes_by_issue gives, the offloaded values' sizes and groups looked up once)
+    layout, reads = group_layout(problem), read_groups(problem)
+    values = [(name, size[name], issue_group(reads[name], layout)) for name in assignment.offload]
     for mb in range(problem.microbatches):
         slot = copies.slots[mb] if mb < len(copies.slots) else None
         slack = slot.slack_s if slot is not None else 0.0
-        cache_key = (frozenset(n for (n, j) in assignment.prefetch_of if j == mb), slack)
+        here_pf = prefetched.get(mb, set())
+        cache_key = (frozenset(here_pf), slack)
         if cache_key in cache:
             exposed += cache[cache_key]
             continue
-        window, streamed = prefetch_bytes_by_issue(problem, assignment, mb)
+        window = 0
+        streamed: dict[int, int] = {}
+        for name, nbytes, g in values:
+            if name in here_pf:
+                window += nbytes
+            else:
+                streamed[g] = streamed.get(g, 0) + nbytes
         if copies.synchronous:
             here = copies.d2h_s(total) + copies.h2d_s(window) + sum(copies.h2d_s(b) for b in streamed.values())
         else:
@@ -222,9 +236,9 @@ def offload_overhead(problem: StageProblem, offload: frozenset[str] | set[str]) 
     if not offload:
         return 0
     layout, reads = group_layout(problem), read_groups(problem)
-    ranks = group_ranks(problem)
+    last = len(problem.nodes) - 1
     size = {n.name: n.saved_bytes for n in problem.nodes}
-    own = {n.name: ranks[group_key(n)] for n in problem.nodes}
+    own = {n.name: layout.group_of_step[last - i] for i, n in enumerate(problem.nodes)}
     slot = 0
     change = [0] * (layout.groups + 2)   # a streamed value is held from its own group to the one above its read
     for n in offload:

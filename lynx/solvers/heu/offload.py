@@ -206,12 +206,19 @@ def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_
     """``window_of`` without the placements that read a streamed value, or (transitively) a
     value of the same microbatch recomputed on demand."""
     inputs = {n.name: n.inputs for n in problem.nodes}
+    watch: dict[str, tuple[str, ...]] = {}   # per placed node, the inputs that can unplace it
+    for name, _mb in window_of:
+        if name not in watch:
+            watch[name] = tuple(src for src in inputs[name] if src in streamed or src in recompute)
+    placed = [key for key in window_of if watch[key[0]]]
     changed = True
     while changed:
         changed = False
-        for (name, mb) in list(window_of):
-            if any(src in streamed or (src in recompute and (src, mb) not in window_of) for src in inputs[name]):
-                del window_of[(name, mb)]
+        for key in placed:
+            name, mb = key
+            if key in window_of and any(src in streamed or (src in recompute and (src, mb) not in window_of)
+                                        for src in watch[name]):
+                del window_of[key]
                 changed = True
     return window_of
 
