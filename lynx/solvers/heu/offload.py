@@ -170,13 +170,13 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
             pass
     if best is None or best[0] > 0:
         tried: set[frozenset[str]] = set()
-        candidates: list[tuple[frozenset[str], StageProblem]] = []
+        candidates: list[tuple[frozenset[str], int]] = []   # (set, the budget its rest has)
         for chosen in [won] if won else [] if again else _offload_sets(problem):
             if chosen and chosen not in tried:
                 tried.add(chosen)
-                rest = _rest(problem, chosen)
-                if rest is not None:
-                    candidates.append((chosen, rest))
+                left = problem.activation_budget_bytes - offload_overhead(problem, chosen)
+                if left > 0:
+                    candidates.append((chosen, left))
         # solve the SOLVED most promising by a quick estimate (what the rest must recompute at
         # least, on demand, plus the copy time), not every one: each solve costs a base solve
         # (those whose rest cannot fit at all are skipped when their turn comes: the check
@@ -184,9 +184,10 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
         candidates.sort(key=lambda c: _estimate(problem, *c))
         winner: frozenset[str] = frozenset()
         solved = 0
-        for chosen, rest in candidates:
+        for chosen, left in candidates:
             if solved == SOLVED or best is not None and best[0] <= 1e-12:
                 break   # (nothing exposed: no later set can win, it must expose 1e-12 s less)
+            rest = _rest(problem, chosen, left)
             if not _lean_fits(problem, chosen, rest):
                 continue
             solved += 1
@@ -223,18 +224,13 @@ def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_
     return window_of
 
 
-def _rest(problem: StageProblem, chosen: frozenset[str]) -> StageProblem | None:
-    """The recompute problem of what ``chosen`` leaves on the device (see the module docstring),
-    or None when what offloading can add to a backward leaves no budget (:func:`_lean_fits`
-    says whether its leanest plan fits)."""
-    overhead = offload_overhead(problem, chosen)
-    if overhead >= problem.activation_budget_bytes:
-        return None
+def _rest(problem: StageProblem, chosen: frozenset[str], budget: int) -> StageProblem:
+    """The recompute problem of what ``chosen`` leaves on the device (see the module docstring):
+    ``budget`` is the stage's less what offloading can add to a backward (``offload_overhead``;
+    :func:`_lean_fits` says whether its leanest plan fits)."""
     nodes = tuple(dataclasses.replace(n, saved_bytes=0, output_bytes=None if n.output_bytes is None else 0)
                   if n.name in chosen else n for n in problem.nodes)
-    rest = dataclasses.replace(problem, nodes=nodes, copies=None,
-                               activation_budget_bytes=problem.activation_budget_bytes - overhead)
-    return rest
+    return dataclasses.replace(problem, nodes=nodes, copies=None, activation_budget_bytes=budget)
 
 
 def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> bool:
@@ -248,17 +244,18 @@ def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem
     return peak_activation_bytes(rest, Assignment(found[1] - chosen)) <= rest.activation_budget_bytes
 
 
-def _estimate(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> float:
-    """A quick figure for ranking offload sets: the recompute seconds ``rest`` needs at least —
-    the cheapest bytes per second dropped until every microbatch in flight's kept bytes fit,
-    all on demand — plus the copy time the set exposes."""
-    over = rest.in_flight * sum(n.saved_bytes for n in rest.nodes) - rest.activation_budget_bytes
+def _estimate(problem: StageProblem, chosen: frozenset[str], budget: int) -> float:
+    """A quick figure for ranking offload sets: the recompute seconds the rest (:func:`_rest`,
+    with ``budget``) needs at least — the cheapest bytes per second dropped until every
+    microbatch in flight's kept bytes fit, all on demand — plus the copy time the set exposes."""
+    left = [n for n in problem.nodes if n.name not in chosen]   # (the rest's nodes that save anything)
+    over = problem.in_flight * sum(n.saved_bytes for n in left) - budget
     seconds = 0.0
     if over > 0:
-        for n in sorted((n for n in rest.nodes if n.saved_bytes > 0 and not n.sent),
+        for n in sorted((n for n in left if n.saved_bytes > 0 and not n.sent),
                         key=lambda n: n.recompute_s / n.saved_bytes):
-            seconds += n.recompute_s * rest.microbatches
-            over -= rest.in_flight * n.saved_bytes
+            seconds += n.recompute_s * problem.microbatches
+            over -= problem.in_flight * n.saved_bytes
             if over <= 0:
                 break
     layout, reads = group_layout(problem), read_groups(problem)
