@@ -164,7 +164,8 @@ def _static(problem: StageProblem) -> tuple[int, tuple]:
         rows = []
         for n in reversed(nodes):
             unknown = n.output_saved and n.saved_by is None
-            savers = tuple(step[s] for s in n.saved_by if s in step) if n.output_saved and n.saved_by is not None else ()
+            savers = (tuple(step[s] for s in n.saved_by if s in step)
+                      if n.output_saved and n.saved_by is not None else ())
             maybe = tuple(step[c] for c in consumers[n.name]) if unknown else ()
             rows.append((n.name, step[n.name], tuple(consumers[n.name]), savers, unknown, maybe, is_sent(n),
                          n.saved_by is None or bool(n.saved_by)))
