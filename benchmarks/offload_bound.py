@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
           f"Command: `.venv/bin/python benchmarks/offload_bound.py {' '.join(argv or sys.argv[1:])}`", "",
           "Budget: `full`'s peak (the grid's level 0.0); T0: `none`'s step. The bound and its terms are "
           "explained in the script's docstring; the binding stage is the one whose bound is largest "
-          "(ties: the most bytes to move per lane capacity).", "", "```", *summary, "```", "", *lines]
+          "(ties: the most bytes that must leave).", "", "```", *summary, "```", "", *lines]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "offload_bound.md").write_text("\n".join(md) + "\n")
     (args.out / "offload_bound.json").write_text(json.dumps({"argv": argv or sys.argv[1:], "summary": summary,
