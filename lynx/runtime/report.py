@@ -161,7 +161,8 @@ def _load_lines(summary: RunSummary) -> list[str]:
     if load.differs and summary.predicted_step_s:
         fastest = summary.fastest_step_s / summary.predicted_step_s
         if load.others_run > load.margin:
-            what = f"other jobs took about {load.others_run:.1f} cpus during this run, so its steps ran slower"
+            slower = "so its steps ran slower" if summary.step_ratio > 1 else "which can slow its steps"
+            what = f"other jobs took about {load.others_run:.1f} cpus during this run, {slower}"
         else:
             what = (f"the figures were measured at load {load.calibrated:.2f} (their spread says how steadily), other "
                     f"jobs took {load.others_run:.1f} cpus during this run")

@@ -40,6 +40,19 @@ def test_a_busy_run_says_the_prediction_is_for_the_calibrated_state() -> None:
         assert "the prediction is for the calibrated state" in text
         assert f"other jobs took about {load.others_run:.1f} cpus during this run" in text
         assert "the fastest step, the least disturbed, is 1.05× the prediction (within 25%), the median 1.35×" in text
+        assert "so its steps ran slower" in text
+
+
+def test_a_busy_run_faster_than_predicted_is_not_called_slower() -> None:
+    class Generous(_Plan):
+        class predicted:
+            step_time_s, exposed_recompute_s, hidden_recompute_s = 0.2, 0.0, 0.0
+
+    load = RunLoad(start=3.2, end=3.0, ranks_here=2, cpus=2, calibrated=0.4)
+    steps = [[StepStats(rank=r, stage=r, dp_rank=0, step_s=t + r * 0.005) for r in range(2)] for t in (1.0, 0.15, 0.1)]
+    text = format_summary(run_summary(steps, Generous(), load))
+    assert "other jobs took about 3.2 cpus during this run, which can slow its steps" in text
+    assert "ran slower" not in text
 
 
 def test_a_calibration_under_load_is_named_too() -> None:
