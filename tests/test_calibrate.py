@@ -173,25 +173,17 @@ def test_the_tp_link_is_fitted_to_all_reduce_times() -> None:
     assert per_collective_s(0.005, 0.006, 64) == 0.0 and per_collective_s(0.01, 0.0, 0) == 0.0
 
 
-def _staged_rank(rank, gate, queue, fail) -> None:
+def _staged_rank(rank, gate, fail):
     """A Staged rank: prepares (or fails to), waits to be let go, reports its CPU."""
     import os
 
     from lynx.calibrate.forked import pin_to_core
 
-    try:
-        if fail:
-            raise ValueError("could not prepare")
-        cpu = pin_to_core(rank)
-        gate.prepared(30.0)
-        queue.put((rank, (cpu, sorted(os.sched_getaffinity(0)))))
-    except Exception as err:  # noqa: BLE001 - as the calibration's ranks report it
-        gate.failed()
-        queue.put((rank, f"rank {rank}: {err}"))
-    finally:
-        queue.close()
-        queue.join_thread()
-        os._exit(0)
+    if fail:
+        raise ValueError("could not prepare")
+    cpu = pin_to_core(rank)
+    gate.prepared(30.0)
+    return cpu, sorted(os.sched_getaffinity(0))
 
 
 def test_staged_ranks_prepare_then_measure_once_let_go_each_on_a_core() -> None:
@@ -212,7 +204,7 @@ def test_staged_ranks_prepare_then_measure_once_let_go_each_on_a_core() -> None:
         assert [got[r] for r in (0, 1)] == [(allowed[0], [allowed[0]]), (allowed[1], [allowed[1]])]
     with Staged(_staged_rank, 1, (True,), timeout_s=30.0) as failing:
         assert failing.wait_prepared()
-        assert failing.results()[0] == [(0, "rank 0: could not prepare")]
+        assert failing.results()[0] == [(0, "rank 0: ValueError: could not prepare")]
     with Staged(_staged_rank, 2, (False,), timeout_s=30.0) as abandoned:
         abandoned.wait_prepared()
     assert not any(p.is_alive() for p in abandoned.procs)

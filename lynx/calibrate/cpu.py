@@ -182,23 +182,14 @@ def generated_graphs_results(started: Any) -> float:
     return result
 
 
-def _graphs_worker(rank: int, gate: Any, queue: Any, reference: ReferenceModel, runs: int) -> None:
-    import os
-
+def _graphs_worker(rank: int, gate: Any, reference: ReferenceModel, runs: int) -> float:
+    """The forked process of :func:`start_generated_graphs_s`: traces, waits, times."""
     from lynx.calibrate.forked import GO_WAIT_S
 
-    try:
-        torch.set_num_threads(1)
-        reference.one_stage()
-        gate.prepared(GO_WAIT_S)
-        queue.put((rank, generated_graphs_s(reference, runs=runs).seconds))
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
-        gate.failed()
-        queue.put((rank, f"{type(err).__name__}: {err}"))
-    finally:
-        queue.close()
-        queue.join_thread()
-        os._exit(0)
+    torch.set_num_threads(1)
+    reference.one_stage()
+    gate.prepared(GO_WAIT_S)
+    return generated_graphs_s(reference, runs=runs).seconds
 
 
 def generated_ops(reference: ReferenceModel) -> int:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["collect", "pin_to_core", "Staged", "Gate", "GO_WAIT_S"]
+__all__ = ["collect", "pin_to_core", "Staged", "Gate", "GO_WAIT_S", "staged_rank", "rank_env"]
 
 # how long a prepared rank waits to be let measure: the calibration's CPU repeats come between
 GO_WAIT_S = 900.0
@@ -74,21 +74,49 @@ class Gate:
             self._prepared.release()
 
 
+def staged_rank(target: Any, rank: int, gate: Gate, queue: Any, *args: Any) -> None:
+    """A :class:`Staged` rank's whole life: ``(rank, target(rank, gate, *args))`` on ``queue``,
+    or ``(rank, "rank R: Error: message")`` if it raised (the gate then says this rank is done
+    preparing, so nothing waits on it); then the process ends without the interpreter's
+    teardown, which would hang on a process group's threads still alive
+    (see :mod:`lynx.process_group_guard`)."""
+    try:
+        queue.put((rank, target(rank, gate, *args)))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
+        gate.failed()
+        queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """This forked rank's ``torch.distributed`` environment: rank ``rank`` of ``world`` meeting
+    on 127.0.0.1:``port``. Under torchrun the parent's ``TORCHELASTIC_*`` variables would send
+    the rank to its agent's store, not this measurement's own: they are dropped."""
+    for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
+        del os.environ[name]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+
 class Staged:
     """Forked ranks started now that prepare, then wait until :meth:`results` lets them measure.
 
-    ``target(rank, gate, queue, *args)`` prepares, calls ``gate.prepared(...)`` (in its error
-    path ``gate.failed()``), measures and puts its result on ``queue``. :meth:`wait_prepared`
-    holds this process until every rank is prepared, so no preparation overlaps a timed loop
-    here; :meth:`cancel` (or leaving a ``with`` block) ends ranks never let go."""
+    ``target(rank, gate, *args)`` prepares, calls ``gate.prepared(...)``, measures and returns
+    its result; :func:`staged_rank` puts that (or why it failed) on the queue and ends the rank.
+    :meth:`wait_prepared` holds this process until every rank is prepared, so no preparation
+    overlaps a timed loop here; :meth:`cancel` (or leaving a ``with`` block) ends ranks never
+    let go."""
 
     def __init__(self, target: Any, ranks: int, args: tuple, timeout_s: float) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("fork")
         self.queue, self.gate, self.timeout_s = ctx.Queue(), Gate(ctx), timeout_s
-        self.procs = [ctx.Process(target=target, args=(rank, self.gate, self.queue, *args), daemon=True)
-                      for rank in range(ranks)]
+        self.procs = [ctx.Process(target=staged_rank, args=(target, rank, self.gate, self.queue, *args),
+                                  daemon=True) for rank in range(ranks)]
         for p in self.procs:
             p.start()
         self._waiting = len(self.procs)

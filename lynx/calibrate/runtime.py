@@ -125,48 +125,37 @@ class _GraphClock:
         self.seconds = 0.0
 
 
-def _worker(rank: int, gate: Any, queue: Any, world: int, port: int, compiled: Any, repeats: int, steps: int,
-            warmups: int, timeout_s: float) -> None:
-    """One rank: the pipeline and its warm-up steps; then, once let go, per repeat the least
-    main-thread CPU seconds of a step outside its graph calls, and the least other-thread CPU
-    seconds of a step."""
-    try:
-        import lynx
-        from lynx.calibrate.forked import GO_WAIT_S, pin_to_core
+def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats: int, steps: int, warmups: int,
+            timeout_s: float) -> list[tuple[float, float]]:
+    """One rank (:func:`lynx.calibrate.forked.staged_rank` runs it): the pipeline and its
+    warm-up steps; then, once let go, per repeat the least main-thread CPU seconds of a step
+    outside its graph calls, and the least other-thread CPU seconds of a step."""
+    import lynx
+    from lynx.calibrate.forked import GO_WAIT_S, pin_to_core, rank_env
 
-        pin_to_core(rank)   # before any thread starts: gloo's and the waiters inherit it
-        torch.set_num_threads(1)
-        for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
-            del os.environ[name]  # under torchrun the store would be its agent's, not this job's own
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        m = compiled.config.microbatches
-        batch = [torch.cat([x] * m) for x in compiled.analysis.captured.example_inputs]  # the step's m microbatches
-        pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
-        graphs = _GraphClock(pipe)
-        for _ in range(warmups):
-            pipe.step(*batch)   # warm-up: the joint graphs' traces, the gloo pairs' connections
-        gate.prepared(GO_WAIT_S)
-        pipe.step(*batch)       # the caches, after the wait
-        out = []
-        for _ in range(repeats):
-            main, threads = float("inf"), float("inf")
-            for _ in range(steps):
-                graphs.reset()
-                cpu, process = time.thread_time(), time.process_time()
-                pipe.step(*batch)
-                cpu, process = time.thread_time() - cpu, time.process_time() - process
-                main, threads = min(main, max(0.0, cpu - graphs.seconds)), min(threads, max(0.0, process - cpu))
-            out.append((main, threads))
-        pipe.close()
-        queue.put((rank, out))
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
-        gate.failed()
-        queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
-    finally:
-        queue.close()
-        queue.join_thread()
-        os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
+    pin_to_core(rank)   # before any thread starts: gloo's and the waiters inherit it
+    torch.set_num_threads(1)
+    rank_env(rank, world, port)
+    m = compiled.config.microbatches
+    batch = [torch.cat([x] * m) for x in compiled.analysis.captured.example_inputs]  # the step's m microbatches
+    pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
+    graphs = _GraphClock(pipe)
+    for _ in range(warmups):
+        pipe.step(*batch)   # warm-up: the joint graphs' traces, the gloo pairs' connections
+    gate.prepared(GO_WAIT_S)
+    pipe.step(*batch)       # the caches, after the wait
+    out = []
+    for _ in range(repeats):
+        main, threads = float("inf"), float("inf")
+        for _ in range(steps):
+            graphs.reset()
+            cpu, process = time.thread_time(), time.process_time()
+            pipe.step(*batch)
+            cpu, process = time.thread_time() - cpu, time.process_time() - process
+            main, threads = min(main, max(0.0, cpu - graphs.seconds)), min(threads, max(0.0, process - cpu))
+        out.append((main, threads))
+    pipe.close()
+    return out
 
 
 def graphs_alone(stage: Any, inputs: dict[str, torch.Tensor], m: int) -> Any:

@@ -108,45 +108,34 @@ def per_collective_s(measured_s: float, priced_s: float, collectives: int) -> fl
     return max(0.0, measured_s - priced_s) / collectives if collectives else 0.0
 
 
-def _worker(rank: int, gate: Any, queue: Any, world: int, port: int, compiled: Any, repeats: int, runs: int,
-            timeout_s: float) -> None:
-    """One rank: its stage, traced; then, once let go, per repeat the fastest wall seconds of
-    its stage's graphs alone."""
-    try:
-        import torch.distributed as dist
+def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats: int, runs: int,
+            timeout_s: float) -> list[float]:
+    """One rank (:func:`lynx.calibrate.forked.staged_rank` runs it): its stage, traced; then,
+    once let go, per repeat the fastest wall seconds of its stage's graphs alone."""
+    import torch.distributed as dist
 
-        import lynx
-        from lynx.calibrate.forked import GO_WAIT_S
-        from lynx.calibrate.runtime import graphs_alone
+    import lynx
+    from lynx.calibrate.forked import GO_WAIT_S, rank_env
+    from lynx.calibrate.runtime import graphs_alone
 
-        torch.set_num_threads(1)
-        for name in [n for n in os.environ if n.startswith("TORCHELASTIC_")]:
-            del os.environ[name]  # under torchrun the store would be its agent's, not this job's own
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-        captured = compiled.analysis.captured
-        pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
-        graphs = graphs_alone(pipe.stage, dict(zip(captured.input_names, captured.example_inputs)),
-                               compiled.config.microbatches)
-        graphs()   # the joint graphs' traces, gloo's connections
-        gate.prepared(GO_WAIT_S)
-        for _ in range(2):
-            graphs()   # warm-up: the caches, after the wait
-        out = []
-        for _ in range(repeats):
-            best = float("inf")
-            for _ in range(runs):
-                dist.barrier()
-                start = time.perf_counter()
-                graphs()
-                best = min(best, time.perf_counter() - start)
-            out.append(best)
-        pipe.close()
-        queue.put((rank, out))
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
-        gate.failed()
-        queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
-    finally:
-        queue.close()
-        queue.join_thread()
-        os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
+    torch.set_num_threads(1)
+    rank_env(rank, world, port)
+    captured = compiled.analysis.captured
+    pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=timeout_s)
+    graphs = graphs_alone(pipe.stage, dict(zip(captured.input_names, captured.example_inputs)),
+                          compiled.config.microbatches)
+    graphs()   # the joint graphs' traces, gloo's connections
+    gate.prepared(GO_WAIT_S)
+    for _ in range(2):
+        graphs()   # warm-up: the caches, after the wait
+    out = []
+    for _ in range(repeats):
+        best = float("inf")
+        for _ in range(runs):
+            dist.barrier()
+            start = time.perf_counter()
+            graphs()
+            best = min(best, time.perf_counter() - start)
+        out.append(best)
+    pipe.close()
+    return out
