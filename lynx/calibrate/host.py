@@ -123,7 +123,8 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     from lynx.calibrate.cpu import ReferenceModel, start_generated_graphs_s
     from lynx.calibrate.links import measure_link
     from lynx.calibrate.runtime import start_runtime_action_s
-    from lynx.calibrate.tp_stage import start_tp_stage_s
+    from lynx.calibrate.standalone import start_standalone
+    from lynx.calibrate.tp_stage import TP_REPEATS, start_tp_stage_s
 
     say.total(4 + repeats)
     ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
@@ -134,20 +135,23 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
     tp_link, tp_fits = allreduce_link(measure_allreduce(repeats=repeats))
     torch.set_num_threads(1)
     say.step("capturing the references: gpt-tiny at seq 4 × 1 in 2 stages and tp 2, then at seq 64 × 8, while "
-             "the runtime's and the TP stage's ranks trace theirs")
-    small = ReferenceModel(seq=4, microbatch=1, pp=2)
-    sharded = small.layout(tp=2)   # the same capture and profile, planned for pp 1 × tp 2
-    # the forked ranks build and trace their stages (seconds of CPU, nothing timed) on the core
-    # the captures leave idle, then wait to measure until nothing else runs here
+             "a process times an eager op, matmul dtypes and host copies and the runtime's and the TP stage's "
+             "ranks trace their stages")
     with contextlib.ExitStack() as ranks:
+        # the figures no capture feeds: timed on the core the first capture leaves idle
+        standalone = ranks.enter_context(start_standalone(repeats))
+        small = ReferenceModel(seq=4, microbatch=1, pp=2)
+        sharded = small.layout(tp=2)   # the same capture and profile, planned for pp 1 × tp 2
+        # the forked ranks build and trace their stages (seconds of CPU, nothing timed) on the
+        # other core, then wait to measure until nothing else runs here
         runtime_ranks = ranks.enter_context(start_runtime_action_s(small, repeats=repeats))
-        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=repeats, runs=3))
+        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=min(repeats, TP_REPEATS), runs=3))
         reference = ReferenceModel()
         # the check's timing of the reference's generated graphs: traced in a process of its own
         check = ranks.enter_context(start_generated_graphs_s(reference, runs=3))
         small.one_stage()   # its trace, before any timed run
         runtime_ranks.wait_prepared(), tp_ranks.wait_prepared(), check.wait_prepared()
-        return _measure_cpu_figures(repeats, say, reference, small, (runtime_ranks, tp_ranks, check),
+        return _measure_cpu_figures(repeats, say, reference, small, (runtime_ranks, tp_ranks, check, standalone),
                                     (alphas, betas), (tp_link, tp_fits), sharded)
 
 
@@ -156,14 +160,14 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
                          ) -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     """The CPU figures from the references and the prepared processes (:func:`_measure_cpu`)."""
     from lynx.calibrate.cpu import OPTIMIZERS, generated_graphs_results, generated_graphs_s, generated_op_overhead_s
-    from lynx.calibrate.cpu import matmul_dtype_ratios, node_rates, op_overhead_s, optimizer_s_per_param
+    from lynx.calibrate.cpu import node_rates, optimizer_s_per_param
     from lynx.calibrate.allreduce import LADDER_BYTES
     from lynx.calibrate.cpu import priced_graphs_s
-    from lynx.calibrate.host_copies import memcpy_link
     from lynx.calibrate.runtime import runtime_action_results
+    from lynx.calibrate.standalone import standalone_results
     from lynx.calibrate.tp_stage import per_collective_s, priced_stage_s, tp_stage_results
 
-    (alphas, betas), (tp_link, tp_fits), (runtime_ranks, tp_ranks, check) = pp_link, tp_measured, started
+    (alphas, betas), (tp_link, tp_fits), (runtime_ranks, tp_ranks, check, standalone) = pp_link, tp_measured, started
     ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
     m = {name: Repeated(name) for name in (
         "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
@@ -173,12 +177,11 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
     for name in ("op_overhead_s", "runtime_action_s", *(f"optimizer_s_per_param.{o}" for o in OPTIMIZERS)):
         m[name] = Repeated(name, best="min")
     small_s = Repeated("small")
+    beside = standalone_results(standalone)   # timed while the first capture ran (lynx.calibrate.standalone)
     for r in range(repeats):
-        say.step(f"repeat {r + 1} of {repeats}: gpt-tiny's nodes and generated graphs, matmul dtypes, "
-                 "optimizer steps")
-        eager = op_overhead_s()
+        say.step(f"repeat {r + 1} of {repeats}: gpt-tiny's nodes and generated graphs, optimizer steps")
+        eager, ratios = beside[r].eager, beside[r].ratios
         rates = node_rates(reference, eager.seconds)
-        ratios = matmul_dtype_ratios()
         steps = optimizer_s_per_param(reference)
         timing = generated_graphs_s(small, min_total_s=0.1)   # ~10 runs of ~10 ms: one undisturbed
         small_s.add(timing.seconds, timing.cpu_share)
@@ -189,7 +192,7 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
             m[f"peak_flops.{dtype}"].add(rates["matmul_flops"] * ratios[dtype], rates["cpu_share"])
         for name in OPTIMIZERS:
             m[f"optimizer_s_per_param.{name}"].add(steps[name].seconds, steps[name].cpu_share)
-        for name, value in memcpy_link().items():
+        for name, value in beside[r].host_link.items():
             m[f"host_link.{name}"].add(value)
     # generated code's per-op cost on the median rates: its spread is the timing's alone
     rates = {"matmul_flops": m["peak_flops.float32"].median, "memory_bandwidth": m["memory_bandwidth"].median,
@@ -251,9 +254,10 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
              f"{tp_link.alpha_s * 1e6:.1f} µs, a 32 KiB all-reduce {allreduce_time(32768, 2, tp_link) * 1e6:.0f} µs), "
              f"and α raised by half of what each collective costs inside a TP stage beyond that: gpt-tiny at seq "
              f"4 × 1 in pp 1 × tp 2 on 2 processes ran its generated graphs in {min(stage_walls) * 1e3:.1f}-"
-             f"{max(stage_walls) * 1e3:.1f} ms (the fastest of 3, per repeat), priced at {priced * 1e3:.1f} ms "
-             f"without it: {statistics.median(extra) * 1e6:.0f} µs more per collective ({collectives} per run), "
-             f"a 32 KiB all-reduce {allreduce_time(32768, 2, fields['links']['tp']) * 1e6:.0f} µs in all",
+             f"{max(stage_walls) * 1e3:.1f} ms (the fastest of 3 in each of {len(stage_walls)} repeats), priced at "
+             f"{priced * 1e3:.1f} ms without it: {statistics.median(extra) * 1e6:.0f} µs more per collective "
+             f"({collectives} per run), a 32 KiB all-reduce "
+             f"{allreduce_time(32768, 2, fields['links']['tp']) * 1e6:.0f} µs in all",
              "bfloat16/float16 matmul: float32's fitted rate × their speed on a (512, 128) @ (128, 512) matmul",
              "host link (offload): one thread copying 64 MiB between two buffers; host memory: half the RAM"]
     return fields, measured, notes, 1

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-__all__ = ["memcpy_link", "pinned_link"]
+__all__ = ["memcpy_link", "memcpy_links", "pinned_link"]
 
 _SMALL = 4096
 
@@ -37,12 +37,21 @@ def _best(fn, runs: int) -> float:
 
 def memcpy_link(nbytes: int = 64 << 20, runs: int = 5) -> dict[str, float]:
     """The CPU's host link: one thread copying between two buffers (alpha, bytes/s each way)."""
+    return memcpy_links(1, nbytes, runs)[0]
+
+
+def memcpy_links(repeats: int, nbytes: int = 64 << 20, runs: int = 5) -> list[dict[str, float]]:
+    """:func:`memcpy_link` ``repeats`` times on one pair of buffers: making and first touching
+    two fresh 64 MiB buffers took longer than the copies timed in them (~0.1 s a repeat)."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    rate = nbytes / _best(lambda: dst.copy_(src), runs)
     small_src, small_dst = src[:_SMALL], dst[:_SMALL]
-    alpha = max(0.0, _best(lambda: small_dst.copy_(small_src), runs * 20) - _SMALL / rate)
-    return {"alpha_s": alpha, "d2h_bytes_per_s": rate, "h2d_bytes_per_s": rate}
+    out = []
+    for _ in range(repeats):
+        rate = nbytes / _best(lambda: dst.copy_(src), runs)
+        alpha = max(0.0, _best(lambda: small_dst.copy_(small_src), runs * 20) - _SMALL / rate)
+        out.append({"alpha_s": alpha, "d2h_bytes_per_s": rate, "h2d_bytes_per_s": rate})
+    return out
 
 
 def pinned_link(device: torch.device, nbytes: int = 256 << 20, runs: int = 5) -> dict[str, float]:

@@ -34,8 +34,10 @@ __all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSI
 # differently, so that `--hardware auto` measures a cached file of an older method again.
 # 1: files without the field (before 2026-12-04); 2: the tp link from all-reduces inside a
 # sharded stage, the runtime's own work per action; 3: the runtime's work timed inside the step
-# (not a step less its graphs run alone), the pp link's ranks pinned to a core each, β the median.
-CALIBRATION_METHOD = 3
+# (not a step less its graphs run alone), the pp link's ranks pinned to a core each, β the median;
+# 4: the eager op, the dtype matmuls and the host copies timed in a process beside the first
+# capture (lynx.calibrate.standalone), the TP stage 3 repeats of the fastest of 3 (was 5).
+CALIBRATION_METHOD = 4
 
 # A measured figure is repeatable when every repeat is within ±10% of the repeats' median (for a
 # best-of-repeats figure: its two best repeats within 10%); `lynx calibrate` flags the others.
