@@ -16,7 +16,9 @@ may be off by more than 10% and why, the time taken and the load average before 
 The ranks that measure the runtime and a TP stage fork early and trace their
 stages while this process captures the references (the captures use one core), as does the
 process that times the 64 × 8 reference's generated graphs for the check; all wait to measure
-until nothing else runs (:class:`lynx.calibrate.forked.Staged`).
+until nothing else runs (:class:`lynx.calibrate.forked.Staged`). The figures no capture feeds
+(an eager op, the dtype matmuls, the host copies) are timed by a process forked as the
+captures begin, on the core the first capture leaves idle (:mod:`lynx.calibrate.standalone`).
 
 Example (about 20 s on 2 cores; ``lynx calibrate`` runs it)::
 
