@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from lynx.calibrate.forked import collect
+from lynx.calibrate.forked import collect, staged_rank, why_not
 from lynx.errors import LynxRuntimeError
 from lynx.planner.hardware import PHYSICAL_RANGES, LinkSpec
 
@@ -62,14 +62,15 @@ def measure_allreduce(repeats: int = 5, trips: int = 40, sizes: Sequence[int] = 
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="lynx-allreduce-") as folder:
         queue = ctx.Queue()
-        args = (os.path.join(folder, "store"), repeats, trips, tuple(sizes), timeout_s, queue)
-        procs = [ctx.Process(target=_worker, args=(rank, *args), daemon=True) for rank in range(2)]
-        items, missing = collect(procs, queue, 1, timeout_s)
-        reply: Any = items[0] if items else ("error", missing)   # rank 0's ("ok", figures) or why not
-        status, result = reply
-    if status != "ok":
-        raise LynxRuntimeError(f"could not measure gloo all-reduces between two processes: {result}")
-    return result
+        args = (os.path.join(folder, "store"), repeats, trips, tuple(sizes), timeout_s)
+        procs = [ctx.Process(target=staged_rank, args=(_worker, rank, None, queue, *args), daemon=True)
+                 for rank in range(2)]
+        items, missing = collect(procs, queue, 2, timeout_s)
+    results: dict[int, Any] = dict(items)
+    if not isinstance(results.get(0), list):   # rank 0's times per repeat and size, or why not
+        raise LynxRuntimeError(f"could not measure gloo all-reduces between two processes: "
+                               f"{why_not(results, missing) or 'rank 0 sent no result'}")
+    return results[0]
 
 
 def fit_allreduce(sizes: Sequence[int], seconds: Sequence[float], world: int = 2) -> LinkSpec:
@@ -107,32 +108,25 @@ def allreduce_link(per_repeat: list[list[float]],
     return fit_allreduce(sizes, medians), [fit_allreduce(sizes, r) for r in per_repeat]
 
 
-def _worker(rank: int, store_path: str, repeats: int, trips: int, sizes: tuple[int, ...], timeout_s: float,
-            queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        store = dist.FileStore(store_path, 2)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        world = dist.group.WORLD
-        assert world is not None  # just initialised
-        name = world.group_name
-        buffers = [torch.ones(max(1, n // 4)) for n in sizes]
-        for buf in buffers:  # warm-up: connections, gloo's buffers, the ops' dispatch
-            for _ in range(3):
-                _trip(buf, name)
-        out = []
-        for _ in range(repeats):
-            out.append([min(_trip(buf, name) for _ in range(trips)) for buf in buffers])
-        if rank == 0:
-            queue.put(("ok", out))
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
-        if rank == 0:
-            queue.put(("error", f"{type(err).__name__}: {err}"))
-    finally:
-        queue.close()
-        queue.join_thread()
-        os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
+def _worker(rank: int, gate: None, store_path: str, repeats: int, trips: int, sizes: tuple[int, ...],
+            timeout_s: float) -> list[list[float]] | None:
+    """One of the two ranks (:func:`lynx.calibrate.forked.staged_rank` runs it): rank 0 returns
+    the times, rank 1 None."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    world = dist.group.WORLD
+    assert world is not None  # just initialised
+    name = world.group_name
+    buffers = [torch.ones(max(1, n // 4)) for n in sizes]
+    for buf in buffers:  # warm-up: connections, gloo's buffers, the ops' dispatch
+        for _ in range(3):
+            _trip(buf, name)
+    out = []
+    for _ in range(repeats):
+        out.append([min(_trip(buf, name) for _ in range(trips)) for buf in buffers])
+    return out if rank == 0 else None
 
 
 def _trip(buf: torch.Tensor, group_name: str) -> float:

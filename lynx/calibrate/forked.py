@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["collect", "pin_to_core", "Staged", "Gate", "GO_WAIT_S", "staged_rank", "rank_env"]
+__all__ = ["collect", "pin_to_core", "Staged", "Gate", "GO_WAIT_S", "staged_rank", "rank_env", "why_not"]
 
 # how long a prepared rank waits to be let measure: the calibration's CPU repeats come between
 GO_WAIT_S = 900.0
@@ -74,21 +74,29 @@ class Gate:
             self._prepared.release()
 
 
-def staged_rank(target: Any, rank: int, gate: Gate, queue: Any, *args: Any) -> None:
-    """A :class:`Staged` rank's whole life: ``(rank, target(rank, gate, *args))`` on ``queue``,
-    or ``(rank, "rank R: Error: message")`` if it raised (the gate then says this rank is done
+def staged_rank(target: Any, rank: int, gate: Gate | None, queue: Any, *args: Any) -> None:
+    """A forked rank's whole life (a :class:`Staged` one's, or with no ``gate`` one that
+    measures at once): ``(rank, target(rank, gate, *args))`` on ``queue``, or
+    ``(rank, "rank R: Error: message")`` if it raised (the gate then says this rank is done
     preparing, so nothing waits on it); then the process ends without the interpreter's
     teardown, which would hang on a process group's threads still alive
     (see :mod:`lynx.process_group_guard`)."""
     try:
         queue.put((rank, target(rank, gate, *args)))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
-        gate.failed()
+        if gate is not None:
+            gate.failed()
         queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
     finally:
         queue.close()
         queue.join_thread()
         os._exit(0)
+
+
+def why_not(results: dict[int, Any], missing: str | None) -> str:
+    """Why ranks' results are missing: the ``"rank R: ..."`` each failed one sent
+    (:func:`staged_rank`) and :func:`collect`'s own reason, joined ("" when there is none)."""
+    return "; ".join([r for r in results.values() if isinstance(r, str)] + ([missing] if missing else []))
 
 
 def rank_env(rank: int, world: int, port: int) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lynx.calibrate.forked import collect, pin_to_core
+from lynx.calibrate.forked import collect, pin_to_core, staged_rank, why_not
 from lynx.errors import LynxRuntimeError
 
 __all__ = ["measure_link"]
@@ -45,49 +45,43 @@ def measure_link(backend: str, repeats: int = 5, small_trips: int = 200, large_t
     with tempfile.TemporaryDirectory(prefix="lynx-link-") as folder:
         queue = ctx.Queue()
         args = (backend, os.path.join(folder, "store"), repeats, small_trips, large_trips, large_numel, timeout_s)
-        procs = [ctx.Process(target=_worker, args=(rank, queue, *args), daemon=True) for rank in range(2)]
-        items, missing = collect(procs, queue, 1, timeout_s)
-        reply: Any = items[0] if items else ("error", missing)   # rank 0's ("ok", figures) or why not
-        status, result = reply
-    if status != "ok":
-        raise LynxRuntimeError(f"could not measure the {backend} link between two processes: {result}")
-    return result
+        procs = [ctx.Process(target=staged_rank, args=(_worker, rank, None, queue, *args), daemon=True)
+                 for rank in range(2)]
+        items, missing = collect(procs, queue, 2, timeout_s)
+    results: dict[int, Any] = dict(items)
+    if not isinstance(results.get(0), tuple):   # rank 0's (alphas, betas), or why not
+        raise LynxRuntimeError(f"could not measure the {backend} link between two processes: "
+                               f"{why_not(results, missing) or 'rank 0 sent no result'}")
+    return results[0]
 
 
-def _worker(rank: int, queue, backend: str, store_path: str, repeats: int, small_trips: int, large_trips: int,
-            large_numel: int, timeout_s: float) -> None:
-    try:
-        if backend == "gloo":
-            pin_to_core(rank)   # a core each, before gloo's threads start (lynx.calibrate.forked)
-        torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.FileStore(store_path, 2)
-        if backend == "nccl":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-            group = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
-        else:
-            device = torch.device("cpu")
-            group = dist.ProcessGroupGloo(store, rank, 2, timeout)
-        small, large = torch.zeros(1, device=device), torch.zeros(large_numel, device=device)
-        peer = 1 - rank
-        alphas, betas = [], []
-        _trips(group, small, peer, rank, 2, device)  # warm-up: connections, buffers
-        _trips(group, large, peer, rank, 1, device)
-        for _ in range(repeats):
-            alpha = _fastest_trip(group, small, peer, rank, small_trips, device) / 2
-            one_way = _fastest_trip(group, large, peer, rank, large_trips, device) / 2
-            alphas.append(alpha)
-            betas.append(large.numel() * large.element_size() / max(one_way - alpha, 1e-9))
-        if rank == 0:
-            queue.put(("ok", (alphas, betas)))
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
-        if rank == 0:
-            queue.put(("error", f"{type(err).__name__}: {err}"))
-    finally:
-        queue.close()
-        queue.join_thread()
-        os._exit(0)  # no interpreter teardown with the group's threads alive (see lynx.process_group_guard)
+def _worker(rank: int, gate: None, backend: str, store_path: str, repeats: int, small_trips: int,
+            large_trips: int, large_numel: int, timeout_s: float) -> tuple[list[float], list[float]] | None:
+    """One of the two ranks (:func:`lynx.calibrate.forked.staged_rank` runs it): rank 0 returns
+    the figures, rank 1 None."""
+    if backend == "gloo":
+        pin_to_core(rank)   # a core each, before gloo's threads start (lynx.calibrate.forked)
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.FileStore(store_path, 2)
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        group = dist.ProcessGroupNCCL(store, rank, 2, dist.ProcessGroupNCCL.Options())
+    else:
+        device = torch.device("cpu")
+        group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    small, large = torch.zeros(1, device=device), torch.zeros(large_numel, device=device)
+    peer = 1 - rank
+    alphas, betas = [], []
+    _trips(group, small, peer, rank, 2, device)  # warm-up: connections, buffers
+    _trips(group, large, peer, rank, 1, device)
+    for _ in range(repeats):
+        alpha = _fastest_trip(group, small, peer, rank, small_trips, device) / 2
+        one_way = _fastest_trip(group, large, peer, rank, large_trips, device) / 2
+        alphas.append(alpha)
+        betas.append(large.numel() * large.element_size() / max(one_way - alpha, 1e-9))
+    return (alphas, betas) if rank == 0 else None
 
 
 def _fastest_trip(group, buf: torch.Tensor, peer: int, rank: int, trips: int, device: torch.device) -> float:

@@ -86,12 +86,14 @@ def runtime_action_results(reference: ReferenceModel, started: Any) -> tuple[lis
     config = reference.compiled.config
     pp = config.pp
     actions = [list_actions(config.schedule, pp, config.microbatches, rank) for rank in range(pp)]
+    from lynx.calibrate.forked import why_not
+
     items, missing = started.results()
     results: dict[int, Any] = dict(items)
-    errors = [r for r in results.values() if isinstance(r, str)] + ([missing] if missing else [])
+    errors = why_not(results, missing)
     if errors or len(results) != pp:
         raise LynxRuntimeError(f"could not run lynx.runtime.Pipeline on {pp} processes to measure its own cost: "
-                               f"{'; '.join(errors) or 'a rank sent no result'}")
+                               f"{errors or 'a rank sent no result'}")
     repeats = len(results[0])
     main = [statistics.mean(results[s][r][0] / actions[s] for s in range(pp)) for r in range(repeats)]
     threads = [statistics.mean(results[s][r][1] / actions[s] for s in range(pp)) for r in range(repeats)]

@@ -71,12 +71,14 @@ def start_tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5,
 
 def tp_stage_results(reference: ReferenceModel, started: Any) -> list[float]:
     """What rank 0 of :func:`start_tp_stage_s` measured: per repeat, the fastest run's seconds."""
+    from lynx.calibrate.forked import why_not
+
     items, missing = started.results()
     results: dict[int, Any] = dict(items)
-    errors = [r for r in results.values() if isinstance(r, str)] + ([missing] if missing else [])
+    errors = why_not(results, missing)
     if errors or 0 not in results:
         raise LynxRuntimeError(f"could not run a tensor-parallel stage on {reference.compiled.config.tp} processes "
-                               f"to time its collectives: {'; '.join(errors) or 'rank 0 sent no result'}")
+                               f"to time its collectives: {errors or 'rank 0 sent no result'}")
     return results[0]
 
 
