@@ -551,17 +551,19 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     """The busiest rank's CPU time per step beside its stage's predicted busy time (compute,
     recompute and optimizer step): a check of the cost model that other load inflates little,
     unlike the wall-clock step (which also waits for the other ranks)."""
+    from lynx.planner.core_sharing import CoreSharing, bar_work
+    from lynx.planner.simulator import config_from_record
+
     busiest = max(range(len(cpu)), key=lambda r: cpu[r])
     stage = ranks[busiest].stage
-    predicted = optimizer_s[busiest] + sum(
-        end - begin
-        for device, kind, begin, end in plan.timeline
-        if device == stage and kind in ("compute", "recompute", "runtime")
-    )
-    name = _hardware_name(plan.config.get("hardware"))
-    shared = re.fullmatch(r".*-(\d+)on(\d+)", name)  # lynx.planner.hardware.share_cores: a core's share per rank
-    factor = int(shared.group(1)) / int(shared.group(2)) if shared else 1.0
-    note = f" × {factor:g} (the model gives each rank 1/{factor:g} of a core)" if shared else ""
+    config = config_from_record(plan.config)
+    # with shared cores a bar's second is more work where fewer stages are busy (lynx.planner.core_sharing)
+    sharing = CoreSharing.from_hardware(config.hardware_spec(), pp=config.pp, tp=config.tp, dp=config.dp)
+    predicted = optimizer_s[busiest] + bar_work(plan.timeline, stage, ("compute", "recompute", "runtime"), sharing)
+    share = config.hardware_spec().core_share   # lynx.planner.hardware.share_cores: a core's share per rank
+    named = re.fullmatch(r".*-(\d+)on(\d+)", _hardware_name(plan.config.get("hardware")))   # a plan from before
+    factor = share.ranks / share.cores if share is not None else int(named[1]) / int(named[2]) if named else 1.0
+    note = f" × {factor:g} (the model prices each rank's work at 1/{factor:g} of a core)" if factor != 1.0 else ""
     return (
         f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "
         f"predicted busy time (compute, recompute, runtime, optimizer step) {predicted * 1e3:.1f} ms: "

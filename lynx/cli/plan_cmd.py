@@ -78,8 +78,8 @@ def plan_command(
 
 def _shared_cores(config: CompileConfig) -> CompileConfig:
     """``auto`` is this machine with a core per rank: where the mesh has more ranks than this
-    machine has cores, each rank's share of one (as ``examples/train_gpt.py`` plans,
-    :func:`lynx.planner.hardware.share_cores`), said on stderr."""
+    machine has cores, the cores shared among the ranks busy at each instant (as
+    ``examples/train_gpt.py`` plans, :func:`lynx.planner.hardware.share_cores`), said on stderr."""
     from lynx.planner.hardware import share_cores
 
     spec = config.hardware_spec()
@@ -89,7 +89,8 @@ def _shared_cores(config: CompileConfig) -> CompileConfig:
     if shared is spec:
         return config
     typer.echo(f"hardware auto: {ranks} ranks (pp {config.pp} × tp {config.tp} × dp {config.dp}) on this machine's "
-               f"{cores} cores: planned with each rank on {cores}/{ranks} of a core ({shared.name})", err=True)
+               f"{cores} cores: planned with the cores shared among the busy ranks ({cores}/{ranks} of a core each "
+               f"while all run; {shared.name})", err=True)
     return config.replace(hardware=shared)
 
 

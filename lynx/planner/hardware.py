@@ -27,8 +27,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from lynx.errors import LynxConfigError
 from lynx.planner.host_link import HOST_MEMORY_PER_GPU, PCIE4_X16, PCIE5_X16, HostLinkSpec
 
-__all__ = ["LinkSpec", "Calibration", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES", "RELIABLE_SPREAD",
-           "CALIBRATION_METHOD", "get_hardware", "share_cores"]
+__all__ = ["LinkSpec", "Calibration", "CoreShare", "HardwareSpec", "HARDWARE_PRESETS", "PHYSICAL_RANGES",
+           "RELIABLE_SPREAD", "CALIBRATION_METHOD", "get_hardware", "share_cores"]
 
 # What `lynx calibrate` measures and how, numbered; raised whenever a figure is measured anew or
 # differently, so that `--hardware auto` measures a cached file of an older method again.
@@ -112,6 +112,16 @@ class Calibration(BaseModel):
     notes: list[str] = Field(default_factory=list)
 
 
+class CoreShare(BaseModel):
+    """``ranks`` processes on ``cores`` CPU cores (:func:`share_cores`): the spec's rates are each
+    rank's static share, ``cores / ranks`` of a core, and the timeline replays the step with the
+    cores shared among the ranks busy at each instant (:mod:`lynx.planner.core_sharing`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    ranks: int = Field(ge=1)
+    cores: int = Field(ge=1)
+
+
 class HardwareSpec(BaseModel):
     """One device and its links; every rate is per device.
 
@@ -141,6 +151,8 @@ class HardwareSpec(BaseModel):
     # microbatch, a send or receive it posts) beside the generated graphs: scheduling, p2p posting
     # and completion, loss, statistics
     runtime_action_s: _physical("runtime_action_s") = 0.0  # type: ignore[valid-type]
+    # a CPU spec scaled for more ranks than cores (share_cores); None: a core or device per rank
+    core_share: Optional[CoreShare] = None
     source: Optional[str] = Field(default=None, exclude=True)
     calibration: Optional[Calibration] = Field(default=None, exclude=True)
 
@@ -150,7 +162,7 @@ class HardwareSpec(BaseModel):
         # fields existed (same fingerprint)
         data = handler(self)
         if isinstance(data, dict):
-            for key in ("host_link", "host_memory_bytes"):
+            for key in ("host_link", "host_memory_bytes", "core_share"):
                 if key in data and data[key] is None:
                     del data[key]
             if data.get("runtime_action_s") == 0.0:
@@ -289,10 +301,13 @@ def get_hardware(hardware: "str | HardwareSpec") -> HardwareSpec:
 def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
     """``hw`` (a CPU spec, one core per rank) as each of ``ranks`` processes sees it on ``cores``.
 
-    With more ranks than cores, a busy rank gets ``cores / ranks`` of a core: compute rates
-    scale down and host costs up by that share, and so does the tensor-parallel link, whose
-    every collective is host work on a CPU (the pipeline's and data-parallel links are left as
-    they are). A GPU spec, or no more ranks than cores, is returned unchanged.
+    With more ranks than cores, each rank's costs are priced at ``cores / ranks`` of a core:
+    compute rates scale down and host costs up by that share, and so does the tensor-parallel
+    link, whose every collective is host work on a CPU (the pipeline's and data-parallel links
+    are left as they are). That share is what a rank gets while every rank is busy; the spec
+    records ``core_share``, and the timeline gives a busy rank more while other stages' ranks
+    wait (:mod:`lynx.planner.core_sharing`: the cores shared among the busy ranks at each
+    instant). A GPU spec, or no more ranks than cores, is returned unchanged.
 
     Example::
 
@@ -313,6 +328,7 @@ def share_cores(hw: HardwareSpec, ranks: int, cores: int) -> HardwareSpec:
         "rng_s_per_element": hw.rng_s_per_element / share,
         "optimizer_s_per_param": {k: v / share for k, v in hw.optimizer_s_per_param.items()},
         "runtime_action_s": hw.runtime_action_s / share,
+        "core_share": CoreShare(ranks=ranks, cores=cores),
         # a CPU's tp link is host work too (lynx.calibrate.allreduce, lynx.calibrate.tp_stage: gloo
         # copying through loopback, its threads waking, the collectives' dispatch); pp and dp keep theirs
         "links": {**hw.links, "tp": LinkSpec(alpha_s=hw.links["tp"].alpha_s / share,

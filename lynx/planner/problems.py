@@ -25,6 +25,7 @@ import networkx as nx
 from lynx.planner.tp_costs import bytes_per_rank, marked, rank_seconds
 from lynx.planner.comm import CommModel
 from lynx.planner.copy_lanes import HostCopies
+from lynx.planner.core_sharing import CoreSharing
 from lynx.planner.offload_costs import check_offload_schedule, copy_loads, offload_decision_fields, stage_copies
 from lynx.planner.partition import block_costs, partition_graph, static_bytes_per_param
 from lynx.units import dtype_bytes
@@ -86,7 +87,8 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
     action_s = hardware.runtime_action_s if hardware is not None else 0.0  # the runtime's own, per action
     return PipelineCosts(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
                          costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s,
-                         host=host, action_s=action_s)
+                         host=host, action_s=action_s,
+                         cores=CoreSharing.from_hardware(hardware, pp=pp, tp=tp, dp=dp))
 
 
 def static_breakdown(graph: nx.DiGraph, pipe: PipelineCosts, *, optimizer: str) -> list[dict[str, int]]:

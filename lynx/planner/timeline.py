@@ -37,6 +37,7 @@ from typing import Optional
 
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.copy_lanes import CopyReplay
+from lynx.planner.core_sharing import share_replay
 from lynx.planner.partition import BlockCost
 from lynx.planner.schedule import POSTS, Op, rank_actions
 from lynx.planner.timeline_types import Loads, PipelineCosts, Segment, TimedAction, Timeline, Window
@@ -53,6 +54,8 @@ def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: 
     replay = _Replay(pipe, loads or Loads(), record)
     replay.run_actions()
     device_end = replay.data_parallel_and_optimizer()
+    if pipe.cores is not None:   # ranks sharing a CPU's cores: the step re-timed (lynx.planner.core_sharing)
+        device_end = share_replay(replay, device_end)
     unknown = sorted(str(w) for w in set(replay.loads.window) - replay.used)
     if unknown:
         raise LynxPlanError(f"plan places recomputation in windows this schedule does not have: {unknown[:5]}")
@@ -114,19 +117,21 @@ class _Replay:
         self.used.add(wid)
         return self.loads.window.get(wid, 0.0)
 
-    def arrival(self, a: TimedAction) -> Optional[float]:
-        """When the action's input is on its device (None: not produced yet)."""
+    def arrival(self, a: TimedAction, done: Optional[dict[tuple[str, int, int], float]] = None) -> Optional[float]:
+        """When the action's input is on its device (None: not produced yet), from when the
+        actions it waits for ended (``done``: this replay's)."""
         pipe = self.pipe
+        done = self.done if done is None else done
         if a.kind == "F":
             if a.chunk == 0:
                 return 0.0
-            t = self.done.get(("F", a.chunk - 1, a.microbatch))
+            t = done.get(("F", a.chunk - 1, a.microbatch))
             return None if t is None else t + pipe.boundary_s[a.chunk - 1]
         if a.kind == "W":   # after its own I, earlier on the same device
-            return self.done.get(("I", a.chunk, a.microbatch))
+            return done.get(("I", a.chunk, a.microbatch))
         if a.chunk == self.n_chunks - 1:
-            return self.done.get(("F", a.chunk, a.microbatch))
-        t = self.done.get((a.kind, a.chunk + 1, a.microbatch))
+            return done.get(("F", a.chunk, a.microbatch))
+        t = done.get((a.kind, a.chunk + 1, a.microbatch))
         return None if t is None else t + pipe.boundary_s[a.chunk]
 
     def served_by_recv_act(self, s: int, index: int) -> Optional[tuple[int, int]]:
@@ -201,7 +206,10 @@ class _Replay:
         serves = (a.chunk, a.microbatch) if a.kind != "F" else self.served_by_recv_act(s, index)
         load = self.window_load(wid) if serves is not None else 0.0
         capacity = max(0.0, arrival - a.ready)
-        if serves is not None and (capacity > _EPS or load > 0 or wid in self.loads.window):
+        a.load = load
+        # with shared cores every window is kept: one closed here may open when re-timed
+        if serves is not None and (capacity > _EPS or load > 0 or wid in self.loads.window
+                                   or self.pipe.cores is not None):
             self.windows.append(Window(wid, s, kind, serves[1], a.ready, capacity, self.eligible(s, serves[0]), load))
         a.start = max(arrival, a.ready + load)
         self.account(s, a.ready, load, capacity, str(wid))

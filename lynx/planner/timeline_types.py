@@ -17,11 +17,14 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from lynx.planner.copy_lanes import CopyLoads, HostCopies
 from lynx.planner.partition import BlockCost, Chunk
 from lynx.planner.windows import WindowId, as_window_id
+
+if TYPE_CHECKING:
+    from lynx.planner.core_sharing import CoreSharing
 
 __all__ = ["PipelineCosts", "Loads", "TimedAction", "Window", "Segment", "Timeline"]
 
@@ -40,6 +43,9 @@ class PipelineCosts:
     optimizer_s: tuple[float, ...] = ()    # per device: its optimizer step, after its last gradient (empty: 0)
     host: Optional[HostCopies] = None      # the host link's copy lanes (offload; lynx.planner.copy_lanes)
     action_s: float = 0.0                  # the runtime's host work per action of a device's list
+    # more ranks than cores: the step re-timed with the cores shared among the busy ranks
+    # (lynx.planner.core_sharing); None: a core or device per rank, the costs as they are
+    cores: Optional["CoreSharing"] = None
 
     @staticmethod
     def uniform(*, pp: int, microbatches: int, forward_s: float, backward_s: float,
@@ -80,6 +86,7 @@ class TimedAction:
     microbatch: int
     window: Optional[WindowId] = None   # the window of its wait (the R action before it), if any
     posts: int = 0       # sends and receives the list has the device post after the previous compute action
+    load: float = 0.0    # recomputation run in its wait's window, from ``ready``
     ready: float = 0.0   # when the device was free to start it
     arrival: float = 0.0  # when its input (activation or gradient) was available
     start: float = 0.0
