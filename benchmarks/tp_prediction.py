@@ -3,13 +3,13 @@
 For pp 1 × tp 2 (2 processes) and pp 2 × tp 2 (4 processes), gpt-tiny at seq 32 × 4, 4
 microbatches, AdamW, HEU: ``lynx plan ... --hardware auto -o plan.json`` then ``torchrun
 examples/train_gpt.py --plan plan.json`` (the documented TP run, docs/tensor_parallel.md), and
-for pp 2 × tp 2 also the plan ``train_gpt.py`` makes itself with ``--hardware auto``, which gives
-each of the 4 ranks half of one of the 2 cores (``lynx.planner.hardware.share_cores``; a plan
-from ``lynx plan`` assumes a core per rank). Per run: the load average before and after, the
-predicted step, the measured median and fastest step (the first step left out) and their
-ratios to the prediction. The bar: 0.8-1.25 — the median where the load is within the
-summary's margin of the calibration's, else the fastest step (docs/hardware.md). Each
-training runs in a session of its own whose niceness is ``--nice`` (root: -10, as
+for pp 2 × tp 2 also the plan ``train_gpt.py`` makes itself with ``--hardware auto``. Both plan the
+4 ranks on the 2 cores (``lynx.planner.hardware.share_cores``: half a core each while all run, the
+cores shared among the busy ranks while a stage waits, ``lynx.planner.core_sharing``). Per run:
+the load average before and after, the predicted step, the measured median and fastest step (the
+first step left out) and their ratios to the prediction. The bar: 0.8-1.25 — the median where
+the load is within the summary's margin of the calibration's, else the fastest step
+(docs/hardware.md). Each training runs in a session of its own whose niceness is ``--nice`` (root: -10, as
 ``main_job_prediction.py``), so other sessions' jobs disturb it less.
 
     flock /tmp/notes/bench.lock python benchmarks/tp_prediction.py --runs 2 --json benchmarks/results/tp_prediction.json
