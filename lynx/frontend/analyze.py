@@ -29,7 +29,8 @@ from lynx.planner.hardware import HardwareSpec
 from lynx.planner.hardware_ref import resolve_hardware
 from lynx.models.presets import infer_dims
 from lynx.phases import Phases
-from lynx.frontend.profile import TARGETS, Profile, profile
+from lynx.frontend.profile import TARGETS, Profile
+from lynx.frontend.profile_cache import cached_profile
 
 __all__ = ["Analysis", "analyze"]
 
@@ -67,7 +68,8 @@ def analyze(
     name: str | None = None,
     fold_repeats: bool | None = None,
 ) -> Analysis:
-    """Capture, profile (for ``target``, default the hardware's device) and time ``model``."""
+    """Capture, profile (for ``target``, default the hardware's device; a graph profiled before is
+    read from the cache, :mod:`lynx.frontend.profile_cache`) and time ``model``."""
     hw = resolve_hardware(hardware)
     target = target or hw.device
     if target not in TARGETS:
@@ -84,7 +86,7 @@ def analyze(
     with phases.timed("capture"):
         captured = capture(model, inputs, fold_repeats=False if times == "measure" else fold_repeats)
     with phases.timed("profile"):
-        prof = profile(captured, target=target)
+        prof = cached_profile(captured, target)
     with phases.timed("graph"):
         G = build_graph(captured, prof, dims)
         annotate_times(G, hw, dims.get("dtype") or prof.dtype)
