@@ -6,9 +6,9 @@ forward tag, export's switch that keeps an op whole in a trace
 (``_override_composite_implicit_decomp`` with ``_special_op_to_preserve_cia``) and the
 dispatcher's kernel table (``torch._C._dispatch_*``), fake tensors (``FakeTensorMode``),
 pytrees (``torch.utils._pytree``), fx's boxed calling convention (``_BoxedCodeGen``), the
-output tree of an exported graph (``GraphModule._out_spec``), the operator class and schema
-(``torch._ops.OpOverload``, ``._schema``), the ``_foreach`` kernels and the default group's
-store. Nothing else in ``lynx/`` touches a private torch name: ``tests/test_torch_private.py``
+output tree of an exported graph (``GraphModule._out_spec``), the operator class, schema and
+function (``torch._ops.OpOverload``, ``._schema``, ``._op``), the ``_foreach`` kernels and the
+default group's store. Nothing else in ``lynx/`` touches a private torch name: ``tests/test_torch_private.py``
 fails on one.
 
 Each name is looked up on first use (:func:`private`); a torch that lacks one raises a
@@ -45,9 +45,9 @@ from lynx.errors import LynxRuntimeError
 if TYPE_CHECKING:  # for the type checker only; at run time the class is looked up by _api
     from torch._ops import OpOverload
 
-__all__ = ["VERIFIED_TORCH", "private", "check", "is_op_overload", "op_schema", "tree_flatten", "tree_unflatten",
-           "tree_map", "tree_leaves", "boxed_codegen", "out_spec_of", "fake_tensor_mode", "aot_export_joint",
-           "output_aliases_input", "is_forward_node", "has_kernel", "all_op_names", "kept_whole",
+__all__ = ["VERIFIED_TORCH", "private", "check", "is_op_overload", "op_schema", "op_function", "tree_flatten",
+           "tree_unflatten", "tree_map", "tree_leaves", "boxed_codegen", "out_spec_of", "fake_tensor_mode",
+           "aot_export_joint", "output_aliases_input", "is_forward_node", "has_kernel", "all_op_names", "kept_whole",
            "foreach_add_", "foreach_copy_", "default_store", "import_tracer"]
 
 # the torch release every name below was checked against (scripts/install.sh installs it)
@@ -122,6 +122,12 @@ def is_op_overload(target: Any) -> TypeGuard[OpOverload]:
 def op_schema(target: OpOverload) -> Any:
     """The ``torch._C.FunctionSchema`` of an operator overload (its arguments, returns, aliasing)."""
     return target._schema
+
+
+def op_function(target: OpOverload) -> Any:
+    """The function an operator overload's ``__call__`` forwards to (``OpOverload._op``), to be
+    called without that Python frame; the overload itself where a torch has no ``_op``."""
+    return getattr(target, "_op", target)
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:

@@ -39,6 +39,7 @@ import torch
 from torch import fx
 
 from lynx.frontend.joint import JointGraph
+from lynx.rewrite.fast_calls import bind_calls
 from lynx.rewrite.graph_calls import Clock, GradSink, replay_rng, save_rng_state
 from lynx.rewrite.offload import offload_put
 from lynx.rewrite.tp_windows import TPWindowLog
@@ -217,9 +218,10 @@ def build_recompute(lowered: LoweredStage, targets: frozenset[int], available: f
 
 
 def compiled(gm: fx.GraphModule, compile: bool) -> Callable[..., Any]:
-    """``gm`` itself, or ``torch.compile(gm)`` (Inductor) with a clear error where it cannot build."""
+    """``gm``'s code with its operator calls bound (:func:`~lynx.rewrite.fast_calls.bind_calls`),
+    or ``torch.compile(gm)`` (Inductor) with a clear error where it cannot build."""
     if not compile:
-        return gm
+        return bind_calls(gm)
     # fallback_random: random ops stay the aten ops eager runs, so dropout draws the same masks
     fn = torch.compile(gm, backend="inductor", dynamic=False, options={"fallback_random": True})
 

@@ -32,7 +32,9 @@ from torch import fx
 
 from lynx.frontend.joint import JointGraph, fetch_attr, storage_nbytes, storage_root
 from lynx.rewrite.emit import BackwardGraph, ancestors, compiled, copy_node, copy_placeholder, rng_slots
+from lynx.rewrite.fast_calls import bind_calls
 from lynx.rewrite.graph_calls import Clock, GradSink, accumulate_grad, clock_start, clock_stop
+from lynx.rewrite.inplace import accumulate_in_place
 from lynx.rewrite.liveness import extra_peak_bytes
 from lynx.rewrite.offload import offload_issue, offload_wait
 from lynx.rewrite.tp_windows import (TPWindowLog, backward_allreduces, tp_segment_start, tp_segment_stop,
@@ -217,6 +219,11 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
             attrs[n.target] = fetch_attr(lowered.joint.gm, n.target)
     gm = fx.GraphModule(attrs, graph)
     extra = extra_peak_bytes(graph, {v: k for k, v in env.items()}, lowered.stage_roots)
+    # gradient sums into a dying operand, as autograd's engine does them (Inductor does its own);
+    # after the peak above: what the plan models is the joint graph's out-of-place sums, which
+    # this only lowers
+    if not lowered.compile and accumulate_in_place(graph):
+        gm.recompile()
     origins = frozenset(lowered.origin[n.name] for n in recomputed - in_window if n.name in lowered.origin)
     tp_origins = frozenset(lowered.origin[n.name] for n in in_window if n.name in lowered.origin)
     run: Callable[[list], Any]
@@ -224,7 +231,7 @@ def build_backward(lowered: LoweredStage, available: frozenset[int], sink: bool,
         fn = compiled(gm, True)
         run = lambda args: fn(*args)  # noqa: E731 - Inductor manages its buffers itself
     else:
-        run = gm
+        run = bind_calls(gm)
     roots = {storage_root(n) for n in handed} & lowered.stage_roots
     return BackwardGraph(gm=gm, run=run, in_slots=in_slots + [i for i, _ in rng_used], nodes=origins,
                          clock=attrs["lynx_clock"], extra_peak_bytes=extra,
