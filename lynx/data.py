@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,17 @@ __all__ = ["stdlib_corpus", "StdlibBatches"]
 VOCAB = 256
 
 
+def _sources(root: Path) -> list[Path]:
+    """The ``.py`` files under ``root`` outside ``site-packages`` and ``test`` folders, sorted as
+    paths; those folders are never walked (an installed site-packages holds tens of thousands
+    of files)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "test")]
+        found.extend(Path(folder, f) for f in files if f.endswith(".py"))
+    return sorted(found)
+
+
 @functools.lru_cache(maxsize=4)
 def stdlib_corpus(max_bytes: int = 8 << 20) -> torch.Tensor:
     """Up to ``max_bytes`` bytes of the standard library's ``.py`` files as a uint8 tensor."""
@@ -37,9 +49,7 @@ def stdlib_corpus(max_bytes: int = 8 << 20) -> torch.Tensor:
         raise LynxConfigError(f"max_bytes must be positive, got {max_bytes}")
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts:
-            continue
+    for path in _sources(root):
         try:
             data = path.read_bytes()
         except OSError:
