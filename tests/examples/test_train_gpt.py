@@ -9,7 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -117,11 +119,29 @@ def test_training_loss_falls_and_reports_plan_vs_measured(full_run) -> None:
     assert {p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")} == {".lynx.lock"}
 
 
-def test_killed_run_resumes_with_bitwise_the_same_losses(full_run, tmp_path) -> None:
+def test_killed_run_resumes_bitwise_and_a_second_job_meanwhile_is_refused(full_run, tmp_path) -> None:
+    """A job killed with SIGKILL (possibly mid-save) resumes with bitwise the uninterrupted run's
+    losses. Issue 22, finding 3 (two jobs on one directory destroyed each other's checkpoints):
+    while the first job holds the directory's lock, a second job is refused in one line naming
+    it; the first goes on and skips none of its saves. The first is stopped (SIGSTOP) while the
+    second starts, so it cannot finish or run past the steps the resume is compared on."""
     tmp, _ = full_run
     ckpt = tmp_path / "ckpt"
-    procs = start(["--steps", "1000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"])
+    # a generous peer timeout: the ranks are paused together while the second job starts
+    procs = start(["--steps", "1000", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--timeout-s", "900"])
     try:
+        deadline = time.monotonic() + 120
+        lock = ckpt / ".lynx.lock"
+        while '"pid"' not in (lock.read_text() if lock.exists() else ""):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the first job never locked"
+            time.sleep(0.1)
+        for p in procs:
+            p.send_signal(signal.SIGSTOP)
+        try:
+            second = launch(["--steps", "30", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "10"])
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 120
         while not (ckpt / "step_2" / "lynx_meta.json").exists():
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint written"
@@ -130,6 +150,11 @@ def test_killed_run_resumes_with_bitwise_the_same_losses(full_run, tmp_path) -> 
         for p in procs:
             p.kill()  # SIGKILL: no clean-up of any kind, possibly in the middle of a save
             p.communicate()
+    refused(second, f"is in use by another job (pid {procs[0].pid} on ")
+    assert [line for _, _, err in second for line in err.splitlines() if line.strip()] == [
+        second[0][2].strip()], "one line, from rank 0"
+    saved = sorted(int(p.name.split("_")[1]) for p in ckpt.iterdir() if re.fullmatch(r"step_\d+", p.name))
+    assert saved == list(range(2, 2 * len(saved) + 1, 2)), f"the first job skipped a save: {saved}"
     result = launch(
         ["--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--resume", "--log-json", str(tmp_path / "resumed.json")]
     )
