@@ -72,14 +72,15 @@ def _install(log: str, t0: float) -> None:
         _child.update(wall=time.perf_counter(), cpu=time.process_time(), since="let go")   # the wait: neither
 
     def staged_rank(target: Any, rank: int, *args: Any) -> None:
-        _child["who"] = f"{target.__module__.rsplit('.', 1)[-1]}.{target.__name__}[{rank}]"
+        if target.__name__ != "named":   # the links' and the ladder's ranks name themselves
+            _child["who"] = f"{target.__module__.rsplit('.', 1)[-1]}.{target.__name__}[{rank}]"
         real_rank(target, rank, *args)
 
     os._exit, forked.Gate.prepared, forked.staged_rank = exit_, prepared, staged_rank
     for module in (links, allreduce):   # their ranks are forked with the module's _worker as target
-        def named(rank: int, *args: Any, _real: Any = module._worker, _name: str = module.__name__) -> None:
+        def named(rank: int, *args: Any, _real: Any = module._worker, _name: str = module.__name__) -> Any:
             _child["who"] = f"{_name.rsplit('.', 1)[-1]}._worker[{rank}]"
-            _real(rank, *args)
+            return _real(rank, *args)
         module._worker = named
 
 

@@ -16,7 +16,11 @@ no timed loop) on the other core, not beside an idle core. They are the fastest 
 runs each, in CPU time (the copies in wall time), as before; the eager op costs of all
 repeats come first (the node-rate fit uses them), then the copies, then the matmuls (the
 longest part: ~0.3 s a repeat where bfloat16 and float16 have no native kernels), and the
-copies reuse one pair of buffers.
+copies reuse one pair of buffers. With the profiles cached on disk
+(:mod:`lynx.frontend.profile_cache`) the first capture and its imports take ~2.5 s of CPU
+instead of ~4.5 (at load 7), about what this process takes: its last matmuls may then run
+beside the ranks' preparations, which adds to their CPU time only through the caches they
+share (each is the fastest of several runs).
 
 Example (forks one process; ~2 s)::
 
