@@ -35,7 +35,7 @@ def _sources(root: Path) -> list[Path]:
     """The ``.py`` files under ``root`` outside ``site-packages`` and ``test`` folders, sorted as
     paths; those folders are never walked (an installed site-packages holds tens of thousands
     of files)."""
-    found = []
+    found: list[Path] = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in ("site-packages", "test")]
         found.extend(Path(folder, f) for f in files if f.endswith(".py"))
