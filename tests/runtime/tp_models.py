@@ -105,9 +105,11 @@ def _compiled(kind: str, tp: int) -> Any:
                         hardware="cpu-local", memory_budget="1GiB")
 
 
+@functools.lru_cache(maxsize=None)
 def plans(kind: str, pp: int, tp: int, schedule: str = "1f1b") -> dict[str, Any]:
     """The parent's plans for ``kind`` on pp × tp: ``heu`` (recomputes, in TP windows too) and
-    ``none``, with what a rank needs to run them (``captured_with_plan``'s arguments)."""
+    ``none``, with what a rank needs to run them (``captured_with_plan``'s arguments). Made once
+    per process (the tp 2 world's mismatch is the pp 2 × tp 2 world's gpt); not to be changed."""
     from lynx.planner.loop import plan_graph
 
     compiled = _compiled(kind, tp)
@@ -173,24 +175,39 @@ def reference(kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         torch.set_num_threads(threads)
 
 
+# kind -> (model, example, initial state, capture or None): a rank captures each model once and
+# every run of it in the world (both plans, another schedule, DeMo, the mismatch) starts from
+# that capture, whose stage splits and joint traces are cached with it — a capture and a joint
+# trace cost a rank more than its training steps
+_SHARED: dict[str, tuple[nn.Module, Any, dict[str, torch.Tensor], Any]] = {}
+
+
+def _compiled_on_rank(kind: str, plan: Any, config: Any, prepared: dict[str, Any]) -> Any:
+    """``captured_with_plan`` of ``kind``'s shared model (reset to its initial weights) and capture."""
+    from lynx.testing import captured_with_plan
+
+    if kind not in _SHARED:
+        model, example = build(kind)
+        _SHARED[kind] = (model, example, {k: v.clone() for k, v in model.state_dict().items()}, None)
+    model, example, initial, captured = _SHARED[kind]
+    model.load_state_dict(initial)   # the same start for every run
+    compiled = captured_with_plan(model, example, plan, config, sharding=prepared["sharding"],
+                                  layer_of=prepared.get("layer_of"), captured=captured)
+    _SHARED[kind] = (model, example, initial, compiled.analysis.captured)
+    return compiled
+
+
 def train_rank(kind: str, prepared: dict[str, Any]) -> dict[str, Any]:
     """On one rank: both plans through ``lynx.runtime.Pipeline``, STEPS AdamW steps each; losses,
     first-step gradients and final parameters (this rank's shards), the TP-window figures and
     the order of the generated backward code around each TP window."""
     import lynx.runtime
-    from lynx.testing import captured_with_plan
 
     out: dict[str, Any] = {}
     kind = prepared.get("kind", kind)   # "gpt/gpipe": the gpt model under another schedule
-    model, example = build(kind)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    captured = None
     for name in ("heu", "none"):
         plan, config = prepared[name]
-        model.load_state_dict(initial)   # the same start (one capture, so one joint trace, for both)
-        compiled = captured_with_plan(model, example, plan, config, sharding=prepared["sharding"],
-                                      layer_of=prepared["layer_of"], captured=captured)
-        captured = compiled.analysis.captured
+        compiled = _compiled_on_rank(kind, plan, config, prepared)   # one capture, so one joint trace, for both
         pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=120)
         opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
         losses, grads, hidden, exposed, peak = [], {}, 0.0, 0.0, 0
@@ -237,12 +254,9 @@ def demo_rank(prepared: dict[str, Any]) -> dict[str, Any]:
     """tp 2 × dp 2 with DeMo over the data-parallel group only: 2 steps; this rank's parameters."""
     import lynx.runtime
     from lynx.optim import DeMo
-    from lynx.testing import captured_with_plan
 
-    model, example = build("gpt")
     plan, config = prepared["none"]
-    compiled = captured_with_plan(model, example, plan, config, sharding=prepared["sharding"],
-                                  layer_of=prepared["layer_of"])
+    compiled = _compiled_on_rank("gpt", plan, config, prepared)
     pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=120)
     opt = DeMo(list(pipe.parameters()), lr=1e-3, process_group=pipe.dp_group)
     pipe.use_optimizer(opt)
@@ -280,12 +294,10 @@ def world_main(prepared: dict[str, dict[str, Any]], mismatch: Any = None, demo: 
     if mismatch is not None:
         import lynx.runtime
         from lynx.errors import LynxConfigError
-        from lynx.testing import captured_with_plan
 
         kind, prep = mismatch
-        model, example = build(kind)
         plan, config = prep["none"]
-        compiled = captured_with_plan(model, example, plan, config, sharding=prep["sharding"])
+        compiled = _compiled_on_rank(kind, plan, config, prep)
         try:
             lynx.runtime.Pipeline(compiled, exit_on_error=False)
             out["mismatch"] = "no error"
