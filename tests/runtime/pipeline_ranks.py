@@ -1,4 +1,4 @@
-"""What each rank of tests/runtime/test_runtime_pipeline.py's spawned worlds runs (through Pipeline).
+"""What each rank of tests/runtime/test_runtime_pipeline.py's spawned world runs (through Pipeline).
 
 A hand-made plan of gpt-tiny (dropout 0.1) split at its middle op node, dropping two nodes in
 three on each stage (the last three kept), with windows of both kinds: part of microbatch 0's
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
 import torch
 
@@ -74,18 +75,20 @@ def _run(compiled, dp: int) -> dict:
     return out
 
 
-def train(out_dir: str, dp: int, plan: lynx.Plan, nodes, schedules) -> None:
-    """Every schedule in turn; this rank's results to ``out_dir/rank{r}.pt``."""
+def train(out_dir: str, dp: int, plan: lynx.Plan, nodes, schedules) -> dict:
+    """Every schedule in turn; this rank's results to ``out_dir/rank{r}.pt``. Returns the
+    compilations (one capture for all of them)."""
     compiled = _compiled(dp, plan, nodes, schedules)
     results = {s: _run(compiled[s], dp) for s in SCHEDULES}
     torch.save(results, os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.pt"))
+    return compiled
 
 
 def train_then_fail(out_dir: str, dp: int, plan: lynx.Plan, nodes, schedules) -> None:
     """:func:`train`; then rank 1 brings another plan (every rank must refuse it); then rank 1
-    raises before its first step while rank 0 waits for its activations."""
-    train(out_dir, dp, plan, nodes, schedules)
-    compiled = _compiled(dp, plan, nodes, schedules)
+    raises before its first step (writing when to ``out_dir/raised``) while the others wait
+    for it."""
+    compiled = train(out_dir, dp, plan, nodes, schedules)
     rank = torch.distributed.get_rank()
     try:
         lynx.runtime.Pipeline(compiled["gpipe" if rank == 1 else "1f1b"], exit_on_error=False)
@@ -96,5 +99,7 @@ def train_then_fail(out_dir: str, dp: int, plan: lynx.Plan, nodes, schedules) ->
         f.write(refused)
     pipe = lynx.runtime.Pipeline(compiled["1f1b"], timeout_s=20, exit_on_error=False)
     if rank == 1:
+        with open(os.path.join(out_dir, "raised"), "w") as f:
+            f.write(repr(time.time()))
         raise InjectedFailure(f"injected failure on rank {rank}")
     pipe.step(*batches()(0, dp, M))
