@@ -1,4 +1,7 @@
-"""torchrun worker of tests/runtime/test_pipeline_resume.py: dropout 0.1, stopped and resumed.
+"""Issue 22, finding 8: dropout 0.1, stopped and resumed through ``pipe.state_dict``, bitwise the same.
+
+:func:`run` is one case of the pp 2 world of tests/runtime/test_user_pipeline.py
+(``user_pipeline_worker.py`` calls it in the world it owns); on its own::
 
     torchrun --nproc_per_node 2 dropout_resume_worker.py OUT_DIR
 
@@ -9,7 +12,7 @@ for STOP steps, saved through ``pipe.state_dict(opt)`` with :func:`lynx.runtime.
 and the pipe closed; then a fresh model and pipe, loaded from that checkpoint, train the rest.
 The loop draws from the process's own random state every step, a different number of times in
 the two runs: the pipe's streams do not depend on it. Writes each run's losses to
-OUT_DIR/rank{r}.json.
+OUT_DIR/dropout.resume.rank{r}.json.
 """
 
 import json
@@ -80,10 +83,8 @@ def train(pipe, opt, windows, draws):
     return losses
 
 
-def main() -> None:
-    out = sys.argv[1]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def run(out: str) -> None:
+    """The scenario of the module docstring in this process's (pp 2) process group."""
     gen = torch.Generator().manual_seed(1)
     windows = [torch.randint(0, um.VOCAB, (um.MICROBATCHES * um.MICRO, um.SEQ + 1), generator=gen)
                for _ in range(STEPS)]
@@ -103,8 +104,14 @@ def main() -> None:
     assert pipe.steps_done == STOP
     rest = train(pipe, opt, windows[STOP:], draws=2)
     pipe.close()
-    with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
+    with open(os.path.join(out, f"dropout.resume.rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"full": full, "resumed": first + rest}, f)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    run(sys.argv[1])
     dist.barrier()
     dist.destroy_process_group()
 

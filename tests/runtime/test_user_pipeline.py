@@ -17,11 +17,13 @@ whose backward, or weight-gradient part, runs the microbatches in order —, rep
 gradients summed then halved, the loss the float32 mean of the microbatch losses in order; one
 thread per process on both sides). The trace shows each rank ran its schedule's action list, and
 each rank's measured peak saved bytes is the plan's prediction (within 5% for gpt-tiny). The
-failure path is tests/runtime/test_user_pipeline_failures.py's.
+pp 2 world also stops and resumes a run with dropout through ``pipe.state_dict``
+(:func:`_check_dropout_resume`). The failure path is tests/runtime/test_user_pipeline_failures.py's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,7 +63,8 @@ def _cases(nproc: int) -> list[str]:
     except ImportError:
         hf = False
     return ["tuple:1f1b"] + (["qwen2:1f1b"] if hf else []) + [
-        f"{k}:{s}" for k in ("gpt-tiny", "llama", "gpt") if hf or k != "llama" for s in SCHEDULES]
+        f"{k}:{s}" for k in ("gpt-tiny", "llama", "gpt") if hf or k != "llama" for s in SCHEDULES] + [
+        "dropout:resume"]   # _check_dropout_resume's: sharing the world saves a launch
 
 
 @pytest.mark.parametrize("nproc,pp", [(2, 2), (4, 2)], ids=["pp2", "pp2xdp2"])
@@ -71,6 +74,9 @@ def test_user_loop_matches_single_process_pytorch(tmp_path, nproc, pp):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     dp = nproc // pp
     for case in cases:
+        if case == "dropout:resume":
+            _check_dropout_resume(tmp_path)
+            continue
         kind, schedule = case.split(":")
         losses, grads, params = um.reference(kind, dp)
         seen: set[str] = set()
@@ -93,6 +99,18 @@ def test_user_loop_matches_single_process_pytorch(tmp_path, nproc, pp):
             _check_trace(got, schedule, pp)
             _check_peak(got, kind, where)
         assert seen == set(params), f"{case}: parameters trained by no stage: {sorted(set(params) - seen)}"
+
+
+def _check_dropout_resume(out: Path) -> None:
+    """Issue 22, finding 8: ``Pipeline`` owns each rank's random stream (``lynx.runtime.rank_rng``)
+    and its ``state_dict`` carries it: nanoGPT-style training with dropout 0.1 under pp 2 (a plan
+    that recomputes the dropouts), stopped after 3 of 6 steps and resumed in a fresh pipe from
+    the checkpoint, gives the uninterrupted run's losses exactly (same ops in the same order; one
+    thread per process). See dropout_resume_worker.py."""
+    for rank in (0, 1):
+        got = json.loads((out / f"dropout.resume.rank{rank}.json").read_text())
+        assert len(got["full"]) == 6 and got["resumed"] == got["full"], got
+        assert len(set(got["full"])) == 6   # the loss moves: the steps really trained
 
 
 def _check_trace(got: dict, schedule: str, pp: int) -> None:

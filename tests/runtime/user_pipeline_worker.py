@@ -3,7 +3,8 @@
     torchrun --nproc_per_node N user_pipeline_worker.py OUT_DIR PP CASE [CASE ...]
 
 A CASE is ``KIND:SCHEDULE`` (a ``user_models`` kind; ``1f1b``, ``interleaved1f1b`` with 2
-chunks per rank, ``zbh1``, or ``1f1b+offload``: 1F1B with a plan that offloads). For each:
+chunks per rank, ``zbh1``, or ``1f1b+offload``: 1F1B with a plan that offloads), or
+``dropout:resume`` (``dropout_resume_worker.run``: a run with dropout stopped and resumed). For each:
 compile with an HEU plan that recomputes (or the offloading one), train STEPS
 steps with AdamW from the user's loop, and write this rank's per-step losses, first-step
 gradients, final parameters, the plan's recompute count and what the runtime measured to
@@ -31,6 +32,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     for case in cases:
         kind, schedule = case.split(":")
+        if case == "dropout:resume":   # issue 22, finding 8: in this world, not a torchrun of its own
+            import dropout_resume_worker
+
+            dropout_resume_worker.run(out_dir)
+            continue
         model, example = um.build(kind)
         # rank 0 plans and trains that compilation; every other rank compiles with its plan (users
         # do the same: examples/train_gpt.py)
