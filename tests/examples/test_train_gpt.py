@@ -119,12 +119,17 @@ def test_training_loss_falls_and_reports_plan_vs_measured(full_run) -> None:
     assert {p.name for p in (tmp / "ckpt").iterdir() if p.name.startswith(".")} == {".lynx.lock"}
 
 
-def test_killed_run_resumes_bitwise_and_a_second_job_meanwhile_is_refused(full_run, tmp_path) -> None:
-    """A job killed with SIGKILL (possibly mid-save) resumes with bitwise the uninterrupted run's
-    losses. Issue 22, finding 3 (two jobs on one directory destroyed each other's checkpoints):
-    while the first job holds the directory's lock, a second job is refused in one line naming
-    it; the first goes on and skips none of its saves. The first is stopped (SIGSTOP) while the
-    second starts, so it cannot finish or run past the steps the resume is compared on."""
+def test_killed_run_resumes_bitwise_past_a_damaged_checkpoint_and_refuses_a_second_job(full_run, tmp_path) -> None:
+    """A job killed with SIGKILL (possibly mid-save), whose newest checkpoint then loses the end
+    of a shard, resumes from the checkpoint before it with bitwise the uninterrupted run's losses
+    (issue 22, finding 6: a truncated shard at --resume was a miniz traceback naming no file; now
+    it is named, moved aside, and the previous complete checkpoint used). Issue 22, finding 3
+    (two jobs on one directory destroyed each other's checkpoints): while the first job holds
+    the directory's lock, a second job is refused in one line naming it; the first goes on and
+    skips none of its saves. The first is stopped (SIGSTOP) while the second starts, so it cannot
+    finish or run past the steps the resume is compared on."""
+    from lynx.runtime import state_files
+
     tmp, _ = full_run
     ckpt = tmp_path / "ckpt"
     # a generous peer timeout: the ranks are paused together while the second job starts
@@ -143,7 +148,7 @@ def test_killed_run_resumes_bitwise_and_a_second_job_meanwhile_is_refused(full_r
             for p in procs:
                 p.send_signal(signal.SIGCONT)
         deadline = time.monotonic() + 120
-        while not (ckpt / "step_2" / "lynx_meta.json").exists():
+        while not (ckpt / "step_4" / "lynx_meta.json").exists():   # two checkpoints: one to fall back to
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint written"
             time.sleep(0.2)
     finally:
@@ -155,14 +160,18 @@ def test_killed_run_resumes_bitwise_and_a_second_job_meanwhile_is_refused(full_r
         second[0][2].strip()], "one line, from rank 0"
     saved = sorted(int(p.name.split("_")[1]) for p in ckpt.iterdir() if re.fullmatch(r"step_\d+", p.name))
     assert saved == list(range(2, 2 * len(saved) + 1, 2)), f"the first job skipped a save: {saved}"
-    result = launch(
-        ["--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--resume", "--log-json", str(tmp_path / "resumed.json")]
-    )
+    newest = saved[-1]
+    shard = ckpt / f"step_{newest}" / "rank1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    result = launch(["--steps", str(STEPS), "--checkpoint-dir", str(ckpt), "--resume", "--checkpoint-every", str(EVERY),
+                     "--log-json", str(tmp_path / "resumed.json")])
     assert all(code == 0 for code, _, _ in result), [err[-2000:] for _, _, err in result]
-    resumed = json.loads((tmp_path / "resumed.json").read_text())
-    first = resumed["start_step"]
-    assert 2 <= first < STEPS and first % 2 == 0
+    assert f"checkpoint step_{newest} is damaged" in result[0][1] and "rank1.safetensors" in result[0][1]
+    first = json.loads((tmp_path / "resumed.json").read_text())["start_step"]
+    assert first == newest - EVERY and 2 <= first < STEPS, (first, saved)
     assert losses(tmp_path / "resumed.json") == losses(tmp / "full.json")[first:]
+    # the damaged one moved aside, not deleted; the resumed run's own last checkpoint verifies
+    assert (ckpt / f"step_{newest}.damaged").is_dir() and state_files.verify(ckpt / f"step_{STEPS}", parse=True)
 
 
 def refused(result: list[tuple[int, str, str]], message: str) -> None:
@@ -203,20 +212,17 @@ class _Payload:
 
 
 def test_damaged_checkpoints_are_named_and_never_run(full_run, tmp_path) -> None:
-    """Issue 22, finding 1 and 6: a truncated newest shard falls back to the previous checkpoint
-    (losses bitwise those of the uninterrupted run from there); a checkpoint with a payload in
-    every file, or one whose manifest was rewritten to match a planted file, stops every rank
-    with one line naming the file, and the payload never runs."""
+    """Issue 22, finding 1 and 6: a checkpoint with a payload in every file, or one whose
+    manifest was rewritten to match a planted file, stops every rank with one line naming the
+    file, and the payload never runs. (A truncated newest shard, which falls back to the previous
+    checkpoint, is the killed run's: test_killed_run_resumes_bitwise_past_a_damaged_checkpoint...)"""
     import pickle
 
     from lynx.runtime import state_files
 
     tmp, _ = full_run
     marker = tmp_path / "payload-ran"
-    truncated, planted, matched = tmp_path / "truncated", tmp_path / "planted", tmp_path / "matched"
-    shutil.copytree(tmp / "ckpt", truncated)
-    shard = truncated / "step_6" / "rank1.safetensors"
-    shard.write_bytes(shard.read_bytes()[:-64])
+    planted, matched = tmp_path / "planted", tmp_path / "matched"
     for folder in (planted, matched):   # one checkpoint only: nothing to fall back to
         shutil.copytree(tmp / "ckpt" / "step_2", folder / "step_2")
     for f in (planted / "step_2").iterdir():
@@ -226,14 +232,7 @@ def test_damaged_checkpoints_are_named_and_never_run(full_run, tmp_path) -> None
     manifest["files"]["rank1.safetensors"] = state_files.file_record(matched / "step_2", "rank1.safetensors")
     (matched / "step_2" / "manifest.json").write_text(json.dumps(manifest))
     resume = ["--steps", str(STEPS), "--resume", "--checkpoint-every", str(EVERY), "--checkpoint-dir"]
-    fell_back, all_files, one_file = launch_many(
-        [[*resume, str(truncated), "--log-json", str(tmp_path / "resumed.json")],
-         [*resume, str(planted)], [*resume, str(matched)]], cwd=tmp_path)
-    assert all(code == 0 for code, _, _ in fell_back), [err[-2000:] for _, _, err in fell_back]
-    assert "checkpoint step_6 is damaged" in fell_back[0][1] and "rank1.safetensors" in fell_back[0][1]
-    assert json.loads((tmp_path / "resumed.json").read_text())["start_step"] == 4
-    assert losses(tmp_path / "resumed.json") == losses(tmp / "full.json")[4:]
-    assert (truncated / "step_6.damaged").is_dir() and state_files.verify(truncated / "step_6", parse=True)
+    all_files, one_file = launch_many([[*resume, str(planted)], [*resume, str(matched)]], cwd=tmp_path)
     for result, file in ((all_files, "manifest.json"), (one_file, "rank1.safetensors")):
         refused(result, "no checkpoint in ")
         lines = [line for _, _, err in result for line in err.splitlines() if line.strip()]
