@@ -18,6 +18,7 @@ from lynx.solvers.heu.books import Books
 from lynx.solvers.heu.chunked import full_layout
 from lynx.solvers.heu.solve import _structure, clear_cache, solve_heu
 from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.memory_weights import handed_bytes, regenerating_parts, split_backward_bytes, weight_read_bytes
 from lynx.solvers.problem import Assignment, exposed_recompute_s
 from lynx.solvers.stage_model import hint_from_assignment
 from lynx.solvers.synthetic import make_uniform_problem
@@ -81,3 +82,34 @@ def test_heu_plan_fits_the_replayed_budget(schedule, stage):
     assert _books_peak(p, result.assignment) >= peak
     for plan in (Assignment(frozenset()), _lean(p)):
         assert _books_peak(p, plan) >= peak_activation_bytes(p, plan)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_bubble_books_follow_the_replay_group_by_group(stage):
+    """A part regenerates a group's values after freeing what the groups it ran read, and ``I``
+    only what it reads: the books count that (``lynx.solvers.heu.ondemand``), not the largest
+    on-demand group on top of everything held — on these stages exactly the replay."""
+    clear_cache()
+    p = _device("zbh1", stage)
+    for plan in (_lean(p), solve_heu(p).assignment):
+        assert _books_peak(p, plan) == peak_activation_bytes(p, plan)
+
+
+def test_what_i_hands_over_is_charged_where_its_regeneration_starts():
+    """A value only ``W`` reads is regenerated (and handed over) by ``I`` only to re-run a
+    dropped consumer ``I`` reads: it is charged to that consumer, not counted wherever dropped."""
+    p = _device("zbh1", 1)
+    p = dataclasses.replace(p, nodes=tuple(
+        dataclasses.replace(n, output_reads=(False, True), rest_reads=(False, True)) if n.name == "l2.gelu" else n
+        for n in p.nodes))
+    gelu = next(n for n in p.nodes if n.name == "l2.gelu")
+    hand = handed_bytes(p)
+    assert hand["l2.gelu"] == 0 and hand["l2.drop2"] == weight_read_bytes(gelu) > 0
+    assert regenerating_parts(p)["l2.gelu"] == (True, True)
+    held = split_backward_bytes(p, Assignment(frozenset()), frozenset())[1]
+    alone = Assignment(frozenset({"l2.gelu"}))
+    chain = Assignment(frozenset({"l2.gelu", "l2.fc2", "l2.drop2"}))
+    assert split_backward_bytes(p, alone, frozenset())[1] == held - gelu.saved_bytes   # nothing handed over
+    drop2 = next(n for n in p.nodes if n.name == "l2.drop2")
+    handed = split_backward_bytes(p, chain, frozenset())[1] - (held - gelu.saved_bytes - drop2.saved_bytes)
+    assert handed == hand["l2.gelu"] + hand["l2.fc2"] + hand["l2.drop2"]

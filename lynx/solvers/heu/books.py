@@ -30,6 +30,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from lynx.solvers.heu import chunked as _ch
 from lynx.solvers.stage_model import StageModel
 
@@ -47,6 +49,7 @@ __all__ = [
     "unplace",
     "repair_order",
     "drop_items",
+    "on_demand_bytes",
 ]
 
 # Relative slack on window capacity (float sums of recompute seconds)
@@ -77,6 +80,12 @@ class Layout:
         # the device's events where the linear count is not the replay's peak (several chunks,
         # deferred W): lynx.solvers.heu.chunked; None: ``in_flight · kept + P + T``
         self.chunked: _ch.Chunked | None = None
+        # the on-demand totals T: per item, (key, bytes) each key gains while it is on demand
+        # (its group, its bytes; with the events, per group and backward part:
+        # lynx.solvers.heu.ondemand), and per key its value with every item held
+        self.tdelta: list[tuple[tuple[int, int], ...]] = [((g, b),) for g, b in zip(self.group, self.tbytes)]
+        self.tbase: dict[int, int] = {}
+        self.tdrop = [dict(d) for d in self.tdelta]   # (the same, as dicts: one item's drop)
 
     def for_model(self, model: StageModel) -> Layout:
         """This layout for a model with the same items and other classes, in-flight or budget."""
@@ -85,13 +94,18 @@ class Layout:
         other.model, other.classes, other.in_flight = model, model.classes, model.in_flight
         other.counts = [cls.count for cls in model.classes]
         other.chunked = None   # (the events depend on the problem's windows: attached again)
+        other.tdelta, other.tbase = [((g, b),) for g, b in zip(other.group, other.tbytes)], {}
+        other.tdrop = [dict(d) for d in other.tdelta]
         return other
 
-    def with_chunked(self, chunked: _ch.Chunked) -> Layout:
-        """This layout with the device's events attached (:mod:`lynx.solvers.heu.chunked`)."""
+    def with_chunked(self, chunked: _ch.Chunked, tdelta: list[tuple[tuple[int, int], ...]],
+                     tbase: dict[int, int]) -> Layout:
+        """This layout with the device's events attached (:mod:`lynx.solvers.heu.chunked`) and
+        its on-demand terms (:mod:`lynx.solvers.heu.ondemand`)."""
         other = object.__new__(Layout)
         other.__dict__.update(self.__dict__)
-        other.chunked = chunked
+        other.chunked, other.tdelta, other.tbase = chunked, tdelta, tbase
+        other.tdrop = [dict(d) for d in tdelta]
         return other
 
     def cost(self, unit: list[int]) -> float:
@@ -120,13 +134,14 @@ class Books:
             return
         n, classes = lay.n, lay.classes
         self.where: list[list[int | None]] = [[None] * n for _ in classes]
-        wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
+        wbytes, tdelta = lay.wbytes, lay.tdelta
         self.kept = sum(wbytes[i] for i in range(n) if not rec[i])
         self.P = [0] * len(classes)
-        on_demand: dict[int, int] = {}
+        on_demand: dict[int, int] = dict(lay.tbase)
         for i in range(n):
             if rec[i]:
-                on_demand[group[i]] = on_demand.get(group[i], 0) + tbytes[i]
+                for key, b in tdelta[i]:
+                    on_demand[key] = on_demand.get(key, 0) + b
         self.T = [dict(on_demand) for _ in classes]
         self.load = [[0.0] * len(cls.capacities) for cls in classes]
         ch = lay.chunked
@@ -198,7 +213,7 @@ class Books:
         (chunk, microbatch) books need k: None is the least of the class's windows."""
         lay = self.lay
         if self.ev is not None:
-            drop = {c: _drop_of(lay, cluster)}
+            drop = {c: on_demand_bytes(lay, cluster)}
             if k is None:
                 return min(_ch.peak_after(self, _ch.place_delta(self, c, w, cluster), drop)
                            for w in range(len(lay.classes[c].capacities)))
@@ -220,11 +235,7 @@ class Books:
         base = lay.in_flight * self.kept + p
         if tmax[c] <= others:  # placing only lowers class c's on-demand groups
             return base + others
-        group, tbytes = lay.group, lay.tbytes
-        drop: dict[int, int] = {}
-        for i in cluster:
-            g = group[i]
-            drop[g] = drop.get(g, 0) + tbytes[i]
+        drop = on_demand_bytes(lay, cluster)
         tc = self.T[c]
         t = others
         for g, v in tc.items():
@@ -251,18 +262,24 @@ class Books:
         for i in cluster:
             where[i] = k
             self.P[c] += lay.wbytes[i]
-            tc[lay.group[i]] -= lay.tbytes[i]
+            for key, b in lay.tdelta[i]:
+                tc[key] -= b
             load[k] += lay.wcost[i]
         if self.ev is not None:
             _ch.add(self.ev, _ch.place_delta(self, c, k, cluster))
         self._retop(c)  # only class c's maxima moved
 
 
-def _drop_of(lay: Layout, unit: list[int]) -> dict[int, int]:
-    """On-demand bytes of ``unit`` per group."""
+def on_demand_bytes(lay: Layout, unit: Collection[int]) -> dict[int, int]:
+    """What ``unit``'s items add to each T key while on demand (see ``Layout.tdelta``; a dict
+    the caller must not change)."""
+    if len(unit) == 1:
+        return lay.tdrop[next(iter(unit))]
     out: dict[int, int] = {}
+    tdelta = lay.tdelta
     for i in unit:
-        out[lay.group[i]] = out.get(lay.group[i], 0) + lay.tbytes[i]
+        for key, b in tdelta[i]:
+            out[key] = out.get(key, 0) + b
     return out
 
 
@@ -372,18 +389,16 @@ def peak_if_placed_all(lay: Layout, books: Books, spots: list[tuple[int, int, li
         drops: dict[int, dict[int, int]] = {}
         for c, k, unit in spots:
             _ch.add(delta, _ch.place_delta(books, c, k, unit))
-            for g, b in _drop_of(lay, unit).items():
+            for g, b in on_demand_bytes(lay, unit).items():
                 drops.setdefault(c, {})[g] = drops.get(c, {}).get(g, 0) + b
         return _ch.peak_after(books, delta, drops)
     P = list(books.P)
     tmax = list(books.tmax())
-    wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
+    wbytes = lay.wbytes
     for c, _, unit in spots:
-        drop: dict[int, int] = {}
         for i in unit:
             P[c] += wbytes[i]
-            drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
-        tmax[c] = tmax_after(books, c, drop)
+        tmax[c] = tmax_after(books, c, on_demand_bytes(lay, unit))
     return lay.in_flight * books.kept + max(P, default=0) + max(tmax, default=0)
 
 
@@ -394,9 +409,9 @@ def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
         for c, where in enumerate(books.where):
             on_demand = [i for i in cl if where[i] is None]
             if on_demand:
-                drops[c] = _drop_of(lay, on_demand)
+                drops[c] = on_demand_bytes(lay, on_demand)
         return _ch.peak_after(books, _ch.keep_delta(books, cl), drops)
-    wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
+    wbytes, tdelta = lay.wbytes, lay.tdelta
     nbytes = sum(wbytes[i] for i in cl)
     pmax, tmax_all = 0, 0
     tmax = books.tmax()
@@ -409,7 +424,8 @@ def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
             else:
                 if drop is None:
                     drop = {}
-                drop[group[i]] = drop.get(group[i], 0) + tbytes[i]
+                for key, b in tdelta[i]:
+                    drop[key] = drop.get(key, 0) + b
         if p > pmax:
             pmax = p
         t = tmax[c] if drop is None else tmax_after(books, c, drop)
@@ -420,7 +436,7 @@ def peak_if_kept(lay: Layout, books: Books, cl: list[int]) -> int:
 
 def apply_keep(lay: Layout, books: Books, cl: list[int]) -> None:
     """Keep ``cl``: undo its placements in every class and stop recomputing it."""
-    wbytes, tbytes, group, wcost = lay.wbytes, lay.tbytes, lay.group, lay.wcost
+    wbytes, tdelta, wcost = lay.wbytes, lay.tdelta, lay.wcost
     if books.ev is not None:
         _ch.add(books.ev, _ch.keep_delta(books, cl))
     for c in range(len(lay.classes)):
@@ -432,7 +448,8 @@ def apply_keep(lay: Layout, books: Books, cl: list[int]) -> None:
                 books.load[c][k] -= wcost[i]
                 where[i] = None
             else:
-                tc[group[i]] -= tbytes[i]
+                for key, b in tdelta[i]:
+                    tc[key] -= b
     books.kept += sum(wbytes[i] for i in cl)
     for i in cl:
         books.rec[i] = False
@@ -447,7 +464,8 @@ def unplace(lay: Layout, books: Books, c: int, i: int) -> None:
     books.where[c][i] = None
     books.P[c] -= lay.wbytes[i]
     tc = books.T[c]
-    tc[lay.group[i]] = tc.get(lay.group[i], 0) + lay.tbytes[i]
+    for key, b in lay.tdelta[i]:
+        tc[key] = tc.get(key, 0) + b
     books.load[c][k] -= lay.wcost[i]
     books._retop(c)  # only class c's maxima moved
 
@@ -485,7 +503,7 @@ def drop_items(lay: Layout, books: Books, unit: list[int]) -> None:
     for i in unit:
         books.rec[i] = True
         books.kept -= lay.wbytes[i]
-        g = lay.group[i]
         for tc in books.T:
-            tc[g] = tc.get(g, 0) + lay.tbytes[i]
+            for key, b in lay.tdelta[i]:
+                tc[key] = tc.get(key, 0) + b
     books.changed()

@@ -9,8 +9,15 @@ window w of class c (times the pairs of class c whose window w has run), or reco
 demand in class c (what its ``I`` hands to ``W``, times the pairs waiting for their ``W``).
 :class:`~lynx.solvers.heu.books.Books` then keeps one total per event (``Books.ev``) and its
 peak is ``max_e (ev[e] + T_e)``, ``T_e`` the largest on-demand group of the event's class and
-chunk: HEU plans against the real budget with the replay's accounting, not the device-wide
-``in_flight · kept + P + T``.
+chunk that the event's part regenerates: HEU plans against the real budget with the replay's
+accounting, not the device-wide ``in_flight · kept + P + T``.
+
+The books' on-demand totals ``T`` are kept per *key*: on such a device a group and a backward
+part (``3·group + part``: the whole backward, ``I``, ``W``), each event reading its part's
+keys, their values following the replay group by group (:mod:`lynx.solvers.heu.ondemand`):
+an ``I`` does not count what only its ``W`` regenerates, and regenerates a group's values
+after it freed what the groups before read. An item hands over only where its ``I`` may
+regenerate it (:func:`~lynx.solvers.memory_weights.handed_bytes`).
 
 The functions here are the books' chunk-aware operations; :mod:`lynx.solvers.heu.books`
 calls them where ``lay.chunked`` is set.
@@ -37,7 +44,9 @@ from __future__ import annotations
 from operator import add as _add, sub as _sub
 from typing import TYPE_CHECKING
 
-from lynx.solvers.heu.events import Events, replay_events
+from lynx.solvers.heu.events import INPUT, WEIGHT, WHOLE, Events, replay_events
+from lynx.solvers.heu.ondemand import Terms, group_terms, part_of_key, split_terms
+from lynx.solvers.memory_weights import regenerating_parts
 from lynx.solvers.problem import StageProblem
 
 if TYPE_CHECKING:
@@ -47,12 +56,14 @@ __all__ = ["Chunked", "full_layout", "reduced_layout", "peak", "peak_after", "re
            "keep_delta", "drop_delta"]
 
 Parts = tuple[tuple[int, int], ...]   # ((chunk index, bytes), ...)
+Slot = tuple[int, int]                # (chunk index, part: events.WHOLE, INPUT or WEIGHT)
 
 
 class Chunked:
     """The events and the per-item event gains of one layout (see the module docstring)."""
 
-    def __init__(self, events: Events, kept: list[Parts], handed: list[Parts], group_chunks: dict[int, set[int]]):
+    def __init__(self, events: Events, kept: list[Parts], handed: list[Parts], key_slots: dict[int, set[Slot]],
+                 item_parts: list[frozenset[int]]):
         self.source = events
         self.events = events.events
         self.n_events = len(self.events)
@@ -60,16 +71,20 @@ class Chunked:
         self._placed = [dict(e.placed) for e in self.events]
         self._handed = [dict(e.handed) for e in self.events]
         self.kept_parts, self.handed_parts = kept, handed
-        self.group_chunks = group_chunks
-        chunks = {k for ks in group_chunks.values() for k in ks}
-        self.chunk_groups = {k: [g for g, ks in group_chunks.items() if k in ks] for k in chunks}
-        for c, k in self.own:
-            self.chunk_groups.setdefault(k, [])
-        self.events_of: dict[tuple[int, int], list[int]] = {}   # per (class, chunk index): its events
-        for e, own in enumerate(self.own):
-            self.events_of.setdefault(own, []).append(e)
-        self.classes = sorted({c for c, _ in self.own})
-        self.chunks_of_class = {c: sorted({k for cc, k in self.own if cc == c}) for c in self.classes}
+        self.item_parts = item_parts   # per item: the parts that may regenerate it on demand
+        self.key_slots = key_slots
+        # per (chunk index, part): the T keys its events take their largest on-demand group from
+        self.slot_keys: dict[Slot, list[int]] = {}
+        for key, slots in key_slots.items():
+            for slot in slots:
+                self.slot_keys.setdefault(slot, []).append(key)
+        for _c, k, part in self.own:
+            self.slot_keys.setdefault((k, part), [])
+        self.events_of: dict[tuple[int, Slot], list[int]] = {}   # per (class, (chunk index, part)): its events
+        for e, (c, k, part) in enumerate(self.own):
+            self.events_of.setdefault((c, (k, part)), []).append(e)
+        self.classes = sorted({c for c, _k, _p in self.own})
+        self.slots_of_class = {c: sorted({(k, part) for cc, k, part in self.own if cc == c}) for c in self.classes}
         self._net: dict[tuple[int, int, int], list[int]] = {}
         self.units: dict[tuple, list[int]] = {}
         self.keep_gain = [[sum(e.kept[k] * b for k, b in parts) for e in self.events] for parts in kept]
@@ -125,40 +140,68 @@ def full_layout(lay: Layout, problem: StageProblem) -> Layout:
     events = replay_events(problem)
     index = {c: k for k, c in enumerate(events.chunks)}
     only = 0 if len(events.chunks) == 1 else None
+    used = {p for _c, _k, p in (e.own for e in events.events)}
+    regenerating = regenerating_parts(problem) if used - {WHOLE} else None
     items = lay.model.items
     kept: list[Parts] = []
     handed: list[Parts] = []
-    groups: dict[int, set[int]] = {}
+    chunks: list[int] = []
+    parts: list[frozenset[int]] = []
     for it in items:
         k = only if only is not None else index[it.chunk]
+        chunks.append(k)
         kept.append(((k, it.mult * it.saved_bytes),))
         handed.append(((k, it.mult * it.weight_bytes),) if it.weight_bytes else ())
-        groups.setdefault(it.group, set()).add(k)
-    return lay.with_chunked(Chunked(events, kept, handed, groups))
+        mine = {WHOLE}
+        if regenerating is not None:
+            flags = [regenerating[name] for name in it.nodes]
+            mine |= {INPUT} if any(f[0] for f in flags) else set()
+            mine |= {WEIGHT} if any(f[1] for f in flags) else set()
+        parts.append(frozenset(mine))
+    terms = split_terms(problem, [it.nodes for it in items], lay.group, chunks, used)
+    return _attach(lay, events, kept, handed, [(k,) for k in chunks], parts, terms)
 
 
 def reduced_layout(red: Layout, full: Layout, to_red: list[int]) -> Layout:
     """The representative's layout with the full layout's events: a reduced item counts its
-    family members' bytes in their chunks, and a merged window the most pairs of its windows."""
+    family members' bytes in their chunks (and regenerates in any part a member does: its
+    on-demand terms per group, :func:`~lynx.solvers.heu.ondemand.group_terms`), and a merged
+    window the most pairs of its windows."""
     ch = full.chunked
     assert ch is not None
     kept: list[dict[int, int]] = [{} for _ in range(red.n)]
     handed: list[dict[int, int]] = [{} for _ in range(red.n)]
-    groups: dict[int, set[int]] = {}
+    chunks: list[set[int]] = [set() for _ in range(red.n)]
+    parts: list[set[int]] = [set() for _ in range(red.n)]
     for i, r in enumerate(to_red):
         for k, b in ch.kept_parts[i]:
             kept[r][k] = kept[r].get(k, 0) + b
+            chunks[r].add(k)
         for k, b in ch.handed_parts[i]:
             handed[r][k] = handed[r].get(k, 0) + b
-        groups.setdefault(red.group[r], set()).update(k for k, _ in ch.kept_parts[i])
+        parts[r] |= ch.item_parts[i]
     # (reduced_classes: the any-layer windows merged first, then the layer-restricted ones)
     position = []
     for cls in full.classes:
         has_any = any(e is None for e in cls.eligible)
         position.append([0 if e is None else int(has_any) for e in cls.eligible])
-    events = ch.source.merged(position)
-    parts = [tuple(sorted(d.items())) for d in kept]
-    return red.with_chunked(Chunked(events, parts, [tuple(sorted(d.items())) for d in handed], groups))
+    # (one on-demand key per group for every part: the events need not tell the parts apart)
+    events = ch.source.merged(position).partless()
+    return _attach(red, events, [tuple(sorted(d.items())) for d in kept], [tuple(sorted(d.items())) for d in handed],
+                   [tuple(sorted(ks)) for ks in chunks], [frozenset(p) for p in parts],
+                   group_terms(red.group, red.tbytes))
+
+
+def _attach(lay: Layout, events: Events, kept: list[Parts], handed: list[Parts], chunks: list[tuple[int, ...]],
+            parts: list[frozenset[int]], terms: Terms) -> Layout:
+    """``lay`` with the events, the per-item gains and the on-demand terms attached: each T key
+    read by its part's events in every chunk an item with that key runs in."""
+    tdelta, tbase = terms
+    key_slots: dict[int, set[Slot]] = {}
+    for i, pairs in enumerate(tdelta):
+        for key, _b in pairs:
+            key_slots.setdefault(key, set()).update((k, part_of_key(key)) for k in chunks[i])
+    return lay.with_chunked(Chunked(events, kept, handed, key_slots, parts), tdelta, tbase)
 
 
 def _of(books: Books) -> Chunked:
@@ -177,12 +220,12 @@ def add(ev: list[int], gain: list[int], sign: int = 1) -> None:
     ev[:] = map(_add if sign > 0 else _sub, ev, gain)
 
 
-def _chunk_top(books: Books, c: int, k: int, drop: dict[int, int] | None) -> tuple[int, int | None, int]:
-    """Class c's largest on-demand group of chunk k (after lowering groups by ``drop``), that
-    group, and the largest of the others."""
+def _chunk_top(books: Books, c: int, slot: Slot, drop: dict[int, int] | None) -> tuple[int, int | None, int]:
+    """Class c's largest on-demand group of a chunk that a part regenerates (``slot``; after
+    lowering keys by ``drop``), its key, and the largest of the others."""
     tc = books.T[c]
     top, arg, second = 0, None, 0
-    for g in _of(books).chunk_groups[k]:
+    for g in _of(books).slot_keys[slot]:
         v = tc.get(g, 0)
         if drop is not None:
             v -= drop.get(g, 0)
@@ -193,8 +236,8 @@ def _chunk_top(books: Books, c: int, k: int, drop: dict[int, int] | None) -> tup
     return top, arg, second
 
 
-def _lowered(books: Books, c: int, k: int, top: tuple[int, int | None, int], drop: dict[int, int]) -> int | None:
-    """Class c's largest on-demand group of chunk k after lowering groups by ``drop`` (None: the
+def _lowered(books: Books, c: int, slot: Slot, top: tuple[int, int | None, int], drop: dict[int, int]) -> int | None:
+    """Class c's largest on-demand group of ``slot`` after lowering keys by ``drop`` (None: the
     largest stays)."""
     t, arg, second = top
     if arg is None:
@@ -202,31 +245,31 @@ def _lowered(books: Books, c: int, k: int, top: tuple[int, int | None, int], dro
     d = drop.get(arg)
     if not d:
         return None
-    if len(drop) == 1:   # (only the largest group lowered: it, or the next)
+    if len(drop) == 1 or t - d >= second:   # (drops only lower: the largest, or the next)
         return max(t - d, second)
-    return _chunk_top(books, c, k, drop)[0]
+    return _chunk_top(books, c, slot, drop)[0]
 
 
-def _class_tops(books: Books, c: int) -> dict[int, tuple[int, int | None, int]]:
-    """Class c's ``_chunk_top`` per chunk (cached on the books until class c's T changes)."""
+def _class_tops(books: Books, c: int) -> dict[Slot, tuple[int, int | None, int]]:
+    """Class c's ``_chunk_top`` per slot (cached on the books until class c's T changes)."""
     tops = books._ctop.get(c)
     if tops is None:
-        tops = books._ctop[c] = {k: _chunk_top(books, c, k, None) for k in _of(books).chunks_of_class[c]}
+        tops = books._ctop[c] = {slot: _chunk_top(books, c, slot, None) for slot in _of(books).slots_of_class[c]}
     return tops
 
 
 def _base(books: Books) -> list[int]:
-    """Per event: its class's largest on-demand group of its chunk (cached on the books until
-    T changes: ``books._ctop``, per class and, at -1, this list)."""
+    """Per event: its class's largest on-demand group of its chunk and part (cached on the books
+    until T changes: ``books._ctop``, per class and, at -1, this list)."""
     ch = _of(books)
     found = books._ctop.get(-1)
     if found is not None:
         return found
     ts = [0] * ch.n_events
     for c in ch.classes:
-        for k, top in _class_tops(books, c).items():
+        for slot, top in _class_tops(books, c).items():
             t = top[0]
-            for e in ch.events_of[(c, k)]:
+            for e in ch.events_of[(c, slot)]:
                 ts[e] = t
     books._ctop[-1] = ts
     return ts
@@ -240,13 +283,13 @@ def retop(books: Books, c: int) -> None:
         cache.pop(c, None)
         return
     ch = _of(books)
-    ks = ch.chunks_of_class.get(c)
-    if ks is None:
+    slots = ch.slots_of_class.get(c)
+    if slots is None:
         return
-    tops = cache[c] = {k: _chunk_top(books, c, k, None) for k in ks}
-    for k, top in tops.items():
+    tops = cache[c] = {slot: _chunk_top(books, c, slot, None) for slot in slots}
+    for slot, top in tops.items():
         t = top[0]
-        for e in ch.events_of[(c, k)]:
+        for e in ch.events_of[(c, slot)]:
             ts[e] = t
 
 
@@ -255,17 +298,17 @@ def peak(books: Books) -> int:
 
 
 def peak_after(books: Books, delta: list[int] | None, drops: dict[int, dict[int, int]] | None) -> int:
-    """``max_e (ev[e] + delta[e] + T_e)`` with class c's on-demand groups lowered by ``drops[c]``."""
+    """``max_e (ev[e] + delta[e] + T_e)`` with class c's on-demand keys lowered by ``drops[c]``."""
     ts = _base(books)
     if drops:
         ch = _of(books)
-        lowered: dict[tuple[int, int], int] = {}
+        lowered: dict[tuple[int, Slot], int] = {}
         for c, drop in drops.items():
-            if c in ch.chunks_of_class:
-                for k, top in _class_tops(books, c).items():
-                    t = _lowered(books, c, k, top, drop)
+            if c in ch.slots_of_class:
+                for slot, top in _class_tops(books, c).items():
+                    t = _lowered(books, c, slot, top, drop)
                     if t is not None:
-                        lowered[(c, k)] = t
+                        lowered[(c, slot)] = t
         if lowered:
             ts = list(ts)
             for key, t in lowered.items():

@@ -14,12 +14,15 @@ on-demand regeneration:
 with ``kept_k`` a microbatch's kept bytes of chunk k, ``P_{c,k,w}`` the bytes of chunk k
 prefetched in window position w of microbatch class c, ``H_{c,k}`` what chunk k's on-demand
 items of class c hand from ``I`` to ``W``, and ``T`` the largest on-demand group of the running
-pair's chunk (the books' per-microbatch term). The counts — pairs holding kept bytes per chunk,
-pairs of class c whose window w has run since their forward (all of them for the running
-pair: its backward holds all it prefetched), pairs waiting for their ``W`` — come from walking
-the action list once, as the replay does; :func:`replay_events` keeps the events no other
-dominates. :class:`lynx.solvers.heu.books.Books` keeps ``total_e`` per event and answers "the
-peak if …" from them.
+pair's chunk that the running part regenerates (the books' per-microbatch term): a whole
+backward ``B`` regenerates every on-demand value of a group, an ``I`` those it (or a value it
+re-runs) reads, a ``W`` those it reads and was not handed
+(:func:`~lynx.solvers.memory_weights.regenerating_parts`), so each event names its part.
+The counts — pairs holding kept bytes per chunk, pairs of class c whose window w has run since
+their forward (all of them for the running pair: its backward holds all it prefetched), pairs
+waiting for their ``W`` — come from walking the action list once, as the replay does;
+:func:`replay_events` keeps the events no other dominates.
+:class:`lynx.solvers.heu.books.Books` keeps ``total_e`` per event and answers "the peak if …" from them.
 
 Example::
 
@@ -41,7 +44,11 @@ from dataclasses import dataclass
 from lynx.planner.schedule import Op
 from lynx.solvers.problem import StageProblem, microbatch_classes
 
-__all__ = ["Event", "Events", "replay_events"]
+__all__ = ["Event", "Events", "replay_events", "WHOLE", "INPUT", "WEIGHT"]
+
+# the part of a backward an event runs: its T term counts what that part regenerates
+WHOLE, INPUT, WEIGHT = 0, 1, 2
+_PART = {Op.BACKWARD: WHOLE, Op.BACKWARD_INPUT: INPUT, Op.BACKWARD_WEIGHT: WEIGHT}
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,7 @@ class Event:
     kept: tuple[int, ...]                          # per chunk index: pairs holding their kept bytes
     placed: tuple[tuple[tuple[int, int, int], int], ...]   # ((class, chunk index, window position), pairs)
     handed: tuple[tuple[tuple[int, int], int], ...]        # ((class, chunk index), pairs)
-    own: tuple[int, int]                           # the running pair's (class, chunk index): its T term
+    own: tuple[int, int, int]                      # the running pair's (class, chunk index) and part: its T term
 
     def dominated_by(self, other: Event) -> bool:
         if self.own != other.own or any(a > b for a, b in zip(self.kept, other.kept)):
@@ -78,6 +85,12 @@ class Events:
                 key = (c, k, position[c][w])
                 placed[key] = max(placed.get(key, 0), v)
             out.append(Event(e.kept, tuple(sorted(placed.items())), e.handed, e.own))
+        return Events(self.chunks, _undominated(out))
+
+    def partless(self) -> Events:
+        """The events with every part counted as a whole backward (for books whose on-demand
+        term does not tell the parts apart: fewer events, none counting less)."""
+        out = [Event(e.kept, e.placed, e.handed, (e.own[0], e.own[1], WHOLE)) for e in self.events]
         return Events(self.chunks, _undominated(out))
 
 
@@ -142,7 +155,8 @@ def replay_events(problem: StageProblem) -> Events:
             placed[(c, k, w)] = placed.get((c, k, w), 0) + 1
         if a.op is Op.BACKWARD_WEIGHT:
             handed[(c, k)] = handed.get((c, k), 0) + 1
-        events.append(Event(tuple(kept), tuple(sorted(placed.items())), tuple(sorted(handed.items())), (c, k)))
+        events.append(Event(tuple(kept), tuple(sorted(placed.items())), tuple(sorted(handed.items())),
+                            (c, k, _PART[a.op])))
         if a.op is Op.BACKWARD_INPUT:
             forwarded.discard(pair)
             waiting.add(pair)

@@ -30,6 +30,7 @@ from lynx.solvers.heu.books import (
     drop_items,
     first_fit,
     first_window,
+    on_demand_bytes,
     peak_if_kept,
     peak_if_placed_all,
     repair_order,
@@ -149,10 +150,11 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
     P, tmax = books.P, books.tmax()
     p_other, t_other = _max_excluding(P), _max_excluding(tmax)
     memos: list[dict[int, Closure | None]] = [{} for _ in classes]
+    linear = books.ev is None   # (per-event books answer the peak themselves: no T maxima here)
     for cl in clusters:
         members = set(cl)
         outside = [u for i in cl for u in srcs[i] if rec[u] and u not in members]
-        cl_cost, cl_bytes, cl_drop = lay.cost(cl), lay.nbytes(cl), _group_bytes(lay, cl)
+        cl_cost, cl_bytes, cl_drop = lay.cost(cl), lay.nbytes(cl), on_demand_bytes(lay, cl)
         spots = []  # (class, window, unit, cost, P[c] after, class c's on-demand maximum after)
         for c in classes:
             where = wheres[c]
@@ -172,7 +174,7 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
                     unit = with_prereqs(lay, books, c, cl, cluster_of)
                     cost = lay.cost(unit)
                     k = first_window(lay, books, c, unit, cost)
-                    nbytes, drop = lay.nbytes(unit), _group_bytes(lay, unit)
+                    nbytes, drop = lay.nbytes(unit), on_demand_bytes(lay, unit)
                 else:
                     members_c, ready_c, nbytes, drop = closure
                     unit = sorted(members_c)
@@ -180,13 +182,13 @@ def _best_place(lay: Layout, books: Books, budget: int, now: int, clusters: list
                     k = first_fit(lay, books, c, unit, cost, ready_c)
                 if k is None or cost <= 0:
                     continue
-                p_c, t_c = P[c] + nbytes, tmax_after(books, c, drop)
+                p_c, t_c = P[c] + nbytes, (tmax_after(books, c, drop) if linear else 0)
             else:
                 unit, cost = cl, cl_cost
                 k = first_fit(lay, books, c, cl, cost, ready) if cost > 0 else None
                 if k is None:
                     continue
-                p_c, t_c = P[c] + cl_bytes, tmax_after(books, c, cl_drop)
+                p_c, t_c = P[c] + cl_bytes, (tmax_after(books, c, cl_drop) if linear else 0)
             spots.append((c, k, unit, cost, p_c, t_c))
             if books.ev is not None:
                 after = books.peak_if_placed(c, unit, k)
@@ -246,7 +248,7 @@ def _closure(lay: Layout, books: Books, c: int, cl: list[int], cluster_of: dict[
                 ready = sub[1]
     visiting.discard(key)
     frozen = frozenset(members)
-    memo[key] = result = (frozen, ready, lay.nbytes(frozen), _group_bytes(lay, frozen))
+    memo[key] = result = (frozen, ready, lay.nbytes(frozen), on_demand_bytes(lay, frozen))
     return result
 
 
@@ -259,14 +261,6 @@ def _max_excluding(values: list[int]) -> list[int]:
         elif v > second:
             second = v
     return [second if v == top else top for v in values]
-
-
-def _group_bytes(lay: Layout, unit: list[int]) -> dict[int, int]:
-    """On-demand bytes of ``unit`` per group."""
-    out: dict[int, int] = {}
-    for i in unit:
-        out[lay.group[i]] = out.get(lay.group[i], 0) + lay.tbytes[i]
-    return out
 
 
 def reverse_greedy(lay: Layout, budget: int, *, hide: bool = False, give_up_at: float = float("inf")) -> Books | None:
