@@ -22,21 +22,9 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.heu.books import (
-    Books,
-    Layout,
-    apply_keep,
-    clusters_of,
-    drop_items,
-    first_fit,
-    first_window,
-    on_demand_bytes,
-    peak_if_kept,
-    peak_if_placed_all,
-    repair_order,
-    tmax_after,
-    with_prereqs,
-)
+from lynx.solvers.heu.books import Books, Layout, on_demand_bytes
+from lynx.solvers.heu.clusters import clusters_of, first_fit, first_window, with_prereqs
+from lynx.solvers.heu.moves import apply_keep, drop_items, peak_if_kept, peak_if_placed_all, repair_order, tmax_after
 
 __all__ = ["boundary_kept", "greedy", "reverse_greedy"]
 

@@ -24,16 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.heu.books import (
-    CAPACITY_SLACK,
-    Books,
-    Layout,
-    apply_keep,
-    clusters_of,
-    peak_if_kept,
-    repair_order,
-    with_prereqs,
-)
+from lynx.solvers.heu.books import Books, Layout
+from lynx.solvers.heu.clusters import CAPACITY_SLACK, clusters_of, with_prereqs
+from lynx.solvers.heu.moves import apply_keep, peak_if_kept, repair_order
 
 __all__ = ["realise", "reserves", "fill", "prefetch_needed", "keep_more"]
 

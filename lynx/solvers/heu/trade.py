@@ -24,7 +24,9 @@ Example::
 
 from __future__ import annotations
 
-from lynx.solvers.heu.books import CAPACITY_SLACK, Books, Layout, clusters_of, first_window, repair_order
+from lynx.solvers.heu.books import Books, Layout
+from lynx.solvers.heu.clusters import CAPACITY_SLACK, clusters_of, first_window
+from lynx.solvers.heu.moves import repair_order
 from lynx.solvers.heu.greedy import drop_unit, try_drop, boundary_kept
 from lynx.solvers.heu.realise import fill, prefetch_needed
 
