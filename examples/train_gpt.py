@@ -41,6 +41,7 @@ import datetime
 import json
 import os
 import re
+import socket
 import statistics
 import sys
 import time
@@ -383,6 +384,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from lynx.data import StdlibBatches
     from lynx.runtime.checkpoint import load_checkpoint, save_checkpoint
     from lynx.runtime.rank_state import pipeline_state
+    from lynx.runtime.report import host_busy_s
 
     load_start = os.getloadavg()[0]  # before this run compiles or trains: the others' load
     run = setup(args)
@@ -420,6 +422,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     cpu_s: list[float] = []
     threads_s: list[float] = []
     progress = _Progress(rank == 0, args.steps, start)
+    # the host's CPU time beside the run's own over the loop: what other processes took (RunLoad)
+    loop = (time.perf_counter(), time.process_time(), host_busy_s())
     for step in range(start, args.steps):
         t0, cpu0, main0 = time.perf_counter(), time.process_time(), time.thread_time()
         for group in optimizer.param_groups:
@@ -460,13 +464,15 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0 and args.log_json:
             _write_json(args.log_json, log)
     progress.close()
+    loop = (time.perf_counter() - loop[0], time.process_time() - loop[1],
+            None if loop[2] is None or host_busy_s() is None else host_busy_s() - loop[2])
     pipe.close()
     log["hardware"] = run.hardware_line
     if rank == 0 and log["skipped_steps"]:
         _say(f"skipped {len(log['skipped_steps'])} step(s) with a non-finite loss or gradient: "
              + ", ".join(str(s["step"] + 1) for s in log["skipped_steps"]))
     _finish(args, run.plan, history, (cpu_s, threads_s), log,
-            _predicted_optimizer_s(run.plan, list(pipe.parameters())), _run_load(load_start, run.calibration))
+            _predicted_optimizer_s(run.plan, list(pipe.parameters())), _run_load(load_start, run.calibration), loop)
     return log
 
 
@@ -514,25 +520,33 @@ def _finish(
     log: dict[str, Any],
     optimizer_s: float = 0.0,
     load: Any = None,
+    loop: tuple[float, float, float | None] = (0.0, 0.0, None),
 ) -> None:
-    """Rank 0 prints the plan's predictions beside what every rank measured."""
+    """Rank 0 prints the plan's predictions beside what every rank measured. ``loop``: this
+    rank's training loop in wall seconds, its CPU seconds and the host's busy CPU seconds."""
     from lynx.runtime.report import format_summary, run_summary
     from lynx.runtime.stats import format_stats
 
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (history, cpu_s, optimizer_s))
+    dist.all_gather_object(everyone, (history, cpu_s, optimizer_s, (socket.gethostname(), loop[1])))
     if dist.get_rank() != 0:
         return
     if not history:
         _say(f"nothing to train: the run is already at step {log['start_step']} of --steps {args.steps}")
         return
-    per_step = [[ranks[i] for ranks, _, _ in everyone] for i in range(len(history))]
+    per_step = [[ranks[i] for ranks, *_ in everyone] for i in range(len(history))]
+    cpu = [statistics.median(c[1:] or c) for _, (c, _), *_ in everyone]  # per rank, after the warm-up step
+    threads = [statistics.median(t[1:] or t) for _, (_, t), *_ in everyone]
+    cpu_line, cpu_ratio = _cpu_line(plan, per_step[0], cpu, [o for _, _, o, _ in everyone])
+    if load is not None:
+        wall, _, host_busy = loop
+        ours = sum(c for _, _, _, (host, c) in everyone if host == socket.gethostname())
+        others = (host_busy - ours) / wall if host_busy is not None and wall > 0 else None
+        load = dataclasses.replace(load, others_cpus=others, cpu_ratio=cpu_ratio)
     summary = run_summary(per_step, plan, load)
     print(format_stats(per_step[-1], plan))
     print(format_summary(summary, plan))
-    cpu = [statistics.median(c[1:] or c) for _, (c, _), _ in everyone]  # per rank, after the warm-up step
-    threads = [statistics.median(t[1:] or t) for _, (_, t), _ in everyone]
-    print(_cpu_line(plan, per_step[0], cpu, [o for _, _, o in everyone]), flush=True)
+    print(cpu_line, flush=True)
     runtime_line, modelled = _runtime_line(plan, per_step, threads)
     print(runtime_line, flush=True)
     hardware = log.get("hardware") or "the hardware the plan records"
@@ -547,10 +561,11 @@ def _finish(
         _write_json(args.log_json, log)
 
 
-def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[float]) -> str:
+def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[float]) -> tuple[str, float]:
     """The busiest rank's CPU time per step beside its stage's predicted busy time (compute,
     recompute and optimizer step): a check of the cost model that other load inflates little,
-    unlike the wall-clock step (which also waits for the other ranks)."""
+    unlike the wall-clock step (which also waits for the other ranks). Returns the line and
+    the ratio."""
     from lynx.planner.core_sharing import CoreSharing, bar_work
     from lynx.planner.simulator import config_from_record
 
@@ -564,12 +579,13 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     named = re.fullmatch(r".*-(\d+)on(\d+)", _hardware_name(plan.config.get("hardware")))   # a plan from before
     factor = share.ranks / share.cores if share is not None else int(named[1]) / int(named[2]) if named else 1.0
     note = f" × {factor:g} (the model prices each rank's work at 1/{factor:g} of a core)" if factor != 1.0 else ""
+    ratio = cpu[busiest] * factor / predicted
     return (
         f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "
         f"predicted busy time (compute, recompute, runtime, optimizer step) {predicted * 1e3:.1f} ms: "
-        f"measured/predicted {cpu[busiest] * factor / predicted:.2f} "
+        f"measured/predicted {ratio:.2f} "
         f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
-    )
+    ), ratio
 
 
 def _recompute_seconds(stats: Any, topo: Any, device: torch.device) -> tuple[float, float]:

@@ -11,11 +11,18 @@ bytes within 5% of the prediction (:data:`MEMORY_TOLERANCE`) and never above the
 
 A measured hardware file (``lynx calibrate``, ``--hardware auto``) times each figure in CPU
 time, so a prediction made with it is for the machine as calibrated: a core per rank that
-nothing else takes. :class:`RunLoad` says what the machine did instead: the 1-minute load
-average when it was calibrated and during the run; where other jobs took more than
-``LOAD_MARGIN_PER_CPU`` per cpu (or the two differ by that much), the summary says the
-prediction is for the calibrated state, and the fastest step — the least disturbed — is the
-one to compare with it.
+nothing else takes, at the speed the cores had then. :class:`RunLoad` says what the machine
+did instead: the load when it was calibrated and during the run — the CPU other processes
+took while it ran, measured from the host's CPU counters (:func:`host_busy_s`) where the
+system has them, else the 1-minute load average — and how much CPU time the run's busiest
+rank needed per step beside what the plan counts for it. Where other jobs took more than
+``LOAD_MARGIN_PER_CPU`` per cpu (or differ from the calibration's by that much), the summary
+says the prediction is for the calibrated state, and the fastest step — the least disturbed —
+is the one to compare with it; where the run's own CPU time per step is off the prediction by
+more than the step-time tolerance while the machine was otherwise quiet, the cores themselves
+ran at another speed than when calibrated (on a virtual machine: other tenants of the host's
+cores and memory, which no load figure inside it shows), and the summary says so, with the
+prediction scaled to the speed the run had beside the one made.
 
 Example::
 
@@ -28,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +43,8 @@ from typing import Any
 
 from lynx.runtime.stats import StepStats
 
-__all__ = ["RunLoad", "RunSummary", "run_summary", "format_summary", "STEP_TIME_TOLERANCE", "MEMORY_TOLERANCE"]
+__all__ = ["RunLoad", "RunSummary", "run_summary", "format_summary", "host_busy_s", "STEP_TIME_TOLERANCE",
+           "MEMORY_TOLERANCE"]
 
 STEP_TIME_TOLERANCE = 0.25   # measured step time within 25% of the predicted one
 MEMORY_TOLERANCE = 0.05      # measured peak activation bytes within 5% of the predicted ones
@@ -47,7 +56,10 @@ class RunLoad:
 
     ``start`` / ``end``: the 1-minute load average before the run compiled and after its last
     step; ``ranks_here``: the run's processes on this host (they count in ``end``);
-    ``calibrated``: the load the hardware file was measured at (None: a preset, no measurement).
+    ``calibrated``: the load the hardware file was measured at (None: a preset, no measurement);
+    ``others_cpus``: the cpus other processes kept busy while the run trained, measured (the
+    host's busy CPU time less the run's own over the wall time; None where not measured);
+    ``cpu_ratio``: the busiest rank's CPU time per step over what the plan counts for it.
     """
 
     start: float
@@ -56,24 +68,48 @@ class RunLoad:
     cpus: int
     calibrated: float | None = None
     calibrated_on: str = ""
+    others_cpus: float | None = None
+    cpu_ratio: float | None = None
 
     @property
     def others_run(self) -> float:
-        """Runnable processes other than the run's own, while it ran (the larger estimate)."""
+        """The cpus other processes took while the run ran: measured where the host counts its
+        CPU time, else from the lagging load average (the larger of before and after less the
+        run's own ranks)."""
+        if self.others_cpus is not None:
+            return max(self.others_cpus, 0.0)
         return max(self.start, self.end - self.ranks_here, 0.0)
 
     @property
-    def margin(self) -> float:
+    def speed_differs(self) -> bool:
+        """The run's own CPU time per step is off the prediction by more than the step-time
+        tolerance with the machine otherwise within the margin: the cores ran at another speed."""
+        return (self.cpu_ratio is not None and abs(self.cpu_ratio - 1.0) > STEP_TIME_TOLERANCE
+                and self.others_run <= self.margin)
+
+    @property
+    def load_margin(self) -> float:
+        """How far two load averages may differ and still be "the same load"."""
         from lynx.planner.hardware_cache import LOAD_MARGIN_PER_CPU
 
         return LOAD_MARGIN_PER_CPU * self.cpus
+
+    @property
+    def margin(self) -> float:
+        """The most the other jobs may take and still leave the run the machine it was planned
+        for: by load average, ``LOAD_MARGIN_PER_CPU`` per cpu; measured in cpus, what leaves each
+        of the run's ranks at least 1 − ``STEP_TIME_TOLERANCE`` of the core share it would have
+        alone (a core each, or cpus / ranks where they outnumber the cpus)."""
+        if self.others_cpus is None:
+            return self.load_margin
+        return self.cpus - (1.0 - STEP_TIME_TOLERANCE) * min(self.cpus, max(self.ranks_here, 1))
 
     @property
     def differs(self) -> bool:
         """Other load during the run beyond the margin, or beyond it from the calibration's."""
         if self.others_run > self.margin:
             return True
-        return self.calibrated is not None and abs(self.others_run - self.calibrated) > self.margin
+        return self.calibrated is not None and abs(self.others_run - self.calibrated) > self.load_margin
 
 
 @dataclass
@@ -103,6 +139,27 @@ class RunSummary:
     def memory_ratio(self, stage: int) -> float | None:
         planned = self.predicted_activation_bytes.get(stage)
         return self.peak_saved_bytes[stage] / planned if planned else None
+
+
+def host_busy_s() -> float | None:
+    """The host's CPU time spent busy so far, all cpus together (seconds, from ``/proc/stat``:
+    user, nice, system, irq, softirq and steal); None where the system does not count it.
+
+    Example::
+
+        >>> busy = host_busy_s()
+        >>> busy is None or busy > 0
+        True
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def run_summary(steps: Sequence[Sequence[StepStats]], plan: Any, load: RunLoad | None = None) -> RunSummary:
@@ -157,7 +214,9 @@ def _load_lines(summary: RunSummary) -> list[str]:
     when = (f"{load.calibrated:.2f} when this machine was calibrated{on}" if load.calibrated is not None
             else "no calibration (a preset's figures)")
     lines = [f"load (1-minute average, {load.cpus} cpus): {when}; {load.start:.2f} before this run, {load.end:.2f} "
-             f"after it (its {load.ranks_here} ranks count up to {load.ranks_here} of that)"]
+             f"after it (its {load.ranks_here} ranks count up to {load.ranks_here} of that)"
+             + (f"; other processes took {load.others_run:.2f} cpus while it trained (the host's CPU time less "
+                f"the run's own)" if load.others_cpus is not None else "")]
     if load.differs and summary.predicted_step_s:
         fastest = summary.fastest_step_s / summary.predicted_step_s
         if load.others_run > load.margin:
@@ -166,12 +225,25 @@ def _load_lines(summary: RunSummary) -> list[str]:
         else:
             what = (f"the figures were measured at load {load.calibrated:.2f} (their spread says how steadily), other "
                     f"jobs took {load.others_run:.1f} cpus during this run")
+        margin = (f"{load.margin:.1f} cpus (what leaves each rank {1 - STEP_TIME_TOLERANCE:.0%} of its core share)"
+                  if load.others_cpus is not None and load.others_run > load.margin
+                  else f"{load.load_margin:.1f} ({load.load_margin / load.cpus:g} per cpu)")
         lines.append(
             f"the prediction is for the calibrated state, a core per rank with nothing else running (calibration "
-            f"times CPU time), and this run's load differs from it by more than the margin of {load.margin:.1f} "
-            f"({load.margin / load.cpus:g} per cpu): {what}; the fastest step, the least "
+            f"times CPU time), and this run's load differs from it by more than the margin of {margin}: {what}; "
+            f"the fastest step, the least "
             f"disturbed, is {fastest:.2f}× the prediction ({_bar(fastest, STEP_TIME_TOLERANCE)}), the median "
             f"{summary.step_ratio:.2f}×")
+    if load.speed_differs and summary.predicted_step_s:
+        scaled = summary.predicted_step_s * load.cpu_ratio
+        pace = "slower" if load.cpu_ratio > 1 else "faster"
+        lines.append(
+            f"the run's ranks needed {load.cpu_ratio:.2f}× the CPU time per step the prediction counts while other "
+            f"jobs took {load.others_run:.1f} cpus: the cores ran {pace} than when calibrated, which CPU time "
+            f"shows and no load figure does (on a virtual machine: other tenants of the host's cores and memory; or "
+            f"another clock); the prediction is for the calibrated speed — at this run's it is "
+            f"{scaled * 1e3:.1f} ms, measured/that {summary.step_s / scaled:.2f}; `lynx calibrate` measures the "
+            f"machine as it is now")
     return lines
 
 

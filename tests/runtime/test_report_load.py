@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from lynx.runtime.report import RunLoad, format_summary, run_summary
@@ -78,3 +80,52 @@ def test_a_tp_stage_compute_includes_the_all_reduces_its_graphs_wait_for() -> No
     assert summary.predicted_compute_s == {0: pytest.approx(0.06)}
     assert "predicted 60.0 ms with 30.0 ms of TP all-reduces waited for (measured/predicted 1.00)" in \
         format_summary(summary)
+
+
+def test_measured_other_load_replaces_the_lagging_load_average() -> None:
+    # the 1-minute average still holds a job that ended before the run: 3.4 before it
+    load = RunLoad(start=3.4, end=2.3, ranks_here=2, cpus=2, calibrated=0.5, others_cpus=0.1)
+    assert load.others_run == pytest.approx(0.1) and not load.differs
+    assert "the prediction is for the calibrated state" not in format_summary(_summary(load))
+    assert RunLoad(start=0.2, end=1.1, ranks_here=2, cpus=2, others_cpus=-0.05).others_run == 0.0
+
+
+def test_cores_slower_than_calibrated_are_named_with_the_scaled_prediction() -> None:
+    # quiet machine, yet each step needed 1.40x the CPU time the plan counts: the cores were slower
+    load = RunLoad(start=0.2, end=2.1, ranks_here=2, cpus=2, calibrated=0.4, others_cpus=0.1, cpu_ratio=1.4)
+    assert load.speed_differs and not load.differs
+    text = format_summary(_summary(load))
+    assert "the run's ranks needed 1.40× the CPU time per step the prediction counts while other jobs took 0.1 cpus" \
+        in text
+    assert "the cores ran slower than when calibrated" in text
+    # the median pipeline step is 0.135 s; the prediction 0.1 s at the calibrated speed, 0.14 s at this run's
+    assert "at this run's it is 140.0 ms, measured/that 0.96" in text
+    for quiet_or_busy in (RunLoad(start=0.2, end=2.1, ranks_here=2, cpus=2, others_cpus=0.1, cpu_ratio=1.1),
+                          RunLoad(start=0.2, end=2.1, ranks_here=2, cpus=2, others_cpus=3.0, cpu_ratio=1.4)):
+        assert not quiet_or_busy.speed_differs   # within the tolerance, or other jobs explain it
+        assert "the cores ran" not in format_summary(_summary(quiet_or_busy))
+
+
+def test_the_host_busy_counter_grows_with_this_processs_work() -> None:
+    from lynx.runtime.report import host_busy_s
+
+    before = host_busy_s()
+    if before is None:
+        pytest.skip("this system keeps no /proc/stat")
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.2:
+        pass
+    assert host_busy_s() - before >= 0.1   # ticks of 10 ms; this process alone spent 0.2 s
+
+
+def test_measured_other_load_leaves_each_rank_its_core_share() -> None:
+    # 2 ranks on 2 cpus: other jobs may take 0.5 cpus (each rank keeps 75% of a core); 4 ranks on 2 cpus too
+    for ranks, others, busy in ((2, 0.4, False), (2, 0.7, True), (4, 0.7, True), (2, 5.0, True)):
+        load = RunLoad(start=0.0, end=0.0, ranks_here=ranks, cpus=2, others_cpus=others)
+        assert load.margin == pytest.approx(0.5) and load.differs is busy
+    load = RunLoad(start=0.0, end=2.0, ranks_here=2, cpus=2, others_cpus=0.7)
+    text = format_summary(_summary(load))
+    assert "other processes took 0.70 cpus while it trained" in text
+    assert "by more than the margin of 0.5 cpus (what leaves each rank 75% of its core share): other jobs took about " \
+           "0.7 cpus during this run, so its steps ran slower" in text
+    assert RunLoad(start=0.0, end=0.0, ranks_here=2, cpus=8, others_cpus=6.0).margin == pytest.approx(6.5)
