@@ -68,6 +68,10 @@ def one_run(case: tuple, steps: int, folder: Path, index: int, nice: int) -> dic
         "load_after": os.getloadavg()[0], "predicted_step_s": predicted, "step_s": summary["step_s"],
         "fastest_step_s": summary["fastest_step_s"], "median_ratio": summary["step_s"] / predicted,
         "fastest_ratio": summary["fastest_step_s"] / predicted,
+        # what the run summary measured beside the loads: other jobs' cpus (the host's CPU time less the
+        # run's) and the busiest rank's CPU time per step over the plan's busy time (the cores' speed)
+        "others_cpus": (summary.get("load") or {}).get("others_cpus"),
+        "cpu_ratio": (summary.get("load") or {}).get("cpu_ratio"),
         "hardware": next((line for line in out.splitlines() if line.startswith("hardware ")), ""),
         "nice": nice,
     }
@@ -94,7 +98,9 @@ def main() -> None:
                 print(f"{r['mesh']} ({r['planned_by']}) run {r['run']}: load {r['load_before']:.2f} → "
                       f"{r['load_after']:.2f}; predicted {r['predicted_step_s'] * 1e3:.1f} ms, measured median "
                       f"{r['step_s'] * 1e3:.1f} ms ({r['median_ratio']:.2f}, {ok(r['median_ratio'])}), fastest "
-                      f"{r['fastest_step_s'] * 1e3:.1f} ms ({r['fastest_ratio']:.2f}, {ok(r['fastest_ratio'])})",
+                      f"{r['fastest_step_s'] * 1e3:.1f} ms ({r['fastest_ratio']:.2f}, {ok(r['fastest_ratio'])})"
+                      + (f"; other jobs {r['others_cpus']:.2f} cpus" if r["others_cpus"] is not None else "")
+                      + (f"; CPU time per step {r['cpu_ratio']:.2f}× the plan's busy time" if r["cpu_ratio"] else ""),
                       flush=True)
     print(rows[0]["hardware"])
     if args.json:
