@@ -19,12 +19,14 @@ masks, norms). :func:`solve_heu_offload`:
    first (``SEEDED`` shares): at the tightest budgets a layer's matmul outputs fit on the host
    only beside its boundary (gpt-1.3b, pp 4, level 0.0: stage 0 exposes 24.2 ms instead of
    31.1 ms, OPT 21.9 ms);
-3. solves the recompute problem of the rest with the representative's first policy alone
-   (``quick``): the offloaded nodes saved nothing there (they are available, like kept values,
-   to what is recomputed from them) and the budget is smaller by what offloading can add to a
-   backward (:func:`lynx.solvers.offload.offload_overhead`). A stage solved again under the
-   same budget (the planner's next round) solves only what won before (that offload set, or
-   none), with every policy;
+3. ranks the sets by a quick estimate (:func:`_estimate`: what the rest must recompute at
+   least, on demand, plus the copy time), skips those whose rest's leanest plan cannot fit, and
+   solves the recompute problem of the rest for the ``SOLVED`` most promising, with every
+   policy: the offloaded nodes saved nothing there (they are available, like kept values, to
+   what is recomputed from them) and the budget is smaller by what offloading can add to a
+   backward (:func:`lynx.solvers.offload.offload_overhead`); a set that exposes nothing ends
+   the search. A stage solved again under the same budget (the planner's next round) solves
+   only what won before (that offload set, or none);
 4. joins the two, moves on demand what a window would recompute from a value that comes back
    only during the backward, checks the whole plan (validity, the memory model's peak with the
    copies pending, the host budget) and keeps the plan exposing least recompute plus copy time.
