@@ -37,8 +37,12 @@ from lynx.errors import LynxRuntimeError
 
 __all__ = ["spawn_world", "InjectedFailure"]
 
-# what every rank imports first: the fork server imports it once, each rank starts from a copy
-_PRELOAD = ["torch", "torch.distributed", "lynx.testing.world"]
+# what every rank imports first: the fork server imports it once, each rank starts from a copy.
+# Besides torch, what a rank that compiles and runs a Pipeline imports on its first capture
+# (torch.export's tracer: ~2 CPU-s per fresh interpreter) and Lynx's compiler and runtime; none
+# of them starts a thread, so forking after importing them is safe
+_PRELOAD = ["torch", "torch.distributed", "torch.export._trace", "lynx.compiler", "lynx.frontend.analyze",
+            "lynx.rewrite", "lynx.runtime", "lynx.testing.world"]
 
 
 class InjectedFailure(RuntimeError):
@@ -47,10 +51,11 @@ class InjectedFailure(RuntimeError):
 
 def _rank_context() -> Any:
     """The ``multiprocessing`` context ranks start in: a fork server that has imported torch
-    (a rank starts in ~0.1 s instead of the ~1.5 CPU-s a fresh interpreter takes to import it),
-    or spawn where there is no fork server (Windows). Like spawn, and unlike fork, no rank
-    inherits the parent's threads or CUDA state; unlike spawn it inherits the fork server's
-    environment, so the caller passes its own (:func:`_apply_environment`).
+    and torch.export's tracer (a rank starts in ~0.1 s instead of the ~4 CPU-s a fresh
+    interpreter takes to import them), or spawn where there is no fork server (Windows). Like
+    spawn, and unlike fork, no rank inherits the parent's threads or CUDA state; unlike spawn it
+    inherits the fork server's environment, so the caller passes its own
+    (:func:`_apply_environment`).
 
     >>> _rank_context().get_start_method() in ("forkserver", "spawn")
     True
