@@ -5,7 +5,8 @@ three on each stage (the last three kept), with windows of both kinds: part of m
 drops in its gradient window (the rest on demand), microbatch 1's in a forward's wait, and
 microbatch 2's in its gradient window. :func:`train` runs it under each schedule in turn
 (one :class:`lynx.runtime.Pipeline` each, sharing the world) and writes this rank's losses,
-gradients and statistics; :func:`train_then_fail` then has ranks disagree on the plan, and
+gradients and statistics; :func:`train_then_fail` then runs the user-loop cases of
+tests/runtime/test_user_pipeline.py's pp 2 x dp 2 layout, has ranks disagree on the plan, and
 finally injects a failure on rank 1.
 """
 
@@ -84,11 +85,16 @@ def train(out_dir: str, dp: int, plan: lynx.Plan, nodes, schedules) -> dict:
     return compiled
 
 
-def train_then_fail(out_dir: str, dp: int, plan: lynx.Plan, nodes, schedules) -> None:
-    """:func:`train`; then rank 1 brings another plan (every rank must refuse it); then rank 1
-    raises before its first step (writing when to ``out_dir/raised``) while the others wait
-    for it."""
+def train_then_fail(out_dir: str, dp: int, plan: lynx.Plan, nodes, schedules, user_cases=()) -> None:
+    """:func:`train`; then ``user_cases`` (tests/runtime/test_user_pipeline.py's pp 2 x dp 2 cases,
+    ``user_pipeline_worker.run_cases``: this world saves them a torchrun of their own); then rank 1
+    brings another plan (every rank must refuse it); then rank 1 raises before its first step
+    (writing when to ``out_dir/raised``) while the others wait for it."""
     compiled = train(out_dir, dp, plan, nodes, schedules)
+    if user_cases:
+        import user_pipeline_worker
+
+        user_pipeline_worker.run_cases(out_dir, 2, list(user_cases), exit_on_error=False)
     rank = torch.distributed.get_rank()
     try:
         lynx.runtime.Pipeline(compiled["gpipe" if rank == 1 else "1f1b"], exit_on_error=False)

@@ -1,7 +1,9 @@
 """Multi-process Pipeline × data parallel on gloo equals the single-process reference bitwise.
 
 One spawned world (pp 2 × dp 2) runs a hand-made plan with windows of both kinds under 1F1B
-and GPipe through :class:`lynx.runtime.Pipeline` (``pipeline_ranks.py``), then checks that
+and GPipe through :class:`lynx.runtime.Pipeline` (``pipeline_ranks.py``), then the user-loop
+cases of tests/runtime/test_user_pipeline.py's pp 2 × dp 2 layout (checked bitwise against
+PyTorch by its ``check_cases``: gpt-tiny interleaved and under an offloading plan), then checks that
 ranks holding different plans are refused before anything runs, and that a rank raising is
 named by the others quickly. Each replica's losses are compared with the single-process run
 of its own microbatches and dropout streams (replica 0's are what a pp 2 world without data
@@ -29,6 +31,7 @@ from lynx.testing import run_local, spawn_world
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pipeline_ranks as pr  # noqa: E402
+from test_user_pipeline import DP_CASES, check_cases  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,7 +116,7 @@ def _load(out: Path, world: int) -> list[dict]:
 
 def test_pp2_dp2_equals_reference_refuses_other_plans_and_names_a_failed_rank(tmp_path: Path) -> None:
     with pytest.raises(LynxRuntimeError, match="rank 1 failed: InjectedFailure: injected failure on rank 1") as info:
-        spawn_world(pr.train_then_fail, 4, str(tmp_path), 2, *_setup(2), timeout_s=240)
+        spawn_world(pr.train_then_fail, 4, str(tmp_path), 2, *_setup(2), DP_CASES, timeout_s=600)
     # every rank out within seconds of the raise: named at a wait's next slice, not after the
     # 20 s peer timeout of the failing Pipeline
     ended = time.time()
@@ -121,6 +124,8 @@ def test_pp2_dp2_equals_reference_refuses_other_plans_and_names_a_failed_rank(tm
     assert ended - raised < 15, f"the world took {ended - raised:.1f} s to end after rank 1 raised"
     assert "RankFailedError: rank 1 failed" in info.value.rank_errors[0]  # the survivor names who failed
     _check_equal(_load(tmp_path, 4), dp=2)
+    # the user-loop cases of pp 2 x dp 2 this world also ran: bitwise against PyTorch
+    check_cases(tmp_path, DP_CASES, nproc=4, pp=2)
     for r in range(4):
         refused = (tmp_path / f"refused{r}.txt").read_text()
         assert "compiled another plan than rank 0" in refused, f"rank {r} ran a plan rank 0 does not have"

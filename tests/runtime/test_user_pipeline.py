@@ -5,7 +5,8 @@ the same with attention (a plain GPT), ``transformers`` Qwen2 and Llama from con
 (``.loss``; eager attention: the sdpa path runs another program under torch.export, see
 tests/test_transformers_models.py) — and Lynx's gpt-tiny are compiled with an HEU plan that
 recomputes, trained 3 steps with AdamW from the user's loop under ``torchrun`` (2 processes:
-pp 2; 4 processes: pp 2 × dp 2) under 1F1B, interleaved 1F1B (2 chunks per rank) and ZB-H1
+pp 2; and 4 processes, pp 2 × dp 2, in tests/runtime/test_runtime_pipeline.py's spawned world:
+:data:`DP_CASES`) under 1F1B, interleaved 1F1B (2 chunks per rank) and ZB-H1
 (each backward split into its input- and weight-gradient graphs, lowered from one joint graph,
 the weight part deferred) — and, pp 2 × dp 2, gpt-tiny under a plan that offloads to host
 memory (copied after the forward, brought back in windows or inside the backward graph) —
@@ -29,7 +30,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 HERE = Path(__file__).parent
@@ -48,15 +48,18 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 240) -> subpr
 SCHEDULES = ("interleaved1f1b", "zbh1")
 
 
-def _cases(nproc: int) -> list[str]:
+# pp 2 × dp 2: gpt-tiny interleaved (data parallelism over a rank's two chunks, whose gradients
+# become final in different actions) and under 1F1B with a plan that offloads. The replicas'
+# reduction does not depend on the model (every parameter's gradient is summed then halved), so
+# pp 2 × dp 2 does not repeat the models pp 2 trains. They run in the pp 2 × dp 2 world of
+# tests/runtime/test_runtime_pipeline.py (pipeline_ranks.train_then_fail), checked there by
+# :func:`check_cases`: a world of 4 ranks of its own cost ~25 CPU-s of start-up.
+DP_CASES = ("gpt-tiny:interleaved1f1b", "gpt-tiny:1f1b+offload")
+
+
+def _cases() -> list[str]:
     """pp 2: the plain module and Qwen2 under 1F1B, and gpt-tiny, Llama and the plain GPT under
-    each of interleaved 1F1B and ZB-H1; pp 2 × dp 2: gpt-tiny interleaved (data parallelism over
-    a rank's two chunks, whose gradients become final in different actions) and under 1F1B with
-    a plan that offloads. The replicas' reduction does not depend on the model (every parameter's
-    gradient is summed then halved), so pp 2 × dp 2 does not repeat the models pp 2 trains: each
-    case is a compilation on all 4 ranks (~10 CPU-s)."""
-    if nproc > 2:
-        return ["gpt-tiny:interleaved1f1b", "gpt-tiny:1f1b+offload"]
+    each of interleaved 1F1B and ZB-H1 (each case is a compilation on both ranks)."""
     try:
         import transformers  # noqa: F401
         hf = True
@@ -67,21 +70,26 @@ def _cases(nproc: int) -> list[str]:
         "dropout:resume"]   # _check_dropout_resume's: sharing the world saves a launch
 
 
-@pytest.mark.parametrize("nproc,pp", [(2, 2), (4, 2)], ids=["pp2", "pp2xdp2"])
-def test_user_loop_matches_single_process_pytorch(tmp_path, nproc, pp):
-    cases = _cases(nproc)
-    run = torchrun(nproc, "user_pipeline_worker.py", str(tmp_path), str(pp), *cases, timeout=600)
+def test_user_loop_matches_single_process_pytorch(tmp_path):
+    cases = _cases()
+    run = torchrun(2, "user_pipeline_worker.py", str(tmp_path), "2", *cases, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    check_cases(tmp_path, cases, nproc=2, pp=2)
+
+
+def check_cases(out: Path, cases, *, nproc: int, pp: int) -> None:
+    """What each rank of a world of ``nproc`` wrote for ``cases`` (user_pipeline_worker.run_cases)
+    against single-process PyTorch (module docstring)."""
     dp = nproc // pp
     for case in cases:
         if case == "dropout:resume":
-            _check_dropout_resume(tmp_path)
+            _check_dropout_resume(out)
             continue
         kind, schedule = case.split(":")
         losses, grads, params = um.reference(kind, dp)
         seen: set[str] = set()
         for rank in range(nproc):
-            got = torch.load(tmp_path / f"{kind}.{schedule}.rank{rank}.pt", weights_only=False)
+            got = torch.load(out / f"{kind}.{schedule}.rank{rank}.pt", weights_only=False)
             where = f"{kind} {schedule} rank {rank}"
             if schedule.endswith("+offload"):
                 assert got["offloaded"] > 0, f"{where}: the plan offloads nothing"

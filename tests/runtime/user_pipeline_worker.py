@@ -26,10 +26,19 @@ import user_models as um  # noqa: E402
 def main() -> None:
     out_dir, pp, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     torch.set_num_threads(1)
-    world = int(os.environ["WORLD_SIZE"])
     # several pipelines in one process: the script owns the process group (a Pipeline that
     # creates it destroys it on close, and torchrun's store cannot host a second one)
     dist.init_process_group("gloo")
+    run_cases(out_dir, pp, cases)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
+    """Every case in turn in the world already made (this script's under torchrun, or a spawned
+    one: tests/runtime/pipeline_ranks.py runs the pp 2 x dp 2 cases in its world);
+    ``pipe_options`` go to each ``Pipeline``."""
+    world = dist.get_world_size()
     for case in cases:
         kind, schedule = case.split(":")
         if case == "dropout:resume":   # issue 22, finding 8: in this world, not a torchrun of its own
@@ -47,7 +56,7 @@ def main() -> None:
         compiled = own if own is not None else um.compile_with(model, example, plan[0])
         recomputed = sum(d.action == "recompute" for s in compiled.plan.stages for d in s.decisions)
         offloaded = sum(d.action == "offload" for s in compiled.plan.stages for d in s.decisions)
-        pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, trace=True)
+        pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, trace=True, **pipe_options)
         opt = um.optimizer(pipe.parameters())
         losses, grads, stats = [], {}, []
         read = {n for chunk in pipe.chunks.values() for n in chunk.spec.inputs}
@@ -78,8 +87,6 @@ def main() -> None:
             os.path.join(out_dir, f"{kind}.{schedule}.rank{pipe.rank}.pt"),
         )
         pipe.close()
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
