@@ -3,9 +3,10 @@
 Runs ``lynx.calibrate.calibrate_host`` (``--runs`` times, in this process) with hooks that
 record, without changing what is measured:
 
-* per step of the progress (the links, the captures while the ranks prepare, each repeat,
-  the runtime and the check, the TP stage): its wall seconds and this process's CPU seconds;
-* per forked process (the links' and the ladder's ranks, and every
+* per step of the progress (the captures while the ranks prepare, each repeat, the runtime,
+  the pp link and the check, the TP stage and the tp link's ladder): its wall seconds and this
+  process's CPU seconds;
+* per forked process (the links' and the ladder's ranks where forked (a GPU), and every
   :class:`lynx.calibrate.forked.Staged` one: the standalone figures, the runtime's and the TP
   stage's ranks, the check): when it prepared and when it ended, the wall and CPU seconds
   (all its threads) from its fork to being prepared, and from being let go to its end.

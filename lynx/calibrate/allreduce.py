@@ -2,8 +2,10 @@
 
 A TP stage's generated code issues ``_c10d_functional.all_reduce`` and later waits for it with
 ``_c10d_functional.wait_tensor`` (:mod:`lynx.frontend.joint_tp`); the time between the two, on
-a rank's main thread, is what the timeline prices as a ``tp_allreduce``. Two processes forked
-from this one (gloo on a ``FileStore`` of their own) run exactly those two ops back to back, a
+a rank's main thread, is what the timeline prices as a ``tp_allreduce``. Two processes on a
+gloo group (:func:`measure_allreduce` forks them, on a ``FileStore`` of their own; ``lynx
+calibrate`` uses the two ranks that time a TP stage, :mod:`lynx.calibrate.tp_stage`, once they
+have: :func:`ladder_trips`) run exactly those two ops back to back, a
 ladder of sizes (:data:`LADDER_BYTES`, spanning a small model's activations to a large one's),
 and per repeat keep each size's fastest trip: a trip needs both processes on a core at once,
 other load only ever delays it, so the fastest trip is the collective's own cost — the
@@ -46,7 +48,7 @@ from lynx.calibrate.forked import collect, staged_rank, why_not
 from lynx.errors import LynxRuntimeError
 from lynx.planner.hardware import PHYSICAL_RANGES, LinkSpec
 
-__all__ = ["LADDER_BYTES", "measure_allreduce", "fit_allreduce", "allreduce_link"]
+__all__ = ["LADDER_BYTES", "measure_allreduce", "ladder_trips", "fit_allreduce", "allreduce_link"]
 
 # 4 KiB to 2 MiB: gpt-tiny's activations (32-128 KiB) in the middle, a few large ones for β
 LADDER_BYTES = (4096, 32768, 262144, 2097152)
@@ -118,15 +120,20 @@ def _worker(rank: int, gate: None, store_path: str, repeats: int, trips: int, si
                             timeout=datetime.timedelta(seconds=timeout_s))
     world = dist.group.WORLD
     assert world is not None  # just initialised
-    name = world.group_name
+    out = ladder_trips(world.group_name, repeats, trips, sizes)
+    return out if rank == 0 else None
+
+
+def ladder_trips(group_name: str, repeats: int = 5, trips: int = 40,
+                 sizes: Sequence[int] = LADDER_BYTES) -> list[list[float]]:
+    """Per repeat, per size of ``sizes`` (bytes), the fastest of ``trips`` functional all-reduces
+    on the gloo group named ``group_name`` (every rank of it calls this). The tensor-parallel
+    ranks of :mod:`lynx.calibrate.tp_stage` call it on their own group once the stage is timed."""
     buffers = [torch.ones(max(1, n // 4)) for n in sizes]
     for buf in buffers:  # warm-up: connections, gloo's buffers, the ops' dispatch
         for _ in range(3):
-            _trip(buf, name)
-    out = []
-    for _ in range(repeats):
-        out.append([min(_trip(buf, name) for _ in range(trips)) for buf in buffers])
-    return out if rank == 0 else None
+            _trip(buf, group_name)
+    return [[min(_trip(buf, group_name) for _ in range(trips)) for buf in buffers] for _ in range(repeats)]
 
 
 def _trip(buf: torch.Tensor, group_name: str) -> float:

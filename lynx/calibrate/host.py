@@ -16,7 +16,11 @@ may be off by more than 10% and why, the time taken and the load average before 
 The ranks that measure the runtime and a TP stage fork early and trace their
 stages while this process captures the references (the captures use one core), as does the
 process that times the 64 × 8 reference's generated graphs for the check; all wait to measure
-until nothing else runs (:class:`lynx.calibrate.forked.Staged`). The figures no capture feeds
+until nothing else runs (:class:`lynx.calibrate.forked.Staged`). The links are timed by those
+ranks too, after their own measurement: the runtime's two (a core each) time the pp/dp link's
+round trips, the TP stage's two the tp link's all-reduce ladder, so no pair of processes is
+forked, joined into a group and torn down for them (that took ~2.5 s, with this process idle,
+before the captures began). The figures no capture feeds
 (an eager op, the dtype matmuls, the host copies) are timed by a process forked as the
 captures begin, on the core the first capture leaves idle (:mod:`lynx.calibrate.standalone`).
 
@@ -47,7 +51,7 @@ from lynx.units import format_size
 from lynx.errors import LynxRuntimeError
 from lynx.planner.hardware import HARDWARE_PRESETS, RELIABLE_SPREAD, Calibration, HardwareSpec, LinkSpec
 
-__all__ = ["calibrate_host", "unreliable_figures", "STARVED_SHARE"]
+__all__ = ["calibrate_host", "unreliable_figures", "STARVED_SHARE", "LINK_REPEATS_PER_REPEAT"]
 
 
 def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None = None) -> HardwareSpec:
@@ -76,6 +80,12 @@ def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None =
         cpu_share={m.name: round(m.cpu_share, 3) for m in measured if m.cpu_share is not None},
         unreliable=unreliable_figures(measured, max(load_before, load_after), cpus), notes=notes)
     return HardwareSpec(**fields, calibration=calibration)
+
+
+# The pp link's round trips are timed in this many repeats per calibration repeat, each of
+# lynx.calibrate.links.CALIBRATION_SMALL_TRIPS 1-element trips and 50 of 1 MiB: β is their
+# median, which over 10 repeats wanders half as much as over 5 (~0.3 s of trips in all)
+LINK_REPEATS_PER_REPEAT = 2
 
 
 # Below this share of a core in every repeat, CPU time itself is inflated: at load 12-18 on 2
@@ -121,20 +131,12 @@ def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict
 
 # ------------------------------------------------------------------------------- CPU
 def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
-    from lynx.calibrate.allreduce import LADDER_BYTES, allreduce_link, measure_allreduce
     from lynx.calibrate.cpu import ReferenceModel, start_generated_graphs_s
-    from lynx.calibrate.links import measure_link
     from lynx.calibrate.runtime import start_runtime_action_s
     from lynx.calibrate.standalone import start_standalone
     from lynx.calibrate.tp_stage import TP_REPEATS, start_tp_stage_s
 
-    say.total(4 + repeats)
-    ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
-    say.step("gloo between two processes: pp/dp link (1-element and 1 MiB round trips), tp link (all-reduces "
-             f"of {ladder})")
-    # first: the workers fork before any thread pool exists
-    alphas, betas = measure_link("gloo", repeats=repeats)
-    tp_link, tp_fits = allreduce_link(measure_allreduce(repeats=repeats))
+    say.total(3 + repeats)
     torch.set_num_threads(1)
     say.step("capturing the references: gpt-tiny at seq 4 × 1 in 2 stages and tp 2, then at seq 64 × 8, while "
              "a process times an eager op, matmul dtypes and host copies and the runtime's and the TP stage's "
@@ -145,20 +147,23 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
         small = ReferenceModel(seq=4, microbatch=1, pp=2)
         sharded = small.layout(tp=2)   # the same capture and profile, planned for pp 1 × tp 2
         # the forked ranks build and trace their stages (seconds of CPU, nothing timed) on the
-        # other core, then wait to measure until nothing else runs here
-        runtime_ranks = ranks.enter_context(start_runtime_action_s(small, repeats=repeats))
-        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=min(repeats, TP_REPEATS), runs=3))
+        # other core, then wait to measure until nothing else runs here. They time the links
+        # too, once they have measured: the pp/dp link's round trips the runtime's (a core each),
+        # the tp link's all-reduce ladder the TP stage's (no pair of processes forked for them)
+        runtime_ranks = ranks.enter_context(start_runtime_action_s(small, repeats=repeats,
+                                                                   link_repeats=LINK_REPEATS_PER_REPEAT * repeats))
+        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=min(repeats, TP_REPEATS), runs=3,
+                                                        ladder_repeats=repeats))
         reference = ReferenceModel()
         # the check's timing of the reference's generated graphs: traced in a process of its own
         check = ranks.enter_context(start_generated_graphs_s(reference, runs=3))
         small.one_stage()   # its trace, before any timed run
         runtime_ranks.wait_prepared(), tp_ranks.wait_prepared(), check.wait_prepared()
         return _measure_cpu_figures(repeats, say, reference, small, (runtime_ranks, tp_ranks, check, standalone),
-                                    (alphas, betas), (tp_link, tp_fits), sharded)
+                                    sharded)
 
 
-def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: Any, started: tuple,
-                         pp_link: tuple, tp_measured: tuple, sharded: Any
+def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: Any, started: tuple, sharded: Any
                          ) -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     """The CPU figures from the references and the prepared processes (:func:`_measure_cpu`)."""
     from lynx.calibrate.cpu import OPTIMIZERS, generated_graphs_results, generated_graphs_s, generated_op_overhead_s
@@ -169,7 +174,9 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
     from lynx.calibrate.standalone import standalone_results
     from lynx.calibrate.tp_stage import per_collective_s, priced_stage_s, tp_stage_results
 
-    (alphas, betas), (tp_link, tp_fits), (runtime_ranks, tp_ranks, check, standalone) = pp_link, tp_measured, started
+    from lynx.calibrate.allreduce import allreduce_link
+
+    runtime_ranks, tp_ranks, check, standalone = started
     ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
     m = {name: Repeated(name) for name in (
         "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
@@ -201,29 +208,40 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
              "rng_s_per_element": m["rng_s_per_element"].median}
     for t, share in zip(small_s.values, small_s.cpu_shares):
         m["op_overhead_s"].add(generated_op_overhead_s(small, rates, t), share)
-    say.step("lynx.runtime.Pipeline on 2 processes: the runtime's own work per action; a check")
+    say.step("lynx.runtime.Pipeline on 2 processes: the runtime's own work per action, then the pp/dp link "
+             "between them (1-element and 1 MiB round trips); a check")
     reference_s = generated_graphs_results(check)
-    main, threads = runtime_action_results(small, runtime_ranks)
+    main, threads, pp_link = runtime_action_results(small, runtime_ranks)
     for a, b in zip(main, threads):
         m["runtime_action_s"].add(a + b)
+    assert pp_link is not None   # asked for (start_runtime_action_s's link_repeats)
+    alphas, betas = pp_link
     # β: the median repeat, not the best. Pinned to two cores (lynx.calibrate.forked.pin_to_core),
     # a 1 MiB trip's repeats sat at 3.6-4.3 GB/s with now and then one at ~7.5 (the hypervisor
-    # putting the two vCPUs where they share a cache, for a moment): the best repeat took the blip
+    # putting the two vCPUs where they share a cache, for a moment): the best repeat took the blip.
+    # Over twice as many repeats (LINK_REPEATS_PER_REPEAT), each of half the small trips: one
+    # repeat's fastest 1 MiB trip varies ±15% repeat to repeat even on a quiet machine, and
+    # three calibrations' medians of 5 read 5.82, 5.78 and 4.96 GB/s; split in halves, twelve runs'
+    # 10 repeats gave medians of 5 within 3.5% of each other (p90 9.7%), the best repeat 6.4% (15%)
     alpha, beta = Repeated("links.alpha_s", alphas, best="min"), Repeated("links.beta_bytes_per_s", betas)
     link = LinkSpec(alpha_s=alpha.value, beta_bytes_per_s=beta.value)
     fields = {
         "name": f"{socket.gethostname()}-cpu", "device": "cpu",
         "peak_flops": {d: m[f"peak_flops.{d}"].median for d in ("float32", "bfloat16", "float16")},
         "achievable_fraction": 1.0, "memory_bandwidth": m["memory_bandwidth"].median,
-        "memory_bytes": _physical_memory(), "links": {"pp": link, "tp": tp_link, "dp": link},
+        "memory_bytes": _physical_memory(), "links": {"pp": link, "dp": link},   # tp: after its stage
         "op_overhead_s": m["op_overhead_s"].value, "rng_s_per_element": m["rng_s_per_element"].median,
         "optimizer_s_per_param": {o: m[f"optimizer_s_per_param.{o}"].value for o in OPTIMIZERS},
         "host_link": {**{k.split(".", 1)[1]: m[k].median for k in _HOST_LINK}, "synchronous": True},
         "host_memory_bytes": _physical_memory() // 2,
         "runtime_action_s": m["runtime_action_s"].value,
     }
-    say.step("a tensor-parallel stage on 2 processes: what its collectives cost beyond the all-reduces alone")
-    stage_walls = tp_stage_results(sharded, tp_ranks)
+    say.step("a tensor-parallel stage on 2 processes: what its collectives cost beyond the all-reduces alone; "
+             f"then the tp link between them (all-reduces of {ladder})")
+    stage_walls, tp_ladder = tp_stage_results(sharded, tp_ranks)
+    assert tp_ladder is not None   # asked for (start_tp_stage_s's ladder_repeats)
+    tp_link, tp_fits = allreduce_link(tp_ladder)
+    fields["links"] = {"pp": link, "tp": tp_link, "dp": link}
     priced, collectives = priced_stage_s(sharded, HardwareSpec(**fields))
     extra = [per_collective_s(w, priced, collectives) for w in stage_walls]
     # a ring all-reduce over 2 ranks pays 2 α (lynx.planner.cost.allreduce_time): the per-collective
@@ -250,8 +268,10 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
              f"{max(threads) * 1e6:.0f} µs in its other threads (p2p waiters, gloo), each rank on a core of its "
              "own; the least sum is the figure",
              "links: gloo between two processes of this host; pp and dp: point-to-point round trips between "
-             "processes on cores of their own, α the fastest repeat, β the median; tp: the functional all-reduce "
-             "and its wait as a TP stage's generated code runs them, per size "
+             f"the runtime's two processes on cores of their own once it is timed, {len(alphas)} repeats of "
+             "the fastest of 100 1-element and 50 1 MiB trips, α the fastest repeat, β the median; tp: the "
+             "functional all-reduce and its wait as a TP stage's generated code runs them, by its two processes "
+             "once the stage is timed, per size "
              f"({ladder}) the fastest of 40 per repeat, α + n/β fitted to the repeats' medians (α "
              f"{tp_link.alpha_s * 1e6:.1f} µs, a 32 KiB all-reduce {allreduce_time(32768, 2, tp_link) * 1e6:.0f} µs), "
              f"and α raised by half of what each collective costs inside a TP stage beyond that: gpt-tiny at seq "

@@ -12,6 +12,11 @@ scheduler they sometimes shared a core, and β read 4.7 GB/s in one calibration 
 next; pinned, five repeats' fastest trips agree within 5% and the fastest of 50 large (200
 small) trips is the fastest of 100 (400). For NCCL they are spawned, one per GPU.
 
+``lynx calibrate`` on a CPU forks no pair for it: the two pipeline ranks that measure the
+runtime (:mod:`lynx.calibrate.runtime`, a core each) run :func:`link_trips` on a gloo group of
+their own once their steps are timed, which saves the fork, the group and the teardown of a
+pair of their own (~1 s of a 2-core calibration's critical path) and times the same trips.
+
 Example::
 
     >>> from lynx.calibrate.links import measure_link
@@ -35,7 +40,12 @@ import torch.distributed as dist
 from lynx.calibrate.forked import collect, pin_to_core, staged_rank, why_not
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["measure_link"]
+__all__ = ["measure_link", "link_trips", "CALIBRATION_SMALL_TRIPS"]
+
+# 1-element round trips per repeat in ``lynx calibrate`` (its repeats are twice as many, for a
+# steadier median β: lynx.calibrate.host.LINK_REPEATS_PER_REPEAT); α, the fastest of all of
+# them, still sees 1000 trips
+CALIBRATION_SMALL_TRIPS = 100
 
 
 def measure_link(backend: str, repeats: int = 5, small_trips: int = 200, large_trips: int = 50,
@@ -71,6 +81,17 @@ def _worker(rank: int, gate: None, backend: str, store_path: str, repeats: int, 
     else:
         device = torch.device("cpu")
         group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    alphas, betas = link_trips(group, rank, repeats, small_trips, large_trips, large_numel, device)
+    return (alphas, betas) if rank == 0 else None
+
+
+def link_trips(group: Any, rank: int, repeats: int = 5, small_trips: int = 200, large_trips: int = 50,
+               large_numel: int = 2**18, device: torch.device | None = None) -> tuple[list[float], list[float]]:
+    """Per repeat, ``(alpha_s, beta_bytes_per_s)`` timed on ``group`` (a process group of two,
+    ``rank`` being 0 or 1; both ranks call it): α half the fastest of ``small_trips`` 1-element
+    round trips, β a ``large_numel``-float message's fastest one way beyond α. The pipeline
+    ranks of :mod:`lynx.calibrate.runtime` call it on their own group once their steps are done."""
+    device = device or torch.device("cpu")
     small, large = torch.zeros(1, device=device), torch.zeros(large_numel, device=device)
     peer = 1 - rank
     alphas, betas = [], []
@@ -81,7 +102,7 @@ def _worker(rank: int, gate: None, backend: str, store_path: str, repeats: int, 
         one_way = _fastest_trip(group, large, peer, rank, large_trips, device) / 2
         alphas.append(alpha)
         betas.append(large.numel() * large.element_size() / max(one_way - alpha, 1e-9))
-    return (alphas, betas) if rank == 0 else None
+    return alphas, betas
 
 
 def _fastest_trip(group, buf: torch.Tensor, peer: int, rank: int, trips: int, device: torch.device) -> float:

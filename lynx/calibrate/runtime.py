@@ -42,17 +42,28 @@ Example (forks two processes; a few seconds)::
 
 from __future__ import annotations
 
+import datetime
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from lynx.calibrate.cpu import ReferenceModel
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["runtime_action_s", "start_runtime_action_s", "runtime_action_results", "graphs_alone"]
+__all__ = ["runtime_action_s", "start_runtime_action_s", "runtime_action_results", "RuntimeMeasured", "graphs_alone"]
+
+
+class RuntimeMeasured(NamedTuple):
+    """What the ranks of :func:`start_runtime_action_s` measured: per repeat, the runtime's
+    main-thread and other-thread seconds per action; and the link's ``(alphas, betas)`` per
+    repeat (:func:`lynx.calibrate.links.link_trips`), or None when not asked for."""
+
+    main: list[float]
+    threads: list[float]
+    link: tuple[list[float], list[float]] | None
 
 
 def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8, warmups: int = 2,
@@ -60,14 +71,18 @@ def runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8
     """Per repeat: the runtime's main-thread seconds per action of a rank's list, and its other
     threads' CPU seconds per action (module docstring). Needs ``fork`` (Linux, macOS)."""
     with start_runtime_action_s(reference, repeats, steps, warmups, timeout_s) as started:
-        return runtime_action_results(reference, started)
+        measured = runtime_action_results(reference, started)
+    return measured.main, measured.threads
 
 
 def start_runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: int = 8, warmups: int = 2,
-                           timeout_s: float = 120.0) -> Any:
+                           timeout_s: float = 120.0, link_repeats: int = 0) -> Any:
     """Fork the two ranks: they build the pipeline and run its ``warmups`` steps (the traces),
     then wait for :func:`runtime_action_results` to let them measure
-    (:class:`lynx.calibrate.forked.Staged`)."""
+    (:class:`lynx.calibrate.forked.Staged`); with ``link_repeats``, they time the gloo link
+    between them after their steps, ``link_repeats`` repeats (:mod:`lynx.calibrate.links`):
+    two processes on a core each, as the link's own ranks were, without forking and joining
+    a group for it (~1 s of a calibration)."""
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring the runtime's own cost forks two ranks of this process; this platform "
                                "has no fork")
@@ -76,10 +91,10 @@ def start_runtime_action_s(reference: ReferenceModel, repeats: int = 5, steps: i
 
     compiled = reference.compiled
     return Staged(_worker, compiled.config.pp, (compiled.config.pp, free_port(), compiled, repeats, steps, warmups,
-                                                 timeout_s), timeout_s)
+                                                 timeout_s, link_repeats), timeout_s)
 
 
-def runtime_action_results(reference: ReferenceModel, started: Any) -> tuple[list[float], list[float]]:
+def runtime_action_results(reference: ReferenceModel, started: Any) -> RuntimeMeasured:
     """What the ranks of :func:`start_runtime_action_s` measured, per repeat and per action."""
     from lynx.planner.schedule import list_actions
 
@@ -94,10 +109,11 @@ def runtime_action_results(reference: ReferenceModel, started: Any) -> tuple[lis
     if errors or len(results) != pp:
         raise LynxRuntimeError(f"could not run lynx.runtime.Pipeline on {pp} processes to measure its own cost: "
                                f"{errors or 'a rank sent no result'}")
-    repeats = len(results[0])
-    main = [statistics.mean(results[s][r][0] / actions[s] for s in range(pp)) for r in range(repeats)]
-    threads = [statistics.mean(results[s][r][1] / actions[s] for s in range(pp)) for r in range(repeats)]
-    return main, threads
+    steps = {s: results[s][0] for s in range(pp)}
+    repeats = len(steps[0])
+    main = [statistics.mean(steps[s][r][0] / actions[s] for s in range(pp)) for r in range(repeats)]
+    threads = [statistics.mean(steps[s][r][1] / actions[s] for s in range(pp)) for r in range(repeats)]
+    return RuntimeMeasured(main, threads, results[0][1])
 
 
 class _GraphClock:
@@ -128,10 +144,12 @@ class _GraphClock:
 
 
 def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats: int, steps: int, warmups: int,
-            timeout_s: float) -> list[tuple[float, float]]:
+            timeout_s: float, link_repeats: int = 0) -> tuple[list[tuple[float, float]], Any]:
     """One rank (:func:`lynx.calibrate.forked.staged_rank` runs it): the pipeline and its
     warm-up steps; then, once let go, per repeat the least main-thread CPU seconds of a step
-    outside its graph calls, and the least other-thread CPU seconds of a step."""
+    outside its graph calls, and the least other-thread CPU seconds of a step; then (with
+    ``link_repeats``) the gloo link's round trips between the two ranks, each on its core
+    (:func:`lynx.calibrate.links.link_trips`; rank 0 returns them)."""
     import lynx
     from lynx.calibrate.forked import GO_WAIT_S, pin_to_core, rank_env
 
@@ -156,8 +174,20 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
             cpu, process = time.thread_time() - cpu, time.process_time() - process
             main, threads = min(main, max(0.0, cpu - graphs.seconds)), min(threads, max(0.0, process - cpu))
         out.append((main, threads))
+    link = None
+    if link_repeats and world == 2:
+        import torch.distributed as dist
+
+        from lynx.calibrate.links import CALIBRATION_SMALL_TRIPS, link_trips
+        from lynx.torch_private import default_store
+
+        # a gloo group of the two ranks' own, as lynx.calibrate.links makes it (the pipeline's
+        # store, a prefix of its own): the same point-to-point calls on the same kind of group
+        store = dist.PrefixStore("lynx-calibrate-link", default_store())
+        group = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=timeout_s))
+        link = link_trips(group, rank, link_repeats, small_trips=CALIBRATION_SMALL_TRIPS)
     pipe.close()
-    return out
+    return out, (link if rank == 0 else None)
 
 
 def graphs_alone(stage: Any, inputs: dict[str, torch.Tensor], m: int) -> Any:

@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from lynx.calibrate.cpu import ReferenceModel
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "priced_stage_s", "per_collective_s", "TP_REPEATS"]
+__all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "TPMeasured", "priced_stage_s", "per_collective_s",
+           "TP_REPEATS"]
 
 # repeats of the stage in a calibration: a run takes ~0.13 s on 2 cores, so 5 repeats of the
 # fastest of 3 took 2.3 s of a 20 s calibration; 3 keep the fastest of 3 per repeat and the
@@ -48,17 +49,29 @@ __all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "priced_stage_s
 TP_REPEATS = 3
 
 
+class TPMeasured(NamedTuple):
+    """What rank 0 of :func:`start_tp_stage_s` measured: per repeat, the fastest run's seconds;
+    and the all-reduce ladder per repeat and size (:func:`lynx.calibrate.allreduce.ladder_trips`),
+    or None when not asked for."""
+
+    walls: list[float]
+    ladder: list[list[float]] | None
+
+
 def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0) -> list[float]:
     """Per repeat, the fastest of ``runs`` wall seconds of the TP reference's generated forwards
     and backwards (all its microbatches) on rank 0 of two forked processes. Needs ``fork``."""
     with start_tp_stage_s(reference, repeats, runs, timeout_s) as started:
-        return tp_stage_results(reference, started)
+        return tp_stage_results(reference, started).walls
 
 
-def start_tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0) -> Any:
-    """Fork the two ranks: they build the TP stage and trace it (the first run, ~5 s of CPU
+def start_tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0,
+                     ladder_repeats: int = 0) -> Any:
+    """Fork the two ranks: they build the TP stage and trace it (the first run, ~3 s of CPU
     each), then wait for :func:`tp_stage_results` to let them time it
-    (:class:`lynx.calibrate.forked.Staged`)."""
+    (:class:`lynx.calibrate.forked.Staged`); with ``ladder_repeats``, they time the all-reduce
+    ladder on their group after the stage (:mod:`lynx.calibrate.allreduce`), without forking
+    and joining a group for it."""
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring a tensor-parallel stage forks two ranks of this process; this platform "
                                "has no fork")
@@ -66,11 +79,12 @@ def start_tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5,
     from lynx.runtime.topology import free_port
 
     tp = reference.compiled.config.tp
-    return Staged(_worker, tp, (tp, free_port(), reference.compiled, repeats, runs, timeout_s), timeout_s)
+    return Staged(_worker, tp, (tp, free_port(), reference.compiled, repeats, runs, timeout_s, ladder_repeats),
+                  timeout_s)
 
 
-def tp_stage_results(reference: ReferenceModel, started: Any) -> list[float]:
-    """What rank 0 of :func:`start_tp_stage_s` measured: per repeat, the fastest run's seconds."""
+def tp_stage_results(reference: ReferenceModel, started: Any) -> TPMeasured:
+    """What rank 0 of :func:`start_tp_stage_s` measured (:class:`TPMeasured`)."""
     from lynx.calibrate.forked import why_not
 
     items, missing = started.results()
@@ -79,7 +93,7 @@ def tp_stage_results(reference: ReferenceModel, started: Any) -> list[float]:
     if errors or 0 not in results:
         raise LynxRuntimeError(f"could not run a tensor-parallel stage on {reference.compiled.config.tp} processes "
                                f"to time its collectives: {errors or 'rank 0 sent no result'}")
-    return results[0]
+    return TPMeasured(*results[0])
 
 
 def priced_stage_s(reference: ReferenceModel, spec: Any) -> tuple[float, int]:
@@ -116,9 +130,11 @@ def per_collective_s(measured_s: float, priced_s: float, collectives: int) -> fl
 
 
 def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats: int, runs: int,
-            timeout_s: float) -> list[float]:
+            timeout_s: float, ladder_repeats: int = 0) -> tuple[list[float], Any]:
     """One rank (:func:`lynx.calibrate.forked.staged_rank` runs it): its stage, traced; then,
-    once let go, per repeat the fastest wall seconds of its stage's graphs alone."""
+    once let go, per repeat the fastest wall seconds of its stage's graphs alone; then (with
+    ``ladder_repeats``) the all-reduce ladder on the ranks' gloo group
+    (:func:`lynx.calibrate.allreduce.ladder_trips`; rank 0 returns it)."""
     import torch.distributed as dist
 
     import lynx
@@ -143,5 +159,12 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
             graphs()
             best = min(best, time.perf_counter() - start)
         out.append(best)
+    ladder = None
+    if ladder_repeats:
+        from lynx.calibrate.allreduce import ladder_trips
+
+        world_group = dist.group.WORLD
+        assert world_group is not None   # the pipeline's default group
+        ladder = ladder_trips(world_group.group_name, ladder_repeats)
     pipe.close()
-    return out
+    return out, (ladder if rank == 0 else None)

@@ -36,8 +36,10 @@ __all__ = ["LinkSpec", "Calibration", "CoreShare", "HardwareSpec", "HARDWARE_PRE
 # sharded stage, the runtime's own work per action; 3: the runtime's work timed inside the step
 # (not a step less its graphs run alone), the pp link's ranks pinned to a core each, β the median;
 # 4: the eager op, the dtype matmuls and the host copies timed in a process beside the first
-# capture (lynx.calibrate.standalone), the TP stage 3 repeats of the fastest of 3 (was 5).
-CALIBRATION_METHOD = 4
+# capture (lynx.calibrate.standalone), the TP stage 3 repeats of the fastest of 3 (was 5);
+# 5: the links timed by the runtime's and the TP stage's ranks after their own measurement (no
+# pair forked for them), β the median of twice as many repeats (10, each of 100 small trips).
+CALIBRATION_METHOD = 5
 
 # A measured figure is repeatable when every repeat is within ±10% of the repeats' median (for a
 # best-of-repeats figure: its two best repeats within 10%); `lynx calibrate` flags the others.
