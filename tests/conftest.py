@@ -36,13 +36,49 @@ SLOW = (
 )
 
 
+# The files that take longest (worker seconds, measured quietly with --durations=0), longest
+# first. The two xdist workers take files in collection order (pyproject's addopts turn off
+# xdist's default reordering, which put the most *numerous* files first and so the long
+# one-test files last): longest first, the workers end within about one short file of each
+# other instead of one idling while the other runs a minute-long file. Only the order changes.
+LONGEST_FIRST = (
+    "tests/examples/test_train_gpt_launches.py",
+    "tests/examples/test_train_gpt.py",
+    "tests/runtime/test_user_pipeline.py",
+    "tests/runtime/test_tp_pipeline.py",
+    "tests/runtime/test_runtime_pipeline.py",
+    "tests/test_train_your_model_doc.py",
+    "tests/runtime/test_user_pipeline_failures.py",
+    "tests/test_doctests.py",
+    "tests/test_calibrate.py",
+    "tests/test_profile.py",
+    "tests/test_offload_runtime.py",
+    "tests/test_graph.py",
+    "tests/test_gpu_check.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        path = Path(str(item.path)).resolve()
-        rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+        rel = _rel(item)
         nodeid = rel + item.nodeid[item.nodeid.find("::"):] if "::" in item.nodeid else rel
         if any(nodeid.startswith(prefix) for prefix in SLOW):
             item.add_marker(pytest.mark.slow)
+    # the long files first, then the other files that start processes, then the rest; stable:
+    # every file's tests stay together and in their order
+    items.sort(key=lambda item: _file_rank(_rel(item)))
+
+
+def _rel(item: pytest.Item) -> str:
+    path = Path(str(item.path)).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+
+
+def _file_rank(rel: str) -> int:
+    if rel in LONGEST_FIRST:
+        return LONGEST_FIRST.index(rel)
+    starts_processes = any(rel.startswith(prefix.split("::")[0]) for prefix in SLOW)
+    return len(LONGEST_FIRST) + (0 if starts_processes else 1)
 
 
 @pytest.fixture(autouse=True, scope="session")
