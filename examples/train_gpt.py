@@ -243,8 +243,9 @@ def make_plan(args: argparse.Namespace, settings: dict[str, Any], device: torch.
 
 
 def run_meta(args: argparse.Namespace, plan: Any, settings: dict[str, Any], lr: float) -> dict[str, Any]:
-    """What a checkpoint records about the run (and what a resume must share with it)."""
-    return {
+    """What a checkpoint records about the run (and what a resume must share with it); with
+    ``plan`` None, what is known before planning (all but the plan's fields)."""
+    meta = {
         "model": args.model,
         "model_dims": {"seq": args.seq, "microbatch": args.microbatch},
         "pp": settings["pp"],
@@ -254,11 +255,15 @@ def run_meta(args: argparse.Namespace, plan: Any, settings: dict[str, Any], lr: 
         "optimizer": settings["optimizer"],
         "seed": args.seed,
         "lr": lr,
-        "stage_layers": [sp.layers for sp in plan.stages],
-        "plan_fingerprint": plan.fingerprint,
-        "solver": plan.solver,
-        "memory_budget": plan.config.get("memory_budget"),
     }
+    if plan is not None:
+        meta.update({
+            "stage_layers": [sp.layers for sp in plan.stages],
+            "plan_fingerprint": plan.fingerprint,
+            "solver": plan.solver,
+            "memory_budget": plan.config.get("memory_budget"),
+        })
+    return meta
 
 
 _LOCK: Any = None   # rank 0's lock on --checkpoint-dir, held until the process ends
@@ -273,9 +278,12 @@ def lock_checkpoint_dir(args: argparse.Namespace) -> None:
         _LOCK = CheckpointLock(args.checkpoint_dir).acquire()
 
 
-def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[str | None, list[str]]:
-    """The checkpoint to resume from (verified) and what to say about damaged ones above it."""
-    from lynx.runtime.checkpoint import check_compatible, read_meta, usable_checkpoint
+def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[Any, list[tuple[Any, str]]]:
+    """Before planning (``meta`` without the plan's fields): the checkpoint to resume from
+    (verified) and the damaged ones above it. A directory that needs --resume, holds no checkpoint
+    that verifies, or was written by another configuration is refused here, before the model is
+    captured and planned; the stage split, which needs the plan, is :func:`take_resume_point`'s."""
+    from lynx.runtime.checkpoint import COMPARED_FIELDS, check_compatible, read_meta, usable_checkpoint
 
     if args.checkpoint_dir is None:
         return None, []
@@ -293,6 +301,19 @@ def find_resume_point(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[s
             f"no checkpoint in {args.checkpoint_dir} verifies: " + "; ".join(why for _, why in damaged)
             + ". Move them away to start afresh"
         )
+    check_compatible(read_meta(usable), meta, where=str(usable), fields=[f for f in COMPARED_FIELDS if f in meta])
+    return usable, damaged
+
+
+def take_resume_point(
+    usable: Any, damaged: list[tuple[Any, str]], meta: dict[str, Any]
+) -> tuple[str | None, list[str]]:
+    """After planning: the plan's stage split checked against the checkpoint's, then the damaged
+    checkpoints moved aside; the checkpoint to resume from and what to say about the damaged ones."""
+    from lynx.runtime.checkpoint import check_compatible, read_meta
+
+    if usable is None:
+        return None, []
     check_compatible(read_meta(usable), meta, where=str(usable))
     notes = []
     for path, why in damaged:   # aside, not deleted: a later save of that step must not find it
@@ -355,6 +376,8 @@ def setup(args: argparse.Namespace) -> Setup:
 
     def decide() -> tuple[str, str | None, list[str], str, Any]:
         lock_checkpoint_dir(args)   # before anything reads or writes the directory
+        # a checkpoint this run cannot resume is refused before anything is measured or captured
+        usable, damaged = find_resume_point(args, run_meta(args, None, settings, lr))
         hardware, line, calibration = hardware_for_plan(
             settings["hardware"],
             pp * dp * tp,
@@ -363,7 +386,8 @@ def setup(args: argparse.Namespace) -> Setup:
         )
         own.append(make_plan(args, {**settings, "hardware": hardware}, device))
         plan = own[-1].plan
-        return plan.to_json(), *find_resume_point(args, run_meta(args, plan, settings, lr)), line, calibration
+        resume_from, notes = take_resume_point(usable, damaged, run_meta(args, plan, settings, lr))
+        return plan.to_json(), resume_from, notes, line, calibration
 
     own: list[Any] = []
     plan_json, resume_from, notes, hardware_line, calibration = decided_by_rank0(decide)

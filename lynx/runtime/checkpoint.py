@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,10 +208,14 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return data["meta"]
 
 
-def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: str = "the checkpoint") -> None:
-    """Refuse to resume when the run's configuration differs from the checkpoint's."""
+def check_compatible(
+    saved: dict[str, Any], current: dict[str, Any], where: str = "the checkpoint",
+    fields: Sequence[str] = COMPARED_FIELDS,
+) -> None:
+    """Refuse to resume when the run's configuration differs from the checkpoint's in ``fields``
+    (a subset of :data:`COMPARED_FIELDS`: what is known so far, e.g. before planning)."""
     differ = [f"{name}: checkpoint {saved.get(name)!r}, this run {current.get(name)!r}"
-              for name in COMPARED_FIELDS
+              for name in fields
               if saved.get(name, _ABSENT.get(name)) != current.get(name, _ABSENT.get(name))]
     if differ:
         raise LynxCheckpointError(
