@@ -16,43 +16,50 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lynx.runtime.topology import free_port
+from prestarted import start_rank
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 STEPS, EVERY = 6, 2           # checkpoints at steps 2, 4 and 6
 
 
-def start(args: list[str], world: int = 2, cwd: Path | None = None) -> list[subprocess.Popen]:
+def start(args: list[str], world: int = 2, cwd: Path | None = None, fresh: bool = False) -> list[Any]:
     """Start the script on ``world`` ranks with torchrun's environment (the fixed cpu-local
-    preset unless ``args`` choose the hardware or a plan: ``auto`` would measure this machine)."""
+    preset unless ``args`` choose the hardware or a plan: ``auto`` would measure this machine).
+    Each rank is forked from a process that has imported torch and Lynx (tests/examples/prestarted.py:
+    ~4 s of CPU less per rank), or with ``fresh`` a new interpreter, as torchrun starts it."""
     if "--hardware" not in args and "--plan" not in args:
         args = [*args, "--hardware", "cpu-local"]
     port = free_port()
-    procs = []
+    procs: list[Any] = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, cwd=cwd,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        if fresh:
+            procs.append(subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, cwd=cwd,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        else:
+            procs.append(start_rank(SCRIPT, args, env, cwd))
     return procs
 
 
 def launch(
-    args: list[str], world: int = 2, cwd: Path | None = None, timeout: float = 150.0
+    args: list[str], world: int = 2, cwd: Path | None = None, timeout: float = 150.0, fresh: bool = False
 ) -> list[tuple[int, str, str]]:
     """Run the script on ``world`` ranks; (exit code, stdout, stderr) per rank."""
-    return launch_many([args], world, cwd, timeout)[0]
+    return launch_many([args], world, cwd, timeout, fresh)[0]
 
 
 def launch_many(
-    runs: list[list[str]], world: int = 2, cwd: Path | None = None, timeout: float = 150.0
+    runs: list[list[str]], world: int = 2, cwd: Path | None = None, timeout: float = 150.0, fresh: bool = False
 ) -> list[list[tuple[int, str, str]]]:
-    """Several independent runs at once (they mostly wait on imports: cheaper side by side)."""
-    started = [start(args, world, cwd) for args in runs]
+    """Several independent runs at once (side by side: one's ranks run while another's wait)."""
+    started = [start(args, world, cwd, fresh) for args in runs]
     out = []
     try:
         for procs in started:
@@ -84,7 +91,8 @@ def losses(log: Path) -> list[list[float]]:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    """An uninterrupted run: 6 steps, a checkpoint every 2."""
+    """An uninterrupted run: 6 steps, a checkpoint every 2; its ranks are new interpreters, as
+    torchrun starts them (the other launches fork a process that has imported torch and Lynx)."""
     tmp = tmp_path_factory.mktemp("train")
     result = launch(
         [
@@ -96,7 +104,8 @@ def full_run(tmp_path_factory):
             str(EVERY),
             "--log-json",
             str(tmp / "full.json"),
-        ]
+        ],
+        fresh=True,
     )
     assert all(code == 0 for code, _, _ in result), [err[-2000:] for _, _, err in result]
     return tmp, result
