@@ -33,6 +33,7 @@ SLOW = (
     "tests/optim/test_demo.py::test_world_",
     "tests/cli/test_cli_inspect_pipe.py",
     "tests/test_calibrate.py::test_auto_",
+    "tests/test_calibrate.py::test_cli_calibrate_",   # checks the file's one measurement: test_auto_'s
 )
 
 

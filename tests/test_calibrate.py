@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -59,16 +61,45 @@ def test_unreliable_figures_name_the_spread_and_why() -> None:
     assert unreliable_figures([fed], 6.0, 2) == {}
 
 
-def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> None:
+@pytest.fixture(scope="module")
+def auto_measured(tmp_path_factory) -> tuple[str, object, str]:
+    """This host measured for real, once for the file (~30 CPU-s): ``hardware="auto"`` with no
+    cached measurement runs ``python -m lynx.calibrate`` (5 repeats) in a subprocess. Returns the
+    cache folder, the config and what the caller was told on stderr."""
+    folder = tmp_path_factory.mktemp("auto-cache")
+    told = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(told):
+        patch.setenv("LYNX_CACHE_DIR", str(folder))
+        assert not auto_path().exists()
+        config = CompileConfig(hardware="auto", pp=2, microbatches=2)  # no cache: measured in a subprocess
+        config.hardware
+    return str(folder), config, told.getvalue()
+
+
+def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch, auto_measured) -> None:
+    """`lynx calibrate` passes its options to calibrate_host and writes what it measured to the
+    cache ``auto`` reads and to ``-o``. The measurement checked is the file's one real run
+    (auto_measured: the same calibrate_host, 5 repeats): measuring twice would only cost time."""
+    import lynx.calibrate
+
+    measured = auto_measured[1].hardware
+    calls: list[tuple] = []
+
+    def measure_once(progress: bool = True, repeats: int = 5, device: str | None = None):
+        calls.append((progress, repeats, device))
+        return measured
+
+    monkeypatch.setattr(lynx.calibrate, "calibrate_host", measure_once)
     monkeypatch.setenv("LYNX_CACHE_DIR", str(tmp_path / "cache"))
     result = CliRunner().invoke(
         app, ["calibrate", "--repeats", "2", "--device", "cpu", "-o", str(tmp_path / "me.yaml")]
     )
     assert result.exit_code == 0, result.output
+    assert calls == [(True, 2, "cpu")]
     assert "spread" in result.output and "calibrated in" in result.output and "runtime_action_s" in result.output
     spec = load_hardware_file(tmp_path / "me.yaml")
     cal = spec.calibration
-    assert spec.device == "cpu" and cal.repeats == 2 and cal.threads == 1 and cal.seconds > 0
+    assert spec.device == "cpu" and cal.repeats == 5 and cal.threads == 1 and cal.seconds > 0
     assert set(MEASURED) <= set(cal.spread) and all(v >= 0 for v in cal.spread.values())
     assert set(CPU_TIMED) <= set(cal.cpu_share) and all(0 < v <= 1 for v in cal.cpu_share.values())
     assert set(cal.unreliable) <= set(cal.spread)
@@ -91,11 +122,10 @@ def test_cli_calibrate_writes_the_cache_and_a_file(tmp_path, monkeypatch) -> Non
     assert bad.exit_code == 2 and "--repeats must be >= 1" in bad.output
 
 
-def test_auto_measures_once_then_reuses(tmp_path, monkeypatch, capfd) -> None:
-    monkeypatch.setenv("LYNX_CACHE_DIR", str(tmp_path))
-    assert not auto_path().exists()
-    config = CompileConfig(hardware="auto", pp=2, microbatches=2)  # no cache: measured in a subprocess
-    assert "no measurement of this host yet" in capfd.readouterr().err
+def test_auto_measures_once_then_reuses(monkeypatch, capfd, auto_measured) -> None:
+    folder, config, told = auto_measured   # no cache: measured in a subprocess
+    monkeypatch.setenv("LYNX_CACHE_DIR", folder)
+    assert "no measurement of this host yet" in told
     path = auto_path()
     stamp = path.stat().st_mtime_ns
     spec = config.hardware
