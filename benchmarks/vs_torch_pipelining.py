@@ -7,6 +7,9 @@ own copy of the model: Lynx (``lynx.runtime.Pipeline`` with plan ``none``: nothi
 and torch (``PipelineStage`` + ``Schedule1F1B``, no activation checkpointing), 8 microbatches,
 the same loss (cross entropy, scaled by 1/m) and data, and they alternate step by step in one
 run (the order rotating), each step started by a barrier; a step's time is its slowest rank's.
+A third variant, ``lynx_whole``, is Lynx with each backward run whole (its input gradients sent
+after its weight gradients, as torch's schedule does: ``StageRunner.send_grads_first = False``),
+so the gain of sending them first is measured in the same run.
 Links: loopback, and the network-namespace test bed rate-limited to 100 Mbit/s where root
 allows (``lynx.testbed.NetBed``).
 
@@ -131,6 +134,11 @@ def worker(reps: int, nice: int) -> None:
     schedule = Schedule1F1B(stage, MICROBATCHES, loss_fn=loss_fn, scale_grads=True)
 
     def run_lynx(idx: torch.Tensor, tgt: torch.Tensor) -> None:
+        pipe.runner.send_grads_first = True
+        pipe.step(idx, target=tgt)
+
+    def run_lynx_whole(idx: torch.Tensor, tgt: torch.Tensor) -> None:
+        pipe.runner.send_grads_first = False   # each B whole, its input gradients sent after it
         pipe.step(idx, target=tgt)
 
     def run_torch(idx: torch.Tensor, tgt: torch.Tensor) -> None:
@@ -140,11 +148,12 @@ def worker(reps: int, nice: int) -> None:
         else:
             schedule.step(target=tgt, losses=[])
 
-    variants = {"lynx": run_lynx, "torch": run_torch}
+    variants = {"lynx": run_lynx, "torch": run_torch, "lynx_whole": run_lynx_whole}
     rows = []
     for rep in range(reps + 1):   # rep 0 warms up
         idx, tgt = batch(rep)
-        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+        names = list(variants)
+        order = names[rep % len(names):] + names[:rep % len(names)]   # each variant first, middle, last in turn
         for name in order:
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -152,7 +161,7 @@ def worker(reps: int, nice: int) -> None:
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
             if rep > 0:
                 row = {"variant": name, "rep": rep, "rank": rank, "step_s": elapsed, "cpu_s": cpu}
-                if name == "lynx":
+                if name != "torch":
                     s = pipe.last_stats
                     row.update(forward_s=s.forward_s, backward_s=s.backward_s, wait_s=s.wait_s,
                                runner_step_s=s.step_s)
@@ -162,12 +171,19 @@ def worker(reps: int, nice: int) -> None:
     dist.destroy_process_group()
 
 
+def _ratio(step: dict, a: str, b: str, reps: list[int]) -> tuple[float, float, float, int]:
+    """Median of the per-repetition ratios a/b, its quartiles, and in how many a was slower."""
+    ratios = [step[a][k] / step[b][k] for k in reps]
+    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), q[0], q[2], sum(x > 1 for x in ratios)
+
+
 def summarise(rows: list[dict]) -> dict:
     reps = sorted({r["rep"] for r in rows})
+    variants = [v for v in ("lynx", "torch", "lynx_whole") if any(r["variant"] == v for r in rows)]
     step = {v: {k: max(r["step_s"] for r in rows if r["variant"] == v and r["rep"] == k) for k in reps}
-            for v in ("lynx", "torch")}
-    ratios = [step["lynx"][k] / step["torch"][k] for k in reps]
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            for v in variants}
+    median, q1, q3, slower = _ratio(step, "lynx", "torch", reps)
     # CPU seconds of the process (every thread: compute, gloo's copies, host work), summed over the
     # ranks: what each engine costs the machine, much less sensitive to the load than the wall clock
     cpu = {v: {k: sum(r["cpu_s"] for r in rows if r["variant"] == v and r["rep"] == k) for k in reps}
@@ -176,12 +192,17 @@ def summarise(rows: list[dict]) -> dict:
     cq = statistics.quantiles(cpu_ratios, n=4) if len(cpu_ratios) > 1 else cpu_ratios * 3
     out = {"lynx_step_s": statistics.median(step["lynx"].values()),
            "torch_step_s": statistics.median(step["torch"].values()),
-           "ratio_median": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
-           "lynx_slower_reps": sum(x > 1 for x in ratios), "reps": len(reps),
+           "ratio_median": median, "ratio_q1": q1, "ratio_q3": q3, "lynx_slower_reps": slower, "reps": len(reps),
            "lynx_cpu_s": statistics.median(cpu["lynx"].values()),
            "torch_cpu_s": statistics.median(cpu["torch"].values()),
            "cpu_ratio_median": statistics.median(cpu_ratios), "cpu_ratio_q1": cq[0], "cpu_ratio_q3": cq[2],
            "ranks": {}}
+    if "lynx_whole" in step:   # the same engine with each B whole (input gradients sent after it)
+        w = _ratio(step, "lynx_whole", "torch", reps)
+        g = _ratio(step, "lynx", "lynx_whole", reps)
+        out.update(lynx_whole_step_s=statistics.median(step["lynx_whole"].values()),
+                   whole_ratio_median=w[0], whole_ratio_q1=w[1], whole_ratio_q3=w[2], whole_slower_reps=w[3],
+                   first_vs_whole_median=g[0], first_vs_whole_q1=g[1], first_vs_whole_q3=g[2])
     for rank in sorted({r["rank"] for r in rows}):
         mine = [r for r in rows if r["variant"] == "lynx" and r["rank"] == rank]
         med = {k: statistics.median(r[k] for r in mine) for k in ("step_s", "cpu_s", "runner_step_s", "forward_s",
@@ -226,6 +247,12 @@ def main() -> None:
               f"{res['lynx_slower_reps']} of {res['reps']}; CPU seconds (both ranks) Lynx/torch "
               f"{res['cpu_ratio_median']:.3f} [IQR {res['cpu_ratio_q1']:.3f}–{res['cpu_ratio_q3']:.3f}]; load "
               f"{load[0]:.1f} at start, {res['loadavg_end'][0]:.1f} at end")
+        if "whole_ratio_median" in res:
+            print(f"  B whole (input gradients sent after the weight gradients): Lynx/torch "
+                  f"{res['whole_ratio_median']:.3f} [IQR {res['whole_ratio_q1']:.3f}–{res['whole_ratio_q3']:.3f}], "
+                  f"slower in {res['whole_slower_reps']} of {res['reps']}; input gradients first / B whole "
+                  f"{res['first_vs_whole_median']:.3f} [IQR {res['first_vs_whole_q1']:.3f}–"
+                  f"{res['first_vs_whole_q3']:.3f}]")
         for rank, med in res["ranks"].items():
             print(f"  rank {rank}: Lynx step {med['step_s'] * 1e3:.1f} ms = forward {med['forward_s'] * 1e3:.1f} + "
                   f"backward {med['backward_s'] * 1e3:.1f} + waits {med['wait_s'] * 1e3:.1f} + host in the runner "

@@ -29,13 +29,16 @@ def _captured():
     return model, inputs, captured, [names[: len(names) // 2], names[len(names) // 2:]]
 
 
-def _train(drops, defer: bool, offload=None):
+def _train(drops, defer: bool | str, offload=None):
+    """Two microbatches through both stages; ``defer``: True (always split), "unless_held"
+    (split where no activation crosses, as 1F1B's B does) or False."""
     model, inputs, captured, nodes = _captured()
     stages = build_stages(captured.gm, nodes, drops, offload=offload)
     model.zero_grad(set_to_none=True)
     batch = dict(zip(captured.input_names, inputs))
     torch.manual_seed(3)
     split, moved = [], []
+    pending = []
     for j in range(2):
         sent = stages[0](*[batch[n] for n in stages[0].spec.inputs], microbatch=j)
         recv = [t.detach().requires_grad_(t.requires_grad) for t in sent]
@@ -45,13 +48,16 @@ def _train(drops, defer: bool, offload=None):
                                [o for o, r in zip(sent, recv) if r.requires_grad],
                                [r.grad for r in recv if r.requires_grad]))):
             if defer:
-                stage.defer_weights(j)
+                stage.defer_weights(j, unless_held=defer == "unless_held")
             run()
-            if defer:
+            pending.append(stage.weights_pending(j))
+            if pending[-1]:
                 before = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
                 stage.backward_weight(j)
                 split.append(sum(not _same(before[n], p.grad) for n, p in model.named_parameters()))
             moved.append(stage.release(j).offloaded_bytes)
+    if defer == "unless_held":
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, stages, pending, moved
     return {n: p.grad.clone() for n, p in model.named_parameters()}, stages, split, moved
 
 
@@ -69,6 +75,28 @@ def test_input_then_weight_graphs_equal_the_backward_bitwise(dropping):
     grads, stages, weight_updates, _ = _train(drops, defer=True)
     assert not [n for n in reference if not torch.equal(reference[n], grads[n])]
     assert all(k > 0 for k in weight_updates), "a weight-gradient graph computed no gradient"
+    assert [s.meter.live_bytes for s in stages] == [0, 0]
+
+
+@pytest.mark.parametrize("dropping", [False, True], ids=["keep-all", "drop-most"])
+def test_unless_held_splits_only_where_no_activation_crosses(dropping):
+    """1F1B's B sends its input gradients before its weight gradients (``defer_weights(j,
+    unless_held=True)``) only where the input part hands the weight part no activation: keeping
+    everything it splits; where the input part recomputes values the weight part reads, the
+    backward runs whole. Either way the gradients are the whole backward's, bitwise, and the
+    meter's peak is the whole backward's."""
+    _, _, _, nodes = _captured()
+    drops = [set(), set()]
+    if dropping:
+        drops = [{n for i, n in enumerate(ns) if i % 3 and i < len(ns) - 3} for ns in nodes]
+    reference, whole, _, _ = _train(drops, defer=False)
+    grads, stages, pending, _ = _train(drops, defer="unless_held")
+    assert not [n for n in reference if not torch.equal(reference[n], grads[n])]
+    # per backward (stage 1 then stage 0, per microbatch): dropping, stage 1's input part
+    # recomputes values its weight part reads, so it runs whole; stage 0's weight part
+    # recomputes what it reads itself
+    assert pending == [not dropping, True] * 2
+    assert [s.meter.peak_bytes for s in stages] == [s.meter.peak_bytes for s in whole]
     assert [s.meter.live_bytes for s in stages] == [0, 0]
 
 

@@ -82,7 +82,8 @@ class _Microbatch:
     backward_done: bool = False
     attrs: tuple = ()                            # the parameter and buffer objects the graphs read
     # zero bubble: the backward runs its input-gradient part; the weight part waits here
-    defer: bool = False
+    # ("unless_held": only if that part hands over no activation, else the whole backward runs)
+    defer: bool | str = False
     weights: Any = None                          # the weight-gradient graph, until it runs
     weight_args: list[Any] | None = None         # its inputs: slots it reads, then the cross values
     cross_bytes: int = 0
@@ -122,9 +123,15 @@ class _RunStage(torch.autograd.Function):
         lowered = state.lowered
         sink = stage.on_param_grad is not None
         streamed = frozenset((i, at) for i, at in state.offload_slots.items() if i not in state.prefetched)
+        graph = None
         if state.defer:   # zero bubble (not run with TP: lynx.runtime.executable.TP_SCHEDULES)
-            graph, state.weights = lowered.split_backward_graphs(frozenset(state.available), sink, streamed)
-        else:
+            graph, weights = lowered.split_backward_graphs(frozenset(state.available), sink, streamed)
+            if state.defer == "unless_held" and (graph.cross_bytes or graph.offload_groups or weights.offload_groups):
+                # handing activations over would hold more than the plan counts for a backward
+                graph, state.defer = None, False
+            else:
+                state.weights = weights
+        if graph is None:
             graph = lowered.backward_graph(frozenset(state.available), sink, stage.tp_targets(state), streamed)
         if graph.sink is not None:
             graph.sink.params = ctx.attrs
@@ -365,10 +372,22 @@ class StageModule(nn.Module):
             state.stats.prefetch_nodes += len(fresh)
 
     # -------------------------------------------------------------- zero bubble
-    def defer_weights(self, microbatch: int) -> None:
+    def defer_weights(self, microbatch: int, *, unless_held: bool = False) -> None:
         """Make ``microbatch``'s next backward compute only the input gradients (and the weight
-        gradients the same kernels give); :meth:`backward_weight` computes the rest later."""
-        self._state(microbatch).defer = True
+        gradients the same kernels give); :meth:`backward_weight` computes the rest later.
+
+        ``unless_held``: only where the input-gradient part hands the weight part no activation
+        (nothing recomputed or offloaded crosses over), so the split holds no more saved bytes
+        than the whole backward; else the backward runs whole (:meth:`weights_pending` says which)."""
+        state = self._state(microbatch)
+        if unless_held and self.tp is not None:
+            return   # a tensor-parallel backward runs whole (its all-reduces and windows in order)
+        state.defer = "unless_held" if unless_held else True
+
+    def weights_pending(self, microbatch: int) -> bool:
+        """Whether ``microbatch``'s weight gradients wait for :meth:`backward_weight`."""
+        state = self._states.get(microbatch)
+        return state is not None and state.weights is not None
 
     def backward_weight(self, microbatch: int) -> None:
         """The deferred weight gradients of ``microbatch``, accumulated into the parameters'

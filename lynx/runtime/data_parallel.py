@@ -20,7 +20,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Protocol, TypeGuard
 
 import time
@@ -138,7 +139,8 @@ class BucketLauncher:
         self._remaining: dict[int, int] = {}
         self._final: set[int] = set()   # parameters counted since the counts were reset
         self.launch_times: list[float] = []
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params if p.requires_grad]
+        self.hooks_muted = False   # see mute_hooks
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_hook) for p in params if p.requires_grad]
 
     def arm(self, reset: bool = True) -> None:
         """The next backward is the last one of the step: launch buckets as they complete.
@@ -157,6 +159,21 @@ class BucketLauncher:
     def param_ready(self, param: torch.Tensor) -> None:
         """``param.grad`` is final for this backward (a compiled stage's backward graph calls this)."""
         self._on_grad(param)
+
+    @contextmanager
+    def mute_hooks(self) -> Iterator[None]:
+        """Count only what the backward graphs hand over (:meth:`param_ready`), not autograd's
+        hooks: a split backward's input part returns no gradient for the weights its weight part
+        computes later, and autograd runs their hooks all the same, before they are final."""
+        self.hooks_muted = True
+        try:
+            yield
+        finally:
+            self.hooks_muted = False
+
+    def _on_hook(self, param: torch.Tensor) -> None:
+        if not self.hooks_muted:
+            self._on_grad(param)
 
     def _on_grad(self, param: torch.Tensor) -> None:
         # counted once: autograd runs a parameter's post-accumulate hooks even when a compiled

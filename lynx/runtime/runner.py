@@ -61,6 +61,9 @@ class RuntimeConfig(BaseModel):
     bucket_bytes: int = Field(1 << 20, gt=0)
     prefetch: bool = True          # False: ignore the plan's windows (everything on demand)
     trace: bool = False            # record (what, microbatch, start s, end s) per action in StepStats.events
+    # B on a chunk with a previous one: send the input gradients before computing the weight
+    # gradients (where that holds no more activations: StageModule.defer_weights(unless_held=True))
+    send_grads_first: bool = True
 
     @field_validator("schedule")
     @classmethod
@@ -84,6 +87,7 @@ class _StepState:
     # (the peer has used it), so a stage holds no more than the plan counts
     act_sends: dict[tuple[int, int], tuple[list, list]] = field(default_factory=dict)
     flag_recv: dict[int, Any] = field(default_factory=dict)   # chunk -> (buffer, works) of its flags
+    sent_first: set[tuple[int, int]] = field(default_factory=set)   # (chunk, mb): input gradients sent inside B
     armed: bool = False
 
 
@@ -123,6 +127,10 @@ class StageRunner:
         self._watched = {(Op.RECV_ACT if a.window.kind == "recv_act" else Op.RECV_GRAD, a.chunk, a.microbatch)
                          for a in self.actions if a.op is Op.RECOMPUTE and a.window in self._windows}
         self._t0 = time.perf_counter()
+        # see _backward (settable per step, e.g. to measure both ways in one run); a stage given in
+        # place of a StageModule (a baseline) may not split, a tensor-parallel one does not
+        self.send_grads_first = config.send_grads_first and topology.tp == 1 and all(
+            hasattr(st, "defer_weights") and hasattr(st, "weights_pending") for st in self.chunks.values())
         self.optimizer = optimizer
         params = [p for st in self.chunks.values() for p in st.parameters() if p.requires_grad]
         # parameters in the order their final gradients appear (last used in forward first)
@@ -320,6 +328,8 @@ class StageRunner:
 
     def _send_grad(self, state: _StepState, a: Action) -> None:
         c, j = a.chunk, a.microbatch
+        if (c, j) in state.sent_first:   # already sent by its B, before the weight gradients
+            return
         in_grads = state.to_send.pop((c, j))
         payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
                    if flag else None
@@ -367,15 +377,30 @@ class StageRunner:
             del sent
         t0 = time.perf_counter()
         flight = state.flights.pop((c, j))
+        # B on a chunk that sends gradients back: its input-gradient part first, the gradients
+        # sent, then its weight part — the previous stage waits for them (the first backward,
+        # the cool-down) and no longer for the weight gradients (docs/runtime.md, "Input gradients first")
+        first = a.op is Op.BACKWARD and c > 0 and self.send_grads_first
         if a.op is Op.BACKWARD_INPUT:
             stage.defer_weights(j)   # the backward graph computes the input gradients; W the rest
-        in_grads = backward_step(stage, j, flight, buffers, self.config.loss_scale)
+        elif first:
+            stage.defer_weights(j, unless_held=True)
+        launcher = self.launcher if getattr(stage, "on_param_grad", None) is not None else None
+        if launcher is not None and (first or a.op is Op.BACKWARD_INPUT):
+            with launcher.mute_hooks():   # the graphs hand each gradient over when final
+                in_grads = backward_step(stage, j, flight, buffers, self.config.loss_scale)
+        else:
+            in_grads = backward_step(stage, j, flight, buffers, self.config.loss_scale)
+        if c > 0:
+            state.to_send[(c, j)] = in_grads
+        if first and stage.weights_pending(j):
+            self._send_grad(state, a)
+            state.sent_first.add((c, j))
+            stage.backward_weight(j)
         stats.backward_s += time.perf_counter() - t0
         self._mark(stats, self._what(a.kind, c), j, t0)
         if a.op is Op.BACKWARD:
             self._release(state, c, j)
-        if c > 0:
-            state.to_send[(c, j)] = in_grads
 
     def _weight(self, state: _StepState, a: Action) -> None:
         """W: the deferred weight-gradient graph of a microbatch whose I ran."""
