@@ -8,10 +8,10 @@ pinned to a core of its own where there are two (:func:`lynx.calibrate.forked.pi
 as the main job's ranks run, a core each). Per step, each rank measures directly:
 
 - the runtime's work on the rank's critical path: the main thread's CPU time of the step less
-  the CPU time of the graph calls inside it (``forward_step``, ``backward_step`` and the
-  stage's ``release``, which the rates and the op overhead price: timed by wrapping them in the
-  forked rank, :class:`_GraphClock`) — scheduling, posting and completing sends and receives,
-  the loss, the statistics;
+  the CPU time of the graph calls inside it (``forward_step``, ``backward_step``, the stage's
+  ``backward_weight`` and ``release``, which the rates and the op overhead price: timed by
+  wrapping them in the forked rank, :class:`_GraphClock`) — scheduling, posting and completing
+  sends and receives, the loss, the statistics;
 - the CPU time of the process's other threads during the step (a waiter per message, gloo's):
   the work the runtime adds beside it, which takes a core from some rank where none is spare.
 
@@ -118,8 +118,9 @@ def runtime_action_results(reference: ReferenceModel, started: Any) -> RuntimeMe
 
 class _GraphClock:
     """This thread's CPU seconds in the graph calls of ``pipe``'s steps since :meth:`reset`:
-    the runner's ``forward_step`` and ``backward_step`` and its stages' ``release``, wrapped in
-    this (forked, measuring) process only."""
+    the runner's ``forward_step`` and ``backward_step`` and its stages' ``backward_weight`` (a
+    ``B`` that sends its input gradients first runs its weight part there) and ``release``,
+    wrapped in this (forked, measuring) process only."""
 
     def __init__(self, pipe: Any) -> None:
         import lynx.runtime.runner as runner
@@ -129,6 +130,7 @@ class _GraphClock:
         runner.backward_step = self._timed(runner.backward_step)
         for chunk in pipe.chunks.values():
             chunk.release = self._timed(chunk.release)
+            chunk.backward_weight = self._timed(chunk.backward_weight)
 
     def _timed(self, fn: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
