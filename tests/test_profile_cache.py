@@ -69,6 +69,31 @@ def test_a_damaged_or_foreign_file_is_profiled_again(cache) -> None:
         assert json.loads(path.read_text())["format"] == profile_cache.FORMAT   # replaced
 
 
+def test_ranks_on_a_cold_cache_profile_once(cache, monkeypatch) -> None:
+    """While one rank profiles a key (holding its lock file), another waits, then reads that
+    rank's file instead of profiling too. (flock: a second open of the file conflicts even in
+    this process, so a thread stands in for the second rank.)"""
+    import fcntl
+    import threading
+
+    model, inputs = build_preset("gpt-tiny", seq=16, microbatch=2, device="meta")
+    captured = capture(model, inputs)
+    expected = profile(captured, target="cpu")
+    key = profile_key(captured, "cpu")
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(profile_cache, "profile", _never)
+    got: list = []
+    with open(cache / f".{key}.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)   # the first rank, profiling
+        waiting = threading.Thread(target=lambda: got.append(cached_profile(captured, "cpu")))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not got   # waits for the lock
+        profile_cache._write(cache, cache / f"{key}.json", expected)   # the first rank's result
+    waiting.join(30)
+    assert got == [expected]
+
+
 class _Opaque(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(x) * 2

@@ -8,8 +8,9 @@ nothing measured). Those make the key (:func:`profile_key`); a hit is the same
 the compiled stages save is about half of ``lynx.compile``'s analysis, and a job's ranks all
 capture and profile the same model.
 
-The file is JSON (nothing in it can run code), written atomically; one that does not parse or
-does not match its key is profiled again and replaced. Captures by ``symbolic_trace`` (whose
+Ranks that find no file take a lock file per key in turn: the first profiles, the others read
+what it wrote. The file is JSON (nothing in it can run code), written atomically; one that does
+not parse or does not match its key is profiled again and replaced. Captures by ``symbolic_trace`` (whose
 ``call_module`` nodes run code the key cannot see) are never cached. The folder is
 :func:`lynx.planner.hardware_cache.cache_dir`'s ``profiles/``, the newest
 :data:`KEEP` files kept; ``LYNX_PROFILE_CACHE=0`` turns the cache off.
@@ -27,12 +28,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +134,7 @@ def _write(folder: Path, path: Path, prof: Profile) -> None:
         files = sorted(folder.glob("*.json"), key=lambda p: p.stat().st_mtime)
         for old in files[:-KEEP]:
             old.unlink(missing_ok=True)
+            old.with_name(f".{old.stem}.lock").unlink(missing_ok=True)
     except OSError:
         return
 
@@ -145,6 +149,28 @@ def cached_profile(captured: Captured, target: str) -> Profile:
     found = _read(path)
     if found is not None and found.target == target:
         return found
-    prof = profile(captured, target=target)
-    _write(folder, path, prof)
+    with _profiling(folder, key):   # a job's other ranks wait here, then read what this one wrote
+        found = _read(path)
+        if found is not None and found.target == target:
+            return found
+        prof = profile(captured, target=target)
+        _write(folder, path, prof)
     return prof
+
+
+@contextlib.contextmanager
+def _profiling(folder: Path, key: str) -> Iterator[None]:
+    """Hold ``key``'s lock file (``flock``: the kernel frees it when its process ends, however it
+    ends) while profiling, so the ranks of a job starting on a cold cache profile once, not once
+    each (seconds of CPU per rank). Without ``fcntl`` or a writable folder: no lock, each profiles."""
+    try:
+        import fcntl
+
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / f".{key}.lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
