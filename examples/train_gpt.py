@@ -589,7 +589,10 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     """The busiest rank's CPU time per step beside its stage's predicted busy time (compute,
     recompute and optimizer step): a check of the cost model that other load inflates little,
     unlike the wall-clock step (which also waits for the other ranks). Returns the line and
-    the ratio."""
+    the ratio where it measures the cores' speed against the calibration's, else None: with
+    tensor parallelism the busiest rank's CPU time also holds what its all-reduces spend
+    waiting, and with more ranks than cores the model's share of a core is not what a rank
+    got at each instant — both read as a slower core that is not."""
     from lynx.planner.core_sharing import CoreSharing, bar_work
     from lynx.planner.simulator import config_from_record
 
@@ -604,12 +607,13 @@ def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[f
     factor = share.ranks / share.cores if share is not None else int(named[1]) / int(named[2]) if named else 1.0
     note = f" × {factor:g} (the model prices each rank's work at 1/{factor:g} of a core)" if factor != 1.0 else ""
     ratio = cpu[busiest] * factor / predicted
+    speed = ratio if factor == 1.0 and config.tp == 1 else None
     return (
         f"CPU time per step, busiest rank ({busiest}, stage {stage}): {cpu[busiest] * 1e3:.1f} ms{note}; "
         f"predicted busy time (compute, recompute, runtime, optimizer step) {predicted * 1e3:.1f} ms: "
         f"measured/predicted {ratio:.2f} "
         f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
-    ), ratio
+    ), speed
 
 
 def _recompute_seconds(stats: Any, topo: Any, device: torch.device) -> tuple[float, float]:
