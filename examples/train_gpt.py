@@ -488,8 +488,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0 and args.log_json:
             _write_json(args.log_json, log)
     progress.close()
+    busy = host_busy_s()
     loop = (time.perf_counter() - loop[0], time.process_time() - loop[1],
-            None if loop[2] is None or host_busy_s() is None else host_busy_s() - loop[2])
+            None if loop[2] is None or busy is None else busy - loop[2])
     pipe.close()
     log["hardware"] = run.hardware_line
     if rank == 0 and log["skipped_steps"]:
@@ -585,7 +586,7 @@ def _finish(
         _write_json(args.log_json, log)
 
 
-def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[float]) -> tuple[str, float]:
+def _cpu_line(plan: Any, ranks: list[Any], cpu: list[float], optimizer_s: list[float]) -> tuple[str, float | None]:
     """The busiest rank's CPU time per step beside its stage's predicted busy time (compute,
     recompute and optimizer step): a check of the cost model that other load inflates little,
     unlike the wall-clock step (which also waits for the other ranks). Returns the line and
