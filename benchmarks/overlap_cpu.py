@@ -328,7 +328,7 @@ def prepare(args: argparse.Namespace, rate: float) -> tuple[list, list, str, dic
     if args.save_plan:
         path = ROOT / "benchmarks" / "results" / args.save_plan
         path.write_text(json.dumps({"nodes": nodes, "schedules": schedules, "source": source}, indent=1))
-        print(f"plan written to {path.relative_to(ROOT)}")
+        print(f"plan written to {os.path.relpath(path, ROOT)}")
     return nodes, schedules, source, costs
 
 
@@ -450,7 +450,7 @@ def run(args: argparse.Namespace) -> None:
     results["loadavg_end"] = os.getloadavg()
     path = ROOT / "benchmarks" / "results" / args.out
     path.write_text(json.dumps(results, indent=1))
-    print(f"written {path.relative_to(ROOT)}")
+    print(f"written {os.path.relpath(path, ROOT)}")
 
 
 if __name__ == "__main__":

@@ -250,7 +250,7 @@ def main() -> None:
               "loadavg_end": os.getloadavg(), "wall_s": time.perf_counter() - started, "results": res}
     path = ROOT / "benchmarks" / "results" / args.out
     path.write_text(json.dumps(result, indent=1))
-    print(f"written {path.relative_to(ROOT)}")
+    print(f"written {os.path.relpath(path, ROOT)}")
 
 
 if __name__ == "__main__":

@@ -261,7 +261,7 @@ def main() -> None:
                   f"{med['torch_step_s'] * 1e3:.1f} ms, CPU {med['torch_cpu_s'] * 1e3:.0f} ms")
     path = ROOT / "benchmarks" / "results" / args.out
     path.write_text(json.dumps(results, indent=1))
-    print(f"written {path.relative_to(ROOT)}")
+    print(f"written {os.path.relpath(path, ROOT)}")
 
 
 if __name__ == "__main__":

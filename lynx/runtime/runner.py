@@ -222,6 +222,7 @@ class StageRunner:
         """``R``: the recompute graph of each microbatch the window serves (one generated call per
         chunk). Time while the awaited message was still in flight counts as hidden, the rest
         (it had arrived, or nothing is awaited) as exposed."""
+        assert a.window is not None, "a recompute action names its window (planner/schedule.py)"
         awaited = (Op.RECV_ACT if a.window.kind == "recv_act" else Op.RECV_GRAD, a.chunk, a.microbatch)
         works = state.recv.get(awaited, ([], []))[1]
         stats = state.stats
@@ -276,6 +277,7 @@ class StageRunner:
         for action in self.actions:
             run[action.op](action)
             if state.armed and action.is_compute:   # the action DP armed the buckets for is done
+                assert self.launcher is not None   # armed only where there is one (_arm)
                 self.launcher.disarm()
                 state.armed = False
         return self._finish_step(state)
