@@ -44,7 +44,7 @@ import torch
 from gpu_check_common import (CheckResult, Env, Part, compiled_for, free_memory, judged, rel_diff, sent_grads,
                               shared_gpt, sync, time_interleaved)
 
-__all__ = ["check_offload", "copy_seconds_alone"]
+__all__ = ["check_offload", "copy_seconds_alone", "prefetch_beside_copy_out"]
 
 OVERLAP_BAR = 0.5
 PLAN_BAR = 0.25
@@ -137,8 +137,10 @@ def check_offload(env: Env) -> CheckResult:
         skip = "copy engines beside compute need CUDA (on the CPU copies are synchronous)"
         parts[f"{name}/copy_overlap"] = Part({}, "skipped", skip)
         parts[f"{name}/step_vs_plan"] = Part({}, "skipped", skip)
+        parts[f"{name}/prefetch_beside_copy_out"] = Part({}, "skipped", skip)
     else:
         parts.update(_timed(env, name, stages, plan, keep.plan, batch, grads, sp.offloaded_bytes))
+        parts[f"{name}/prefetch_beside_copy_out"] = prefetch_beside_copy_out(env.device)
         figure.update({k: v for p in parts.values() for k, v in p.figure.items() if k.endswith("_s")})
     del stages, model, inputs
     free_memory(env.device)
@@ -167,3 +169,32 @@ def _timed(env: Env, name: str, stages: dict, plan: Any, keep_plan: Any, batch: 
                                      f"offload added {(a - b) * 1e3:.2f} ms, the plan's copy waits "
                                      f"{exposed * 1e3:.2f} ms: {gap:.1%} of the step apart (bar {PLAN_BAR:.0%})"),
     }
+
+
+def prefetch_beside_copy_out(device: torch.device, small: int = 2**20, large: int = 2**28) -> Part:
+    """CUDA: copy out ``small`` then ``large`` bytes, prefetch the small value at once; it must
+    be back before the large copy-out ends (see the module docstring)."""
+    from lynx.rewrite.offload import HostStore, OffloadedValues
+
+    store = HostStore(device)
+    a = torch.randint(0, 255, (small,), dtype=torch.uint8, device=device)
+    b = torch.empty(large, dtype=torch.uint8, device=device)
+    start = torch.cuda.Event(enable_timing=True)
+    out_end, back_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    values = OffloadedValues(store)
+    values.put(0, a)
+    values.put(1, b)
+    assert store.d2h is not None and store.h2d is not None
+    out_end.record(store.d2h)          # the large copy-out's end
+    (back,), _ = values.restore_async([0])
+    back_end.record(store.h2d)         # the small prefetch's end
+    torch.cuda.synchronize(device)
+    out_s, back_s = start.elapsed_time(out_end) / 1e3, start.elapsed_time(back_end) / 1e3
+    same = bool(torch.equal(back, a))
+    values.release()
+    return Part({"large_copy_out_end_s": out_s, "small_prefetch_end_s": back_s, "same_bytes": same},
+                judged(same and back_s < out_s),
+                f"the small value back at {back_s * 1e3:.2f} ms, the large copy-out done at {out_s * 1e3:.2f} ms "
+                f"({'the prefetch did not wait for it' if back_s < out_s else 'the prefetch queued behind it'}"
+                f"{'' if same else '; the bytes differ'})")

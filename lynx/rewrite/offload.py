@@ -7,13 +7,18 @@ Copies move whole storages, so values that are views of one storage come back as
 storage, with the same dtype, offset, sizes and strides: the backward reads the same bytes it
 would have read (gradients bitwise equal).
 
-* **CUDA**: the D2H copy runs on the store's copy stream after the forward's kernels (an event),
-  into pinned host memory; the device storage is released to the caching allocator only once
-  the copy stream is done with it (``record_stream``). A prefetch allocates on the copy stream,
-  copies host → device there and records an event; the compute stream waits on it right before
-  the first reader (:func:`offload_wait`), so the copy runs beside the compute before it.
+* **CUDA**: two copy streams, one per direction (the timeline's two lanes,
+  :mod:`lynx.planner.copy_lanes`). The D2H copy runs on the store's ``d2h`` stream after the
+  forward's kernels, into pinned host memory, and records an event per storage; the device
+  storage is released to the caching allocator only once the copy is done (``record_stream``).
+  A prefetch allocates on the ``h2d`` stream, waits there for *its own* storages' D2H events
+  only (not for every copy-out issued before it: on a stage whose backward follows its forward,
+  the last layers' copies are still running when the first layers' prefetches start), copies
+  host → device and records an event; the compute stream waits on it right before the first
+  reader (:func:`offload_wait`), so the copy runs beside the compute before it.
 * **CPU**: the same code path, synchronously: each storage is copied into a separate host
-  buffer and the original released; a prefetch copies it back into a fresh buffer. The CPU test
+  buffer and the original released (its D2H "event" is None: nothing to wait for); a prefetch
+  copies it back into a fresh buffer. The CPU test
   suite exercises every step (memory accounted, gradients bitwise).
 
 The backward graph calls :func:`offload_issue` (start a group's prefetch; its result, one
@@ -55,12 +60,15 @@ class _Slot:
 
 
 class HostStore:
-    """A stage's copy machinery: on CUDA a copy stream and a pool of pinned host buffers."""
+    """A stage's copy machinery: on CUDA a copy stream per direction and a pool of pinned host
+    buffers."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # one stream per direction: a prefetch must not queue behind copy-outs it does not read
+        self.d2h = torch.cuda.Stream(device) if self.cuda else None
+        self.h2d = torch.cuda.Stream(device) if self.cuda else None
         self._pool: dict[int, list[torch.Tensor]] = {}   # nbytes -> free pinned buffers
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
@@ -84,19 +92,22 @@ class HostStore:
             out.put(slot, t)
         return out
 
-    def copy_out(self, t: torch.Tensor) -> torch.Tensor:
-        """``t``'s whole storage, copied to a host buffer (on CUDA on the copy stream, after
-        what the current stream has queued; the device memory is reused only after the copy)."""
+    def copy_out(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """``t``'s whole storage, copied to a host buffer, and the copy's event (None on the
+        CPU, where the copy is done on return). On CUDA the copy runs on the ``d2h`` stream,
+        after what the current stream has queued; the device memory is reused only after it."""
         raw = _bytes_of(t)
         if not self.cuda:
-            return raw.clone()   # a separate host buffer; the original is released
-        assert self.stream is not None
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))   # after the kernels making it
-        with torch.cuda.stream(self.stream):
+            return raw.clone(), None   # a separate host buffer; the original is released
+        assert self.d2h is not None
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))   # after the kernels making it
+        with torch.cuda.stream(self.d2h):
             host = self._host_buffer(raw.numel())
             host.copy_(raw, non_blocking=True)
-            raw.record_stream(self.stream)   # freed for reuse only once this copy is done
-        return host
+            raw.record_stream(self.d2h)   # freed for reuse only once this copy is done
+            done = torch.cuda.Event()
+            done.record(self.d2h)
+        return host, done
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -112,6 +123,7 @@ class OffloadedValues:
     store: HostStore
     slots: dict[int, _Slot] = field(default_factory=dict)
     host: list[torch.Tensor] = field(default_factory=list)
+    copied: list[Any] = field(default_factory=list)   # per host storage: its D2H copy's event (None: done)
     # groups the backward graph prefetches: group id -> (tensors, event or None)
     issued: dict[int, tuple[tuple[torch.Tensor, ...], Any]] = field(default_factory=dict)
     groups: Sequence[Sequence[int]] = ()   # group id -> slots (set by the stage before its backward)
@@ -126,7 +138,9 @@ class OffloadedValues:
         k = self._index.get(key)
         if k is None:
             k = self._index[key] = len(self.host)
-            self.host.append(self.store.copy_out(t))
+            host, done = self.store.copy_out(t)
+            self.host.append(host)
+            self.copied.append(done)
         self.slots[slot] = _Slot(k, t.dtype, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()))
 
     @property
@@ -151,15 +165,16 @@ class OffloadedValues:
         fresh: dict[int, torch.Tensor] = {}
         event = None
         if store.cuda:
-            assert store.stream is not None
-            with torch.cuda.stream(store.stream):
-                for s in slots:
-                    k = self.slots[s].storage
-                    if k not in fresh:
-                        fresh[k] = torch.empty(self.host[k].numel(), dtype=torch.uint8, device=device)
-                        fresh[k].copy_(self.host[k], non_blocking=True)
+            assert store.h2d is not None
+            keys = list(dict.fromkeys(self.slots[s].storage for s in slots))
+            with torch.cuda.stream(store.h2d):
+                for k in keys:   # back only once out: this storage's copy-out, not every one before it
+                    if self.copied[k] is not None:
+                        store.h2d.wait_event(self.copied[k])
+                    fresh[k] = torch.empty(self.host[k].numel(), dtype=torch.uint8, device=device)
+                    fresh[k].copy_(self.host[k], non_blocking=True)
                 event = torch.cuda.Event()
-                event.record(store.stream)
+                event.record(store.h2d)
             for raw in fresh.values():   # read by the compute stream next: keep it until that is done
                 raw.record_stream(torch.cuda.current_stream(device))
         else:
@@ -187,9 +202,14 @@ class OffloadedValues:
             self.pending_event = None
 
     def release(self) -> None:
-        """The microbatch's backward ran: its host buffers go back to the store."""
+        """The microbatch's backward ran: its host buffers go back to the store (on CUDA a later
+        copy-out into one waits for the prefetches read from it: they ran on the other stream)."""
+        if self.store.cuda and self.host:
+            assert self.store.d2h is not None and self.store.h2d is not None
+            self.store.d2h.wait_stream(self.store.h2d)
         self.store.give_back(self.host)
         self.host = []
+        self.copied = []
         self.issued.clear()
         self._index.clear()
 

@@ -230,7 +230,7 @@ class StageRunner:
             stage = self.chunks[c]
             if not stage.forward_done(j):
                 continue  # its forward has not run here (another schedule's window): on demand instead
-            if offloaded:   # the prefetch is issued here (on CUDA it runs on the copy stream)
+            if offloaded:   # the prefetch is issued here (on CUDA it runs on the H2D copy stream)
                 start = time.perf_counter()
                 stage.prefetch(j, nodes)
                 stats.offload_prefetch_s += time.perf_counter() - start
