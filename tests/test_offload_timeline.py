@@ -11,7 +11,7 @@ import pytest
 from lynx.config import CompileConfig
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.comm import CommModel
-from lynx.planner.copy_lanes import CopyLoads, HostCopies, Lane
+from lynx.planner.copy_lanes import CopyLoads, CopyReplay, HostCopies, Lane
 from lynx.planner.hardware import get_hardware
 from lynx.planner.host_link import HostLinkSpec
 from lynx.planner.problems import (assignment_from_decisions, build_pipeline, build_problems,
@@ -41,6 +41,18 @@ def test_a_lane_books_first_fit_and_reports_what_is_still_held() -> None:
     assert lane.book(5.0, 1.0, tag=(0, 0, 2), produced=5.0, nbytes=7) == (5.0, 6.0)
     assert lane.book(3.0, 1.5, tag=(0, 0, 3), produced=3.0, nbytes=1) == (3.0, 4.5)   # the gap before 5.0
     assert lane.held(1.5) == 15 and lane.held(2.5, exclude=(0, 0, 1)) == 0 and lane.held(6.0) == 0
+
+
+def test_a_prefetch_waits_only_for_its_own_blocks_copy_out() -> None:
+    """Block 0's copy-out ends at 2 s, block 1's at 6 s: a prefetch of block 0's values issued
+    at 3 s starts then (the runtime's streams wait on each value's own D2H event); without
+    ``sources`` it waits for the microbatch's last copy-out."""
+    host = HostCopies(link=_LINK, lane_of_device=(0,), share=1)
+    offload = {(0, 0, 0): 1_000_000, (0, 0, 1): 4_000_000}
+    for sources, start in (({(0, 0, 0): frozenset({0})}, 3.0), ({}, 6.0)):
+        replay = CopyReplay(host, CopyLoads(offload=offload, sources=sources))
+        assert replay.offload(0, 0, 0, 0, 1.0)[:2] == (1.0, 2.0) and replay.offload(0, 0, 0, 1, 2.0)[:2] == (2.0, 6.0)
+        assert replay.issue(0, 0, 0, 1_000_000, 3.0, 0)[:2] == (start, start + 1.0)
 
 
 def test_offload_costs_no_compute_and_a_prefetch_with_room_costs_no_time() -> None:

@@ -13,7 +13,12 @@ replay (:mod:`lynx.planner.timeline`) asks for:
 * at a window (an ``R`` position) the prefetches the plan names there go on the H2D lane, and
   the backward they serve waits for them; inside a backward, a block's streamed prefetches are
   issued when the block before it (in backward order) starts, and waited on before the block
-  that reads them (:meth:`CopyReplay.issue`, :meth:`CopyReplay.arrival`);
+  that reads them (:meth:`CopyReplay.issue`, :meth:`CopyReplay.arrival`). A prefetch starts
+  once the copy-outs of the blocks whose values it brings back have ended
+  (``CopyLoads.sources``), not every copy-out of its microbatch: the runtime's copy streams, one
+  per direction, wait on each value's own D2H event (:mod:`lynx.rewrite.offload`) — on a stage
+  whose backward follows its forward, the last blocks' copy-outs still run when the first
+  prefetches start;
 * :meth:`CopyReplay.pending` — bytes of other microbatches whose D2H copy has not ended at a
   given time: device memory offloading has not freed yet (the simulator adds it to the peak).
 
@@ -84,11 +89,14 @@ class CopyLoads:
     ``(chunk, microbatch, bytes)`` prefetched there (waited on when that backward starts);
     ``streamed``: per backward, ``(issue block or None, reading block, bytes)`` — issued when
     the issue block's backward starts (None: when the backward starts), waited on before the
-    reading block's."""
+    reading block's. ``sources``: per ``(chunk, microbatch, reading block)`` (None: the window
+    prefetches), the blocks whose forwards copied out what it brings back (absent: every block
+    of the microbatch, the conservative rule)."""
 
     offload: dict[tuple[int, int, int], int] = field(default_factory=dict)
     window: dict[WindowId, list[tuple[int, int, int]]] = field(default_factory=dict)
     streamed: dict[tuple[int, int], list[tuple[Optional[int], int, int]]] = field(default_factory=dict)
+    sources: dict[tuple[int, int, Optional[int]], frozenset[int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.offload)
@@ -134,6 +142,7 @@ class CopyReplay:
         self.d2h = [Lane() for _ in range(lanes)]
         self.h2d = [Lane() for _ in range(lanes)]
         self.offloaded_at: dict[tuple[int, int], float] = {}    # (chunk, mb) -> its last D2H copy's end
+        self.block_out_at: dict[tuple[int, int, int], float] = {}   # (chunk, mb, block) -> its D2H copy's end
         self.ready_at: dict[tuple[int, int, Optional[int]], float] = {}   # (chunk, mb, reading block) -> arrival
         self.bytes_out: dict[int, int] = {}   # per device: bytes copied to the host per step
         self.bytes_in: dict[int, int] = {}
@@ -151,12 +160,21 @@ class CopyReplay:
         seconds = self.host.seconds(nbytes, "d2h")
         self.bytes_out[device] = self.bytes_out.get(device, 0) + nbytes
         if self.synchronous:
-            self.offloaded_at[(chunk, mb)] = t + seconds
+            self.offloaded_at[(chunk, mb)] = self.block_out_at[(chunk, mb, block)] = t + seconds
             return t, t + seconds, seconds
         start, end = self.d2h[self.host.lane_of_device[device]].book(t, seconds, tag=(device, chunk, mb), produced=t,
                                                                       nbytes=nbytes)
         self.offloaded_at[(chunk, mb)] = max(self.offloaded_at.get((chunk, mb), 0.0), end)
+        self.block_out_at[(chunk, mb, block)] = end
         return start, end, 0.0
+
+    def out_at(self, chunk: int, mb: int, reader: Optional[int]) -> float:
+        """When what a prefetch for block ``reader`` of ``(chunk, mb)`` brings back (None: the
+        window prefetches) is all on the host: its source blocks' copy-outs ended."""
+        blocks = self.loads.sources.get((chunk, mb, reader))
+        if blocks is None:   # (not said: every copy-out of the microbatch)
+            return self.offloaded_at.get((chunk, mb), 0.0)
+        return max((self.block_out_at.get((chunk, mb, b), 0.0) for b in blocks), default=0.0)
 
     def issue(self, device: int, chunk: int, mb: int, nbytes: int, t: float, reader: Optional[int]
               ) -> tuple[float, float, float]:
@@ -170,7 +188,7 @@ class CopyReplay:
         if self.synchronous:
             self.ready_at[key] = max(self.ready_at.get(key, 0.0), t + seconds)
             return t, t + seconds, seconds
-        ready = max(t, self.offloaded_at.get((chunk, mb), 0.0))   # back only once it is out
+        ready = max(t, self.out_at(chunk, mb, reader))   # back only once it is out
         start, end = self.h2d[self.host.lane_of_device[device]].book(ready, seconds, tag=(device, chunk, mb),
                                                                       produced=ready, nbytes=nbytes)
         self.ready_at[key] = max(self.ready_at.get(key, 0.0), end)

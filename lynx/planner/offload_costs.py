@@ -174,6 +174,9 @@ def copy_loads(graph: nx.DiGraph, pipe: PipelineCosts, problems: list[StageProbl
                     _add(loads.window.setdefault(wid, []), (chunk, mb), node.saved_bytes)
                 else:
                     _add_streamed(loads.streamed.setdefault((chunk, mb), []), issue, reader, node.saved_bytes)
+                # (the prefetch waits for this block's copy-out only: copy_lanes.CopyReplay.out_at)
+                at = (chunk, mb, None if wid is not None else reader)
+                loads.sources[at] = loads.sources.get(at, frozenset()) | {block}
     return loads
 
 
