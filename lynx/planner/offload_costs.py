@@ -77,12 +77,13 @@ def stage_copies(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, sta
     ranks = group_ranks(probe)
     block_of_group = _block_of_group(graph, nodes, ranks)
     backward = tuple(pipe.costs[b].backward_s + pipe.costs[b].tp_backward_s for b in block_of_group)
+    forward = tuple(pipe.costs[b].forward_s + pipe.costs[b].tp_forward_s for b in block_of_group)
     actions = timeline.actions[stage]
     slots = _slots(actions, pipe.microbatches)
     pending = () if host.link.synchronous else _pending_terms(pipe, actions, block_of_group, d2h, host.link.alpha_s)
     return StageCopies(d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, alpha_s=host.link.alpha_s,
                        synchronous=host.link.synchronous, host_budget_bytes=host_budget_bytes, slots=slots,
-                       group_backward_s=backward, pending=pending)
+                       group_backward_s=backward, pending=pending, group_forward_s=forward)
 
 
 def _block_of_group(graph: nx.DiGraph, nodes: tuple[ProblemNode, ...], ranks: dict[str, int]) -> list[int]:

@@ -30,10 +30,14 @@ Example::
     6000000
     >>> c.pending_during(6_000_000, group=0, groups=2)   # after the top group's 2 ms of backward
     4000000
+    >>> c = dataclasses.replace(c, group_forward_s=(0.001, 0.001))   # 1 ms forwards, 1 MB per ms
+    >>> c.drains_by_backward([500_000, 0]), c.drains_by_backward([0, 500_000])   # out by 1.5 ms / 2.5 ms
+    (True, False)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +68,24 @@ class StageCopies:
     group_backward_s: tuple[float, ...]         # per group rank (forward order): its backward's seconds
     # (forwards per group rank whose offload copies may still be queued, bytes the D2H lane moved since)
     pending: tuple[tuple[tuple[int, ...], float], ...] = ()
+    group_forward_s: tuple[float, ...] = ()     # per group rank: its forward's seconds (() : unknown)
+
+    def drains_by_backward(self, offloaded_by_group: Sequence[int]) -> bool:
+        """Whether a microbatch's copies to the host, ``offloaded_by_group[g]`` bytes issued as
+        group ``g``'s forward ends, all end by the end of its forward: on a stage holding one
+        microbatch (its backward follows its forward) what is still being copied out is still
+        on the device when the backward starts, which the memory model does not count. One
+        lane, first come first served; unknown forward times: only if nothing is copied."""
+        if self.synchronous or not any(offloaded_by_group):
+            return True
+        if len(self.group_forward_s) < len(offloaded_by_group):
+            return False
+        t = lane = 0.0
+        for f, nbytes in zip(self.group_forward_s, offloaded_by_group):
+            t += f
+            if nbytes > 0:
+                lane = max(lane, t) + self.d2h_s(nbytes)
+        return lane <= t + 1e-12
 
     def pending_bytes(self, offloaded_by_group: Sequence[int]) -> int:
         """Bytes still on the device, waiting for their D2H copy, at the worst backward's start."""

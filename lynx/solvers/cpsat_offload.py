@@ -158,8 +158,8 @@ def _exposed(m: cp_model.CpModel, off: OffloadItems, f: dict[int, Any], size: di
 def with_copies(problem: StageProblem, *, bytes_per_s: float = 2e11, slack_s: float = 1e-3,
                 host_budget_bytes: int = 2**50) -> StageProblem:
     """``problem`` with copy lanes of ``bytes_per_s`` each way (synthetic problems, tests): every
-    microbatch's slot has ``slack_s``, each group's backward twice its nodes' recompute time,
-    nothing pending."""
+    microbatch's slot has ``slack_s``, each group's backward twice its nodes' recompute time and
+    its forward their recompute time, nothing pending."""
     from lynx.solvers.problem import group_key, group_ranks
 
     ranks = group_ranks(problem)
@@ -174,5 +174,6 @@ def with_copies(problem: StageProblem, *, bytes_per_s: float = 2e11, slack_s: fl
                                     WindowId.recv(problem.stage, "recv_grad", j)), slack_s=slack_s)
                   for j in range(problem.microbatches))
     copies = StageCopies(d2h_bytes_per_s=bytes_per_s, h2d_bytes_per_s=bytes_per_s, alpha_s=0.0, synchronous=False,
-                         host_budget_bytes=host_budget_bytes, slots=slots, group_backward_s=tuple(backward))
+                         host_budget_bytes=host_budget_bytes, slots=slots, group_backward_s=tuple(backward),
+                         group_forward_s=tuple(b / 2 for b in backward))
     return dataclasses.replace(problem, copies=copies)

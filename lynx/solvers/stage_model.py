@@ -87,7 +87,9 @@ class OffloadItems:
 
 def offload_items(problem: StageProblem, items: tuple[ModelItem, ...]) -> OffloadItems | None:
     """Per model item what offloading it means (None: the stage has no copy lanes, or holds one
-    microbatch: a stage whose backward follows its forward has no time to copy in)."""
+    microbatch: there only the early layers' copies to the host end by the backward's start —
+    HEU picks those node by node, :class:`lynx.solvers.heu.offload._Drain` — while this model
+    decides identical layers as one item)."""
     if problem.copies is None or problem.in_flight < 2:
         return None
     can = set(offloadable(problem))

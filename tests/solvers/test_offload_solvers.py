@@ -119,3 +119,24 @@ def test_opt_charges_copy_latency_only_when_something_is_copied() -> None:
     res = solve("opt", p, time_limit_s=10)
     _check(p, res)
     assert not res.assignment.offload and res.objective_s <= plain.objective_s + 1e-12
+
+
+def test_a_stage_holding_one_microbatch_offloads_what_drains_by_its_backward() -> None:
+    """In flight 1 (the backward follows the forward): HEU offloads, node by node, only what the
+    D2H lane copies out by the forward's end — the early layers, never the last one — and OPT's
+    model, which decides identical layers as one item, offloads nothing there."""
+    p = with_copies(make_uniform_problem(layers=4, microbatches=4, in_flight=1, budget_fraction=0.3),
+                    bytes_per_s=2e10)
+    assert p.copies is not None
+    for chosen in (choose_offload(p, 1.0), boundaries(p), choose_offload(p, 0.9, boundaries(p))):
+        layers = {n.layer for n in p.nodes if n.name in chosen}
+        assert chosen and 0 in layers and 3 not in layers
+        per_group = [0] * 4
+        for n in p.nodes:
+            if n.name in chosen:
+                per_group[n.layer] += n.saved_bytes
+        assert p.copies.drains_by_backward(per_group)
+    heu = solve("heu", p, time_limit_s=10)
+    _check(p, heu)
+    assert heu.objective_s <= solve("heu", dataclasses.replace(p, copies=None), time_limit_s=10).objective_s + 1e-12
+    assert not solve("opt", p, time_limit_s=10).assignment.offload

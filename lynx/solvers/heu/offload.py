@@ -77,9 +77,12 @@ def choose_offload(problem: StageProblem, fraction: float, seed: frozenset[str] 
 
     Decided per *position* — the k-th node of a layer class — for every layer at once (taken
     where every layer's node fits), so identical layers stay identical; edge blocks' nodes on
-    their own."""
+    their own. On a stage holding one microbatch (its backward follows its forward) per node,
+    earliest layer first, and only while the copies to the host end by the forward's end
+    (:meth:`~lynx.solvers.copies.StageCopies.drains_by_backward`): a late layer's copy-out
+    cannot, so no position would be taken for every layer."""
     copies = problem.copies
-    if copies is None or problem.in_flight < 2:
+    if copies is None:
         return frozenset()
     layout, reads = group_layout(problem), read_groups(problem)
     slacks = [s.slack_s for s in copies.slots if s is not None]
@@ -89,21 +92,24 @@ def choose_offload(problem: StageProblem, fraction: float, seed: frozenset[str] 
                                                        - copies.alpha_s)
     host = copies.host_budget_bytes // max(1, problem.in_flight)
     can = set(offloadable(problem))
+    drain = _Drain(problem)
     positions: dict[tuple, list] = {}   # position -> its nodes, one per layer
     index: dict[object, int] = {}
-    for n in problem.nodes:
+    for i, n in enumerate(problem.nodes):
         k = index[n.layer] = index.get(n.layer, -1) + 1
         if n.name in can:
-            key = (n.layer_class, k) if n.layer is not None else ("edge", n.name)
+            key = (n.layer_class, k) if n.layer is not None and not drain.on else ("node", i)
             positions.setdefault(key, []).append(n)
+    at = {n.name: i for i, n in enumerate(problem.nodes)}
     order = sorted(positions.values(), key=lambda ns: (-ns[0].recompute_s / ns[0].saved_bytes, -ns[0].saved_bytes,
-                                                       ns[0].name))
+                                                       at[ns[0].name] if drain.on else 0, ns[0].name))
     chosen: list[str] = []
     for n in problem.nodes:   # (the seed's bytes take their room first)
         if n.name in seed and n.name in can:
             g = issue_group(reads[n.name], layout)
             room[g] = room.get(g, 0.0) - n.saved_bytes
             host -= n.saved_bytes
+            drain.add(n)
             chosen.append(n.name)
     for nodes in order:
         if any(n.name in seed for n in nodes):
@@ -113,12 +119,43 @@ def choose_offload(problem: StageProblem, fraction: float, seed: frozenset[str] 
             g = issue_group(reads[n.name], layout)
             need[g] = need.get(g, 0) + n.saved_bytes
         total = sum(need.values())
-        if total <= host and all(nbytes <= room.get(g, 0.0) for g, nbytes in need.items()):
+        if (total <= host and all(nbytes <= room.get(g, 0.0) for g, nbytes in need.items())
+                and drain.fits(nodes)):
             for g, nbytes in need.items():
                 room[g] -= nbytes
             host -= total
+            for n in nodes:
+                drain.add(n)
             chosen += [n.name for n in nodes]
     return frozenset(chosen)
+
+
+class _Drain:
+    """The D2H lane's check on a stage holding one microbatch (``on``): per group, the bytes
+    taken so far; :meth:`fits` — whether more still drain by the forward's end."""
+
+    def __init__(self, problem: StageProblem) -> None:
+        copies = problem.copies
+        self.on = copies is not None and problem.in_flight < 2
+        # (a synchronous link copies on the compute thread: there a stage holding one microbatch
+        # keeps offload out, as before the lane check — its copies would all be compute)
+        self.closed = self.on and copies is not None and copies.synchronous
+        self.copies, self.ranks = copies, group_ranks(problem)
+        self.by_group = [0] * (1 + max(self.ranks.values(), default=-1))
+
+    def add(self, n) -> None:
+        self.by_group[self.ranks[group_key(n)]] += n.saved_bytes
+
+    def fits(self, nodes) -> bool:
+        if not self.on:
+            return True
+        if self.closed:
+            return False
+        assert self.copies is not None
+        trial = list(self.by_group)
+        for n in nodes:
+            trial[self.ranks[group_key(n)]] += n.saved_bytes
+        return self.copies.drains_by_backward(trial)
 
 
 def _offload_sets(problem: StageProblem) -> list[frozenset[str]]:
@@ -138,16 +175,20 @@ def forget_winners() -> None:
 def boundaries(problem: StageProblem) -> frozenset[str]:
     """The offloadable values a later group reads (a layer's input, the residual stream): what
     recomputation keeps at its leanest, so what offload can take off the device at the tightest
-    budgets (within the host budget)."""
-    if problem.copies is None or problem.in_flight < 2:
+    budgets (within the host budget; on a stage holding one microbatch, earliest first, those
+    whose copies to the host end by the forward's end)."""
+    if problem.copies is None:
         return frozenset()
     reads, ranks = read_groups(problem), group_ranks(problem)
     host = problem.copies.host_budget_bytes // max(1, problem.in_flight)
     can = set(offloadable(problem))
+    drain = _Drain(problem)
     chosen = []
     for n in problem.nodes:
-        if n.name in can and reads[n.name] > ranks[group_key(n)] and n.saved_bytes <= host:
+        if (n.name in can and reads[n.name] > ranks[group_key(n)] and n.saved_bytes <= host
+                and drain.fits((n,))):
             host -= n.saved_bytes
+            drain.add(n)
             chosen.append(n.name)
     return frozenset(chosen)
 
