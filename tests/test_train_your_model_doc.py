@@ -5,7 +5,7 @@ torchrun option the guide misspells fails here as it would for a reader; its scr
 script's arguments then run as written on ``--nproc_per_node`` ranks with the environment
 torchrun gives a rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT`` of a
 standalone rendezvous). The ranks fork from the suite's fork server, which has imported torch
-and Lynx (tests/examples/prestarted.py): a fresh torchrun and its ranks would spend ~4-5 CPU-s
+and Lynx (tests/prestarted.py): a fresh torchrun and its ranks would spend ~4-5 CPU-s
 each importing them, three launches ~40 CPU-s of a 2-core suite. Starting a script's ranks
 under real torchrun is tests/examples/test_train_gpt.py's ``full_run``.
 """
@@ -15,18 +15,15 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 from lynx.planner.hardware import HARDWARE_PRESETS
 from lynx.planner.hardware_cache import auto_path
 from lynx.planner.hardware_files import write_hardware_file
-from lynx.runtime.topology import free_port
+from prestarted import run_world, start_world
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "train_your_model.md"
-sys.path.insert(0, str(ROOT / "tests" / "examples"))
-from prestarted import start_rank  # noqa: E402
 
 
 def _commands() -> list[str]:
@@ -44,18 +41,8 @@ def _torchrun(command: str, cwd: Path, env: dict[str, str]) -> list[tuple[int, s
     assert argv[0] == "torchrun", command
     args = get_args_parser().parse_args(argv[1:])   # exits (SystemExit 2) on an option torchrun lacks
     assert args.standalone and args.nnodes in ("1", "1:1") and not (args.module or args.no_python), command
-    world, port = int(args.nproc_per_node), free_port()
-    ranks = [start_rank(cwd / args.training_script, args.training_script_args,
-                        dict(env, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", WORLD_SIZE=str(world),
-                             LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                        cwd)
-             for r in range(world)]
-    try:
-        outputs = [rank.communicate(timeout=300) for rank in ranks]
-        return [(rank.returncode, out, err) for rank, (out, err) in zip(ranks, outputs)]
-    finally:
-        for rank in ranks:
-            rank.kill()
+    return run_world(start_world(cwd / args.training_script, args.training_script_args, int(args.nproc_per_node),
+                                 env, cwd), timeout=300)
 
 
 def test_the_guides_commands_run_as_written(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ STEPS, EVERY = 6, 2           # checkpoints at steps 2, 4 and 6
 def start(args: list[str], world: int = 2, cwd: Path | None = None, fresh: bool = False) -> list[Any]:
     """Start the script on ``world`` ranks with torchrun's environment (the fixed cpu-local
     preset unless ``args`` choose the hardware or a plan: ``auto`` would measure this machine).
-    Each rank is forked from a process that has imported torch and Lynx (tests/examples/prestarted.py:
+    Each rank is forked from a process that has imported torch and Lynx (tests/prestarted.py:
     ~4 s of CPU less per rank), or with ``fresh`` a new interpreter, as torchrun starts it."""
     if "--hardware" not in args and "--plan" not in args:
         args = [*args, "--hardware", "cpu-local"]

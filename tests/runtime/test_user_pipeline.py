@@ -4,8 +4,8 @@ Models nobody here wrote the runtime for — a plain ``nn.Module`` returning ``(
 the same with attention (a plain GPT), a ``transformers`` Llama from a config
 (``.loss``; eager attention: the sdpa path runs another program under torch.export, see
 tests/test_transformers_models.py) — and Lynx's gpt-tiny are compiled with an HEU plan that
-recomputes, trained 3 steps with AdamW from the user's loop under ``torchrun`` (2 processes:
-pp 2; and 4 processes, pp 2 × dp 2, in tests/runtime/test_runtime_pipeline.py's spawned world:
+recomputes, trained 3 steps with AdamW from the user's loop with torchrun's environment (2
+processes: pp 2; and 4 processes, pp 2 × dp 2, in tests/runtime/test_runtime_pipeline.py's spawned world:
 :data:`DP_CASES`) under 1F1B, interleaved 1F1B (2 chunks per rank) and ZB-H1
 (each backward split into its input- and weight-gradient graphs, lowered from one joint graph,
 the weight part deferred) — and, pp 2 × dp 2, gpt-tiny under a plan that offloads to host
@@ -35,6 +35,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import user_models as um  # noqa: E402
+from prestarted import run_world, start_world  # noqa: E402
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -77,9 +78,12 @@ def _cases() -> list[str]:
 
 
 def test_user_loop_matches_single_process_pytorch(tmp_path):
+    # the worker script's ranks with torchrun's environment, forked from the suite's fork server
+    # (tests/prestarted.py: ~4-5 CPU-s less per rank than a fresh torchrun and its interpreters)
     cases = _cases()
-    run = torchrun(2, "user_pipeline_worker.py", str(tmp_path), "2", *cases, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    ranks = run_world(start_world(HERE / "user_pipeline_worker.py", [str(tmp_path), "2", *cases], 2,
+                                  dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")), timeout=600)
+    assert all(code == 0 for code, _, _ in ranks), "\n".join(out[-3000:] + err[-3000:] for _, out, err in ranks)
     check_cases(tmp_path, cases, nproc=2, pp=2)
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -42,16 +40,13 @@ def test_a_rank_raising_ends_every_rank_naming_it(tmp_path, fail_rank):
 def test_a_rank_killed_without_a_word_is_named(tmp_path):
     """Issue 22, finding 6: a peer killed with SIGKILL was reported as "gradient receive of
     microbatch 0 failed … Connection reset by peer", the dead rank not named. Started without
-    torchrun, whose agent would stop the survivor before it speaks."""
-    from lynx.runtime.topology import free_port
+    torchrun, whose agent would stop the survivor before it speaks: its ranks with torchrun's
+    environment, forked from the suite's fork server (tests/prestarted.py)."""
+    from prestarted import run_world, start_world
 
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(HERE / "user_failure_worker.py"), str(tmp_path), "1", "kill"],
-                              env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    out = [p.communicate(timeout=120) for p in procs]
-    assert procs[1].returncode == -9
-    assert procs[0].returncode == 1, out[0][1][-3000:]
-    assert "with rank 1 failed" in out[0][1] and "rank 1 ended without reporting an error" in out[0][1], \
-        out[0][1][-3000:]
+    (survivor, out, err), (killed, _, _) = run_world(start_world(
+        HERE / "user_failure_worker.py", [str(tmp_path), "1", "kill"], 2, dict(os.environ, OMP_NUM_THREADS="1")),
+        timeout=120)
+    assert killed == -9
+    assert survivor == 1, err[-3000:]
+    assert "with rank 1 failed" in err and "rank 1 ended without reporting an error" in err, err[-3000:]

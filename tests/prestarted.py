@@ -13,6 +13,11 @@ does (``poll``, ``communicate``, ``kill``, ``send_signal``, ``returncode``).
 What a fork shares with the server and a fresh process would not: the modules imported (a
 script still runs its own ``import`` lines, which bind its names) and the string hash seed.
 Tests about a fresh interpreter start one (tests/examples/test_train_gpt.py's ``full_run``).
+
+:func:`start_world` starts a script's ranks as ``torchrun --standalone --nproc_per_node N``
+would, each with the environment torchrun gives a rank; :func:`run_world` waits for them. A
+test about torchrun itself (its agent, its root-cause report) runs torchrun
+(tests/runtime/test_user_pipeline_failures.py).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from typing import Any
 
 from lynx.testing.world import _rank_context
 
-__all__ = ["Rank", "start_rank"]
+__all__ = ["Rank", "start_rank", "start_world", "run_world"]
 
 
 class Rank:
@@ -69,6 +74,31 @@ def start_rank(script: str | Path, args: list[str], env: dict[str, str], cwd: st
                                   str(out), str(err)))
     process.start()
     return Rank(process, out, err)
+
+
+def start_world(script: str | Path, args: list[str], world: int, env: dict[str, str] | None = None,
+                cwd: str | Path | None = None) -> list[Rank]:
+    """``script ARGS`` on ``world`` ranks with the environment torchrun gives each (``RANK``,
+    ``LOCAL_RANK``, ``GROUP_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``PORT``:
+    a free local port, as ``--standalone``) on top of ``env`` (default: this process's)."""
+    from lynx.runtime.topology import free_port
+
+    base, port = dict(os.environ if env is None else env), str(free_port())
+    return [start_rank(script, args, dict(base, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0", WORLD_SIZE=str(world),
+                                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                       cwd)
+            for r in range(world)]
+
+
+def run_world(ranks: list[Rank], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for ``ranks`` (each at most ``timeout`` s); (exit code, stdout, stderr) per rank. A rank
+    still running then is killed."""
+    try:
+        outputs = [rank.communicate(timeout=timeout) for rank in ranks]
+        return [(rank.returncode, out, err) for rank, (out, err) in zip(ranks, outputs)]
+    finally:
+        for rank in ranks:
+            rank.kill()
 
 
 def _run_script(script: str, argv: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
