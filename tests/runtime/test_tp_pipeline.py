@@ -3,7 +3,7 @@
 Three models (tests/runtime/tp_models.py: lynx's GPT at gpt-tiny's shape, a ``transformers``
 Llama with sdpa and grouped-query attention, a plain ``nn.Module`` GPT), each with an HEU plan
 that recomputes — inside TP windows too — and with the same sharded stages keeping everything,
-trained 3 AdamW steps in a world of 2 processes (tp 2) and one of 4 (pp 2 × tp 2, 1F1B, and
+trained 5 AdamW steps in a world of 2 processes (tp 2) and one of 4 (pp 2 × tp 2, 1F1B, and
 GPipe for lynx's GPT); each world runs all of them in turn. Against single-process PyTorch on
 the same batches: per-step losses within 1e-5 relative, first-step gradients within the fp32
 bound below. Against the sharded run without recomputation: losses, gradients and final
