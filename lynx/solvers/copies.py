@@ -37,7 +37,7 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
+import dataclasses  # noqa: F401 - the module docstring's example uses it
 from collections.abc import Sequence
 from dataclasses import dataclass
 
