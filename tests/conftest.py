@@ -37,25 +37,31 @@ SLOW = (
 )
 
 
-# The files that take longest (worker seconds, measured quietly with --durations=0), longest
-# first. The two xdist workers take files in collection order (pyproject's addopts turn off
-# xdist's default reordering, which put the most *numerous* files first and so the long
-# one-test files last): longest first, the workers end within about one short file of each
-# other instead of one idling while the other runs a minute-long file. Only the order changes.
+# The files that take longest (worker seconds, measured near-quietly with --durations: 2 workers,
+# at ee579b9), longest first. The two xdist workers take files in collection order (pyproject's
+# addopts turn off xdist's default reordering, which put the most *numerous* files first and so
+# the long one-test files last): longest first, the workers end within about one short file of
+# each other instead of one idling while the other runs a minute-long file. Only the order changes.
 LONGEST_FIRST = (
-    "tests/examples/test_train_gpt_launches.py",
-    "tests/examples/test_train_gpt.py",
-    "tests/runtime/test_user_pipeline.py",
-    "tests/runtime/test_tp_pipeline.py",
-    "tests/runtime/test_runtime_pipeline.py",
-    "tests/test_train_your_model_doc.py",
-    "tests/runtime/test_user_pipeline_failures.py",
-    "tests/test_doctests.py",
-    "tests/test_calibrate.py",
-    "tests/test_profile.py",
-    "tests/test_offload_runtime.py",
-    "tests/test_graph.py",
-    "tests/test_gpu_check.py",
+    "tests/runtime/test_tp_pipeline.py",              # 93 s
+    "tests/runtime/test_user_pipeline.py",            # 84
+    "tests/examples/test_train_gpt_launches.py",      # 39
+    "tests/test_train_your_model_doc.py",             # 37
+    "tests/examples/test_train_gpt.py",               # 34
+    "tests/runtime/test_runtime_pipeline.py",         # 31
+    "tests/test_calibrate.py",                        # 30
+    "tests/runtime/test_user_pipeline_failures.py",   # 19
+    "tests/test_doctests.py",                         # 18
+    "tests/test_gpu_check.py",                        # 17
+    "tests/test_testbed.py",                          # 14
+    "tests/test_profile.py",                          # 12
+    "tests/test_rewrite_plans.py",                    # 12
+    "tests/test_rewrite.py",                          # 11
+    "tests/test_process_group_guard.py",              # 8
+    "tests/test_planning_imports.py",                 # 7
+    "tests/test_offload_runtime.py",                  # 7
+    "tests/test_profile_cache.py",                    # 6
+    "tests/test_graph.py",                            # 5
 )
 
 

@@ -38,7 +38,22 @@ def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
     """Every case in turn in the world already made (this script's under torchrun, or a spawned
     one: tests/runtime/pipeline_ranks.py runs the pp 2 x dp 2 cases in its world);
     ``pipe_options`` go to each ``Pipeline``."""
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # case i is planned by rank i % world, which trains that compilation; every other rank
+    # compiles with its plan (users do the same with one planning rank: examples/train_gpt.py).
+    # The ranks plan their cases side by side first (planning is most of a case's cost; one
+    # planning rank left the others waiting), then exchange the plans
+    trained = [case for case in cases if case != "dropout:resume"]
+    own = {}
+    for i, case in enumerate(trained):
+        if i % world == rank:
+            kind, schedule = case.split(":")
+            model, example = um.build(kind)
+            own[case] = (model, example, um.compile_recomputing(model, example, pp=pp, dp=world // pp,
+                                                                schedule=schedule))
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {case: compiled.plan for case, (_, _, compiled) in own.items()})
+    plans = {case: plan for by_rank in gathered for case, plan in by_rank.items()}
     for case in cases:
         kind, schedule = case.split(":")
         if case == "dropout:resume":   # issue 22, finding 8: in this world, not a torchrun of its own
@@ -46,14 +61,11 @@ def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
 
             dropout_resume_worker.run(out_dir)
             continue
-        model, example = um.build(kind)
-        # rank 0 plans and trains that compilation; every other rank compiles with its plan (users
-        # do the same: examples/train_gpt.py)
-        own = um.compile_recomputing(model, example, pp=pp, dp=world // pp, schedule=schedule) \
-            if dist.get_rank() == 0 else None
-        plan = [own.plan if own is not None else None]
-        dist.broadcast_object_list(plan, src=0)
-        compiled = own if own is not None else um.compile_with(model, example, plan[0])
+        if case in own:
+            _, _, compiled = own.pop(case)
+        else:
+            model, example = um.build(kind)
+            compiled = um.compile_with(model, example, plans[case])
         recomputed = sum(d.action == "recompute" for s in compiled.plan.stages for d in s.decisions)
         offloaded = sum(d.action == "offload" for s in compiled.plan.stages for d in s.decisions)
         pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, trace=True, **pipe_options)
