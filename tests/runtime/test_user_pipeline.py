@@ -35,7 +35,7 @@ import torch
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import user_models as um  # noqa: E402
-from prestarted import run_world, start_world  # noqa: E402
+from prestarted import run_world, start_rank, start_world  # noqa: E402
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -170,9 +170,10 @@ def test_plain_python_is_a_world_of_one_and_loss_fn_takes_the_target(tmp_path):
     split like the inputs; equal to PyTorch accumulating the same microbatches (bitwise)."""
     out = tmp_path / "one.pt"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run([sys.executable, str(HERE / "user_world_of_one.py"), str(out)], capture_output=True,
-                         text=True, timeout=240, env=dict(env, OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stderr[-3000:]
+    # ``python user_world_of_one.py OUT``, forked from the suite's fork server (tests/prestarted.py)
+    run = start_rank(HERE / "user_world_of_one.py", [str(out)], dict(env, OMP_NUM_THREADS="1"))
+    _, err = run.communicate(timeout=240)
+    assert run.returncode == 0, err[-3000:]
     got = torch.load(out)
     assert got["world"] == 1
     # issue 22, finding 6: torch's "IndexError: index out of range in self", "has 1 rows along dim 0"
