@@ -59,6 +59,10 @@ def test_unreliable_figures_name_the_spread_and_why() -> None:
     assert "more than 4% of a core" in unreliable_figures([starved], 18.4, 2)["op_overhead_s"]
     fed = Repeated("op_overhead_s", [3.1e-6, 3.2e-6, 3.2e-6], [0.02, 0.3, 0.03], best="min")
     assert unreliable_figures([fed], 6.0, 2) == {}
+    # β is the best repeat (the vCPUs sharing a cache): a lone one is flagged, two agreeing are not
+    lone = Repeated("links.beta_bytes_per_s", [3.3e9, 7.0e9, 3.4e9], best="max")
+    assert lone.value == 7.0e9 and "share a cache" in unreliable_figures([lone], 4.0, 2)["links.beta_bytes_per_s"]
+    assert unreliable_figures([Repeated("links.beta_bytes_per_s", [3.3e9, 7.0e9, 6.8e9], best="max")], 0.5, 2) == {}
 
 
 @pytest.fixture(scope="module")
