@@ -83,8 +83,8 @@ def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None =
 
 
 # The pp link's round trips are timed in this many repeats per calibration repeat, each of
-# lynx.calibrate.links.CALIBRATION_SMALL_TRIPS 1-element trips and 50 of 1 MiB: β is their
-# median, which over 10 repeats wanders half as much as over 5 (~0.3 s of trips in all)
+# lynx.calibrate.links.CALIBRATION_SMALL_TRIPS 1-element trips and 50 of 1 MiB (~0.3 s of
+# trips in all): β is their best, and 10 repeats see the shared-cache state more often than 5
 LINK_REPEATS_PER_REPEAT = 2
 
 

@@ -42,9 +42,9 @@ from lynx.errors import LynxRuntimeError
 
 __all__ = ["measure_link", "link_trips", "CALIBRATION_SMALL_TRIPS"]
 
-# 1-element round trips per repeat in ``lynx calibrate`` (its repeats are twice as many, for a
-# steadier median β: lynx.calibrate.host.LINK_REPEATS_PER_REPEAT); α, the fastest of all of
-# them, still sees 1000 trips
+# 1-element round trips per repeat in ``lynx calibrate`` (its repeats are twice as many, so
+# that β's best repeat more often sees the two vCPUs sharing a cache:
+# lynx.calibrate.host.LINK_REPEATS_PER_REPEAT); α, the fastest of all of them, sees 1000 trips
 CALIBRATION_SMALL_TRIPS = 100
 
 
