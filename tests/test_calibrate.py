@@ -215,18 +215,22 @@ def _staged_rank(rank, gate, fail):
 
     if fail:
         raise ValueError("could not prepare")
+    from lynx.runtime.sched_slice import thread_slice_s
+
     cpu = pin_to_core(rank)
     gate.prepared(30.0)
-    return cpu, sorted(os.sched_getaffinity(0))
+    return cpu, sorted(os.sched_getaffinity(0)), thread_slice_s()
 
 
 def test_staged_ranks_prepare_then_measure_once_let_go_each_on_a_core() -> None:
     """lynx.calibrate.forked: ranks forked early say they are prepared and wait; results() lets
-    them go. With two CPUs or more each rank is pinned to a CPU of its own; a rank that fails
-    preparing says so too (nothing waits on it); cancel() ends ranks never let go."""
+    them go. With two CPUs or more each rank is pinned to a CPU of its own, on the short
+    scheduler slices a training rank's threads get; a rank that fails preparing says so too
+    (nothing waits on it); cancel() ends ranks never let go."""
     import os
 
     from lynx.calibrate.forked import Staged
+    from lynx.runtime.sched_slice import SHORT_SLICE_S, custom_slices, thread_slice_s
 
     allowed = sorted(os.sched_getaffinity(0))
     with Staged(_staged_rank, 2, (False,), timeout_s=30.0) as staged:
@@ -235,7 +239,9 @@ def test_staged_ranks_prepare_then_measure_once_let_go_each_on_a_core() -> None:
     got = dict(items)
     assert missing is None and set(got) == {0, 1}
     if len(allowed) >= 2:
-        assert [got[r] for r in (0, 1)] == [(allowed[0], [allowed[0]]), (allowed[1], [allowed[1]])]
+        assert [got[r][:2] for r in (0, 1)] == [(allowed[0], [allowed[0]]), (allowed[1], [allowed[1]])]
+    if custom_slices() and thread_slice_s() is not None:
+        assert [got[r][2] for r in (0, 1)] == [SHORT_SLICE_S, SHORT_SLICE_S]
     with Staged(_staged_rank, 1, (True,), timeout_s=30.0) as failing:
         assert failing.wait_prepared()
         assert failing.results()[0] == [(0, "rank 0: ValueError: could not prepare")]

@@ -80,7 +80,12 @@ def staged_rank(target: Any, rank: int, gate: Gate | None, queue: Any, *args: An
     ``(rank, "rank R: Error: message")`` if it raised (the gate then says this rank is done
     preparing, so nothing waits on it); then the process ends without the interpreter's
     teardown, which would hang on a process group's threads still alive
-    (see :mod:`lynx.process_group_guard`)."""
+    (see :mod:`lynx.process_group_guard`). The rank's threads run with the short scheduler
+    slices a training rank's do (:mod:`lynx.runtime.sched_slice`), so what it times is what
+    a training rank's hand-offs cost."""
+    from lynx.runtime.sched_slice import request_short_slices
+
+    request_short_slices()
     try:
         queue.put((rank, target(rank, gate, *args)))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError

@@ -115,12 +115,15 @@ class Pipeline:
         skip_nonfinite: report a step with a non-finite loss or gradient instead of raising
             (``last_step_skipped``); a Lynx optimizer given to :meth:`use_optimizer` then
             sends its buckets in its ``step()``, after the check, not during the last backward.
+        short_slices: on a CPU rank, ask the scheduler for 0.1 ms slices for every thread of
+            this process (:mod:`lynx.runtime.sched_slice`: gloo's hand-offs then wait 0.1 ms,
+            not a whole slice); False leaves the process as it is.
     """
 
     def __init__(self, compiled: Any, loss_fn: Callable[..., Any] | None = None, *, timeout_s: float = 60.0,
                  prefetch: bool = True, exit_on_error: bool = True, trace: bool = False,
                  bucket_bytes: int = 1 << 20, stage: torch.nn.Module | None = None, seed: int = 0,
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False, short_slices: bool = True) -> None:
         from lynx.rewrite.build import build_chunk_modules, chunk_node_lists, split_cached
         from lynx.runtime.loss import LossSpec
 
@@ -177,6 +180,10 @@ class Pipeline:
                 chunk.tp_windows = tp_window_schedule(self._schedule, topo.stage)
         self.optimizer: Any = None
         self.runner = self._make_runner()
+        if short_slices and self.device.type == "cpu":   # gloo's threads exist now; later ones inherit
+            from lynx.runtime.sched_slice import request_short_slices
+
+            request_short_slices()
         self._hook = None
         if exit_on_error:
             from lynx.runtime.failure_exit import install_failure_exit

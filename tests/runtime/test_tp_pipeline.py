@@ -40,6 +40,7 @@ sys.path.insert(0, str(HERE))
 import tp_models as tm  # noqa: E402
 
 from lynx.frontend.sharding import shard_tensor  # noqa: E402
+from lynx.runtime.sched_slice import SHORT_SLICE_S, custom_slices  # noqa: E402
 from lynx.testing import spawn_world  # noqa: E402
 
 U = 2.0 ** -24
@@ -106,6 +107,11 @@ def _check(results: list[dict], prepared: dict, references: dict, tp: int) -> No
         assert all(same and ops > 0 for same, ops in windows), (
             f"{kind}: a TP window's recompute is not between an all-reduce and its wait: {windows}")
         assert hidden > 0, f"{kind}: no recompute hidden in a TP window"
+    if custom_slices():   # every thread of a CPU rank, gloo's included, on short slices (lynx.runtime.sched_slice)
+        for rank in results:
+            for kind in prepared:
+                shown = [s for s in rank[kind]["slices"] if s is not None]
+                assert shown and all(s == SHORT_SLICE_S for s in shown), f"{kind}: thread slices {rank[kind]['slices']}"
 
 
 def test_tp2_matches_single_process_pytorch(references):

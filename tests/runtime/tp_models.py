@@ -209,6 +209,7 @@ def train_rank(kind: str, prepared: dict[str, Any]) -> dict[str, Any]:
         plan, config = prepared[name]
         compiled = _compiled_on_rank(kind, plan, config, prepared)   # one capture, so one joint trace, for both
         pipe = lynx.runtime.Pipeline(compiled, exit_on_error=False, timeout_s=120)
+        out["slices"] = thread_slices()
         opt = torch.optim.AdamW(pipe.parameters(), lr=LR)
         losses, grads, hidden, exposed, peak = [], {}, 0.0, 0.0, 0
         for window in batches():
@@ -228,6 +229,15 @@ def train_rank(kind: str, prepared: dict[str, Any]) -> dict[str, Any]:
         out["rank"], out["stage"], out["tp_rank"] = pipe.rank, pipe.stage_index, pipe.topology.tp_rank
         pipe.close()
     return out
+
+
+def thread_slices() -> list[float | None]:
+    """The scheduler slice of every thread of this rank (lynx.runtime.sched_slice)."""
+    import os
+
+    from lynx.runtime.sched_slice import thread_slice_s
+
+    return [thread_slice_s(int(t)) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else []
 
 
 def window_order(stage: Any) -> list[tuple[bool, int]]:
