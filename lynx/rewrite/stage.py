@@ -126,8 +126,13 @@ class _RunStage(torch.autograd.Function):
         graph = None
         if state.defer:   # zero bubble (not run with TP: lynx.runtime.executable.TP_SCHEDULES)
             graph, weights = lowered.split_backward_graphs(frozenset(state.available), sink, streamed)
-            if state.defer == "unless_held" and (graph.cross_bytes or graph.offload_groups or weights.offload_groups):
-                # handing activations over would hold more than the plan counts for a backward
+            if state.defer == "unless_held" and (graph.cross_bytes or graph.offload_groups or weights.offload_groups
+                                                 or _split_peak(graph, weights) != lowered.backward_graph(
+                                                     frozenset(state.available), sink, stage.tp_targets(state),
+                                                     streamed).extra_peak_bytes):
+                # handing activations over, or each part regenerating on demand what it reads (both
+                # may re-run a value the whole backward re-runs once), would hold other than the
+                # plan counts for a backward (lynx.solvers.memory_microbatch): run it whole
                 graph, state.defer = None, False
             else:
                 state.weights = weights
@@ -170,6 +175,13 @@ class _RunStage(torch.autograd.Function):
         for index, grad in zip(lowered.grad_of, computed):
             result[index] = grad
         return (None, None, *result)
+
+
+def _split_peak(first: Any, weights: Any) -> int:
+    """What a split backward's meter rises to above the microbatch's held bytes: the larger of
+    its input part's and its weight part's peaks (the values handed from one to the other in
+    between)."""
+    return max(first.extra_peak_bytes, first.cross_bytes + weights.extra_peak_bytes)
 
 
 def _count_on_demand(state: _Microbatch, graph: Any) -> None:
@@ -377,8 +389,9 @@ class StageModule(nn.Module):
         gradients the same kernels give); :meth:`backward_weight` computes the rest later.
 
         ``unless_held``: only where the input-gradient part hands the weight part no activation
-        (nothing recomputed or offloaded crosses over), so the split holds no more saved bytes
-        than the whole backward; else the backward runs whole (:meth:`weights_pending` says which)."""
+        (nothing recomputed or offloaded crosses over) and the parts' peak is the whole
+        backward's, so the split holds the saved bytes the whole backward does (what plans
+        count); else the backward runs whole (:meth:`weights_pending` says which)."""
         state = self._state(microbatch)
         if unless_held and self.tp is not None:
             return   # a tensor-parallel backward runs whole (its all-reduces and windows in order)
@@ -410,7 +423,10 @@ class StageModule(nn.Module):
             self.meter.hold("stage", extra)
         graph.clock.total_s = 0.0
         try:
-            graph.run(args)   # boxed: it empties ``args`` as it goes
+            # as autograd's engine runs the whole backward graph: nothing recorded, and a gradient
+            # summed in place into a .grad that is a view (a data-parallel bucket's) is allowed
+            with torch.no_grad():
+                graph.run(args)   # boxed: it empties ``args`` as it goes
         finally:
             if extra:
                 self.meter.free("stage", extra)
