@@ -128,22 +128,25 @@ def qwen2(attention: str) -> nn.Module:
     return transformers.Qwen2ForCausalLM(cfg)
 
 
-def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp: int, schedule: str = "1f1b") -> Any:
+def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp: int, schedule: str = "1f1b",
+                        analysis: Any = None) -> Any:
     """An HEU plan under a budget halfway between what full recomputation and keeping
     everything need on stage 0 (so it recomputes, whatever the cost model's figures).
 
     ``schedule="1f1b+offload"``: under 1F1B, PipeOffload's policy (``offload-all``: every
     activation of a stage with more than one microbatch in flight goes to host memory, each
-    brought back in a window or when the backward reaches it)."""
-    import lynx
+    brought back in a window or when the backward reaches it).
+
+    ``analysis``: :func:`analyze`'s of this model, planned from (``lynx.compiler.compile_analysis``)
+    instead of capturing it again."""
     from lynx.planner.loop import plan_graph
 
     if schedule == "1f1b+offload":
-        return lynx.compile(model, example, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="offload-all",
-                            offload=True, hardware="cpu-local", memory_budget="1GiB")
+        return _compile(model, example, analysis, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="offload-all",
+                        offload=True, memory_budget="1GiB")
 
-    compiled = lynx.compile(model, example, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="none",
-                            hardware="cpu-local", memory_budget="1GiB", schedule=schedule, virtual_stages=2)
+    compiled = _compile(model, example, analysis, pp=pp, dp=dp, microbatches=MICROBATCHES, solver="none",
+                        memory_budget="1GiB", schedule=schedule, virtual_stages=2)
     graph, config = compiled.analysis.graph, compiled.config
     full = plan_graph(graph, config.replace(solver="full"))
     keep, lean = compiled.plan.predicted.peak_memory_bytes[0], full.predicted.peak_memory_bytes[0]
@@ -151,13 +154,33 @@ def compile_recomputing(model: nn.Module, example: tuple | dict, *, pp: int, dp:
     return dataclasses.replace(compiled, plan=plan_graph(graph, config), config=config)
 
 
-def compile_with(model: nn.Module, example: tuple | dict, plan: Any) -> Any:
-    """``lynx.compile`` with a plan :func:`compile_recomputing` made (checked against this model)."""
-    import lynx
+def compile_with(model: nn.Module, example: tuple | dict, plan: Any, analysis: Any = None) -> Any:
+    """``lynx.compile`` with a plan :func:`compile_recomputing` made (checked against this model;
+    from ``analysis`` when given, as there)."""
     from lynx.config import FINGERPRINT_FIELDS
 
     extra = {k: plan.config[k] for k in ("offload", "host_memory_budget") if k in plan.config}
-    return lynx.compile(model, example, plan=plan, **{k: plan.config[k] for k in FINGERPRINT_FIELDS}, **extra)
+    return _compile(model, example, analysis, plan=plan, **{k: plan.config[k] for k in FINGERPRINT_FIELDS}, **extra)
+
+
+def analyze(model: nn.Module, example: tuple | dict) -> Any:
+    """The capture and profile ``lynx.compile`` makes of ``model`` on this machine
+    (``hardware="cpu-local"``): a process compiling one model under several plans captures it
+    once (``torch.export``, ~2 CPU-s a model) and plans each from it."""
+    import lynx
+
+    return lynx.analyze(model, example, hardware="cpu-local")
+
+
+def _compile(model: nn.Module, example: tuple | dict, analysis: Any, **settings: Any) -> Any:
+    """``lynx.compile`` on ``hardware="cpu-local"``, from ``analysis`` when given."""
+    import lynx
+    from lynx.compiler import compile_analysis
+
+    settings.setdefault("hardware", "cpu-local")
+    if analysis is None:
+        return lynx.compile(model, example, **settings)
+    return compile_analysis(analysis, **settings)
 
 
 def batches(dp: int) -> list[torch.Tensor]:

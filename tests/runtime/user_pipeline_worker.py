@@ -43,16 +43,20 @@ def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
     # compiles with its plan (users do the same with one planning rank: examples/train_gpt.py).
     # The ranks plan their cases side by side first (planning is most of a case's cost; one
     # planning rank left the others waiting), then exchange the plans
+    # A kind trained under several schedules is built and captured once per process (~2 CPU-s a
+    # capture) and each case planned from that analysis; its parameters, which training changes
+    # in place, are put back before each case (:class:`_Models`)
     trained = [case for case in cases if case != "dropout:resume"]
+    models = _Models()
     own = {}
     for i, case in enumerate(trained):
         if i % world == rank:
             kind, schedule = case.split(":")
-            model, example = um.build(kind)
-            own[case] = (model, example, um.compile_recomputing(model, example, pp=pp, dp=world // pp,
-                                                                schedule=schedule))
+            model, example, analysis = models.get(kind)
+            own[case] = um.compile_recomputing(model, example, pp=pp, dp=world // pp, schedule=schedule,
+                                               analysis=analysis)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, {case: compiled.plan for case, (_, _, compiled) in own.items()})
+    dist.all_gather_object(gathered, {case: compiled.plan for case, compiled in own.items()})
     plans = {case: plan for by_rank in gathered for case, plan in by_rank.items()}
     for case in cases:
         kind, schedule = case.split(":")
@@ -61,11 +65,8 @@ def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
 
             dropout_resume_worker.run(out_dir)
             continue
-        if case in own:
-            _, _, compiled = own.pop(case)
-        else:
-            model, example = um.build(kind)
-            compiled = um.compile_with(model, example, plans[case])
+        model, example, analysis = models.fresh(kind)
+        compiled = own.pop(case) if case in own else um.compile_with(model, example, plans[case], analysis)
         recomputed = sum(d.action == "recompute" for s in compiled.plan.stages for d in s.decisions)
         offloaded = sum(d.action == "offload" for s in compiled.plan.stages for d in s.decisions)
         pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, trace=True, **pipe_options)
@@ -99,6 +100,34 @@ def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
             os.path.join(out_dir, f"{kind}.{schedule}.rank{pipe.rank}.pt"),
         )
         pipe.close()
+
+
+class _Models:
+    """Each kind's model, example inputs and analysis (``user_models.analyze``), made once, and
+    its captured graph's parameters and buffers as built, restored by :meth:`fresh` (the
+    pipeline's chunks share them, and a case trains them)."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, tuple] = {}
+
+    def get(self, kind: str) -> tuple:
+        """(model, example, analysis) of ``kind``, made on first use."""
+        if kind not in self._made:
+            model, example = um.build(kind)
+            analysis = um.analyze(model, example)
+            built = {n: t.detach().clone() for n, t in analysis.captured.gm.state_dict(keep_vars=True).items()}
+            self._made[kind] = (model, example, analysis, built)
+        return self._made[kind][:3]
+
+    def fresh(self, kind: str) -> tuple:
+        """:meth:`get`, with the parameters and buffers as built and no gradients."""
+        model, example, analysis = self.get(kind)
+        built = self._made[kind][3]
+        with torch.no_grad():
+            for name, tensor in analysis.captured.gm.state_dict(keep_vars=True).items():
+                tensor.copy_(built[name])
+                tensor.grad = None
+        return model, example, analysis
 
 
 if __name__ == "__main__":
