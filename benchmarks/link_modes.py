@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lynx.calibrate.forked import pin_to_core  # noqa: E402
+from lynx.calibrate.forked import collect, pin_to_core  # noqa: E402
 
 SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)   # bytes: 64 KiB to 4 MiB
 STREAM_BYTES = 1 << 20   # each message of the stream
@@ -155,12 +155,10 @@ def link_rows(repeats: int) -> list:
     with tempfile.TemporaryDirectory(prefix="lynx-link-modes-") as folder:
         out = ctx.Queue()
         procs = [ctx.Process(target=_link, args=(r, os.path.join(folder, "store"), repeats, out)) for r in range(2)]
-        for p in procs:
-            p.start()
-        rows = out.get(timeout=300)
-        for p in procs:
-            p.join(timeout=10)
-    return rows
+        items, missing = collect(procs, out, 1, timeout_s=300)   # rank 0's rows; a hung pair is killed
+    if missing:
+        raise SystemExit(f"link_modes: the pinned pair gave no rows ({missing})")
+    return items[0]
 
 
 def main() -> None:
