@@ -30,6 +30,7 @@ Example::
     6000000
     >>> c.pending_during(6_000_000, group=0, groups=2)   # after the top group's 2 ms of backward
     4000000
+    >>> import dataclasses
     >>> c = dataclasses.replace(c, group_forward_s=(0.001, 0.001))   # 1 ms forwards, 1 MB per ms
     >>> c.drains_by_backward([500_000, 0]), c.drains_by_backward([0, 500_000])   # out by 1.5 ms / 2.5 ms
     (True, False)
@@ -37,7 +38,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses  # noqa: F401 - the module docstring's example uses it
 from collections.abc import Sequence
 from dataclasses import dataclass
 
