@@ -75,11 +75,27 @@ def test_offload_costs_no_compute_and_a_prefetch_with_room_costs_no_time() -> No
 
 
 def test_what_a_forward_offloads_stays_until_its_copy_ends() -> None:
-    """4 s of D2H per microbatch after 1 s forwards: at B0's start F1's copy waits behind F0's."""
+    """4 s of D2H per microbatch after 1 s forwards: at B0's start (4 s) F0's own copy (1–5 s)
+    is still running and F1's waits behind it — both on the device (the storage is released
+    only once its copy is done)."""
     copies = CopyLoads(offload={(0, j, 0): 4_000_000 for j in range(4)}, window={}, streamed={})
     t = run_timeline(_uniform(), Loads(copies=copies))
-    assert t.pending_bytes[0][0] == 4_000_000   # one other microbatch's bytes, not yet out
+    assert t.pending_bytes[0][0] == 8_000_000   # its own bytes and the other microbatch's, not yet out
     assert t.exposed_copy_s[0] == 0.0
+
+
+def test_a_devices_copies_run_in_the_order_it_issues_them() -> None:
+    """One stream per direction: a prefetch waiting on its copy-out holds up the one behind it
+    (first fit would put the second into the gap before the first), and after a backward the
+    device's copy-outs wait for the prefetches it issued (the host buffers go back to the pool)."""
+    host = HostCopies(link=_LINK, lane_of_device=(0,), share=1)
+    offload = {(0, 0, 0): 4_000_000, (0, 1, 0): 1_000_000}
+    replay = CopyReplay(host, CopyLoads(offload=offload, sources={(0, 0, 0): frozenset({0})}))
+    assert replay.offload(0, 0, 0, 0, 0.0)[:2] == (0.0, 4.0)
+    assert replay.issue(0, 0, 0, 1_000_000, 1.0, 0)[:2] == (4.0, 5.0)   # waits for its copy-out
+    assert replay.issue(0, 0, 1, 1_000_000, 2.0, 0)[:2] == (5.0, 6.0)   # behind it, not at 2.0
+    replay.release(0)
+    assert replay.offload(0, 0, 1, 0, 4.5)[:2] == (6.0, 7.0)   # after the prefetches issued before
 
 
 def test_devices_sharing_a_host_link_share_its_lanes() -> None:

@@ -19,12 +19,18 @@ replay (:mod:`lynx.planner.timeline`) asks for:
   per direction, wait on each value's own D2H event (:mod:`lynx.rewrite.offload`) — on a stage
   whose backward follows its forward, the last blocks' copy-outs still run when the first
   prefetches start;
-* :meth:`CopyReplay.pending` — bytes of other microbatches whose D2H copy has not ended at a
-  given time: device memory offloading has not freed yet (the simulator adds it to the peak).
+* :meth:`CopyReplay.pending` — bytes whose D2H copy has not ended at a given time, the
+  backpropagated microbatch's own included (its storage is released only once its copy is
+  done): device memory offloading has not freed yet (the simulator adds it to the peak).
 
-A lane books each copy into the first gap at or after its ready time long enough to hold it
-(devices are replayed one after another, so a shared lane is not asked in time order). On a
-synchronous link (a CPU) nothing runs beside compute: a copy's seconds are the device's own.
+A device's copies in one direction run in the order it issues them (the runtime's copy stream
+per direction is in order: a prefetch waiting on a copy-out's event holds up the prefetches
+queued behind it), and a device's copy-outs issued after a microbatch's backward ended wait for
+the prefetches it issued until then (``HostStore`` hands the host buffers back:
+:meth:`CopyReplay.release`). A lane books each copy into the first gap at or after that time
+long enough to hold it (devices are replayed one after another, so a lane shared by several
+devices is not asked in time order). On a synchronous link (a CPU) nothing runs beside compute:
+a copy's seconds are the device's own.
 
 Example::
 
@@ -146,6 +152,11 @@ class CopyReplay:
         self.ready_at: dict[tuple[int, int, Optional[int]], float] = {}   # (chunk, mb, reading block) -> arrival
         self.bytes_out: dict[int, int] = {}   # per device: bytes copied to the host per step
         self.bytes_in: dict[int, int] = {}
+        # per device: when its last copy in each direction ends (each direction is one stream,
+        # in issue order), and the prefetches its copy-outs wait for (release)
+        self.d2h_tail: dict[int, float] = {}
+        self.h2d_tail: dict[int, float] = {}
+        self.d2h_floor: dict[int, float] = {}
 
     @property
     def synchronous(self) -> bool:
@@ -162,8 +173,10 @@ class CopyReplay:
         if self.synchronous:
             self.offloaded_at[(chunk, mb)] = self.block_out_at[(chunk, mb, block)] = t + seconds
             return t, t + seconds, seconds
-        start, end = self.d2h[self.host.lane_of_device[device]].book(t, seconds, tag=(device, chunk, mb), produced=t,
-                                                                      nbytes=nbytes)
+        ready = max(t, self.d2h_tail.get(device, 0.0), self.d2h_floor.get(device, 0.0))
+        start, end = self.d2h[self.host.lane_of_device[device]].book(ready, seconds, tag=(device, chunk, mb),
+                                                                      produced=t, nbytes=nbytes)
+        self.d2h_tail[device] = end
         self.offloaded_at[(chunk, mb)] = max(self.offloaded_at.get((chunk, mb), 0.0), end)
         self.block_out_at[(chunk, mb, block)] = end
         return start, end, 0.0
@@ -188,9 +201,11 @@ class CopyReplay:
         if self.synchronous:
             self.ready_at[key] = max(self.ready_at.get(key, 0.0), t + seconds)
             return t, t + seconds, seconds
-        ready = max(t, self.out_at(chunk, mb, reader))   # back only once it is out
+        # back only once it is out, and after what the device's h2d stream has queued before it
+        ready = max(t, self.out_at(chunk, mb, reader), self.h2d_tail.get(device, 0.0))
         start, end = self.h2d[self.host.lane_of_device[device]].book(ready, seconds, tag=(device, chunk, mb),
                                                                       produced=ready, nbytes=nbytes)
+        self.h2d_tail[device] = end
         self.ready_at[key] = max(self.ready_at.get(key, 0.0), end)
         return start, end, 0.0
 
@@ -198,9 +213,16 @@ class CopyReplay:
         """When what block ``reader`` of ``(chunk, mb)`` reads is back (0: nothing to wait for)."""
         return self.ready_at.get((chunk, mb, reader), 0.0)
 
-    def pending(self, device: int, chunk: int, mb: int, t: float) -> int:
-        """Bytes of this device's other microbatches still waiting on their D2H copy at ``t``."""
+    def release(self, device: int) -> None:
+        """A microbatch's backward ended on ``device``: its host buffers go back to the pool, so
+        the device's later copy-outs wait for the prefetches it issued until now."""
+        if not self.synchronous and device in self.h2d_tail:
+            self.d2h_floor[device] = max(self.d2h_floor.get(device, 0.0), self.h2d_tail[device])
+
+    def pending(self, device: int, t: float) -> int:
+        """Bytes this device's forwards offloaded by ``t`` whose D2H copy has not ended at ``t``
+        (every microbatch's: the one backpropagated too)."""
         if self.synchronous:
             return 0
         lane = self.d2h[self.host.lane_of_device[device]]
-        return lane.held(t, exclude=(device, chunk, mb), tag_filter=lambda tag: tag[0] == device)
+        return lane.held(t, tag_filter=lambda tag: tag[0] == device)

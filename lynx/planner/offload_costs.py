@@ -43,7 +43,7 @@ from lynx.planner.timeline import PipelineCosts, Timeline
 from lynx.planner.windows import WindowId
 from lynx.solvers.copies import PrefetchSlot, StageCopies
 from lynx.solvers.offload import group_layout, issue_group, read_groups
-from lynx.solvers.problem import Assignment, ProblemNode, StageProblem, group_key, group_ranks
+from lynx.solvers.problem import Assignment, ProblemNode, StageProblem, group_key, group_ranks, is_sent
 
 __all__ = ["stage_copies", "copy_loads", "offload_decision_fields", "check_offload_schedule", "OFFLOAD_SCHEDULES",
            "prefetch_slot_id"]
@@ -80,7 +80,15 @@ def stage_copies(graph: nx.DiGraph, pipe: PipelineCosts, timeline: Timeline, sta
     forward = tuple(pipe.costs[b].forward_s + pipe.costs[b].tp_forward_s for b in block_of_group)
     actions = timeline.actions[stage]
     slots = _slots(actions, pipe.microbatches)
-    pending = () if host.link.synchronous else _pending_terms(pipe, actions, block_of_group, d2h, host.link.alpha_s)
+    most = [0] * len(block_of_group)   # per group rank: the most a microbatch can offload
+    for n in nodes:
+        if n.saved_bytes > 0 and not is_sent(n):   # (solvers.offload.offloadable's rule)
+            most[ranks[group_key(n)]] += n.saved_bytes
+    # (a stage holding one microbatch: its own copies end by its forward's end, which HEU checks
+    # per node — lynx.solvers.heu.offload._Drain — and OPT does not offload there)
+    own = timeline.in_flight[stage] > 1
+    pending = () if host.link.synchronous else _pending_terms(pipe, actions, block_of_group, d2h, host.link.alpha_s,
+                                                               most, own)
     return StageCopies(d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d, alpha_s=host.link.alpha_s,
                        synchronous=host.link.synchronous, host_budget_bytes=host_budget_bytes, slots=slots,
                        group_backward_s=backward, pending=pending, group_forward_s=forward)
@@ -115,8 +123,13 @@ def _slots(actions: list[Any], microbatches: int) -> tuple[Optional[PrefetchSlot
 
 
 def _pending_terms(pipe: PipelineCosts, actions: list[Any], block_of_group: list[int], rate: float,
-                   alpha_s: float) -> tuple[tuple[tuple[int, ...], float], ...]:
-    """Terms bounding the bytes still queued for the D2H lane when a backward starts."""
+                   alpha_s: float, most: list[int], own: bool) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """Terms bounding the bytes still queued for the D2H lane when a backward starts: for each
+    backward start ``T`` and each block end ``s`` before it, the blocks of microbatches not yet
+    backpropagated whose forwards ended in ``[s, T]`` — the one backpropagated included where
+    ``own`` (its copies are on the device until they end) — and the bytes the lane moved since.
+    A term that cannot be positive whatever is offloaded (``most``: per group rank, what a
+    microbatch can offload) is left out."""
     group_of_block = {b: g for g, b in enumerate(block_of_group)}
     ends = []   # (time a block's forward ended, microbatch, group rank)
     for a in actions:
@@ -137,15 +150,19 @@ def _pending_terms(pipe: PipelineCosts, actions: list[Any], block_of_group: list
         if a.kind not in ("B", "I"):
             continue
         T = a.start
-        live = [(t, g) for t, mb, g in ends if t <= T and mb != a.microbatch and mb not in done]
         counts = [0] * groups
+        ceiling = 0   # the most the blocks ended since s can have offloaded
+        live = [(t, g) for t, mb, g in ends if t <= T and mb not in done and (own or mb != a.microbatch)]
+        done.add(a.microbatch)
         for t, g in reversed(live):   # s = each block end, latest first: the counts grow
             counts[g] += 1
+            ceiling += most[g]
             drained = rate * (T - t) - alpha_s * rate * sum(counts)
+            if drained >= ceiling:
+                continue   # (never positive)
             key = tuple(counts)
             if drained < best.get(key, float("inf")):
                 best[key] = drained
-        done.add(a.microbatch)
     return tuple(sorted(best.items()))
 
 

@@ -277,7 +277,7 @@ class _Replay:
             if copies is not None and a.kind in ("B", "I"):
                 t = self.issue_streamed(s, a, b, t)
                 t = self.copy_wait(s, a, b, t)
-                held = copies.pending(s, a.chunk, a.microbatch, t)
+                held = copies.pending(s, t)
                 if held > self.pending[s].get(b, 0):
                     self.pending[s][b] = held
             od = self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
@@ -300,6 +300,8 @@ class _Replay:
                 t += max(cost.tp_backward_s, tload)
             if a.kind == "B" and a.microbatch == self.last_bwd_mb[a.chunk]:
                 self.block_done[(s, b)] = t
+        if copies is not None and a.kind in ("B", "I"):
+            copies.release(s)
         return t
 
     def issue_streamed(self, s: int, a: TimedAction, block: Optional[int], t: float) -> float:
