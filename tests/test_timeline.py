@@ -179,3 +179,22 @@ def test_build_pipeline_takes_the_runtime_cost_from_the_hardware() -> None:
     g = synthetic_graph(layers=4)
     assert build_pipeline(g, pp=2, microbatches=4, hardware=spec).action_s == 3e-4
     assert build_pipeline(g, pp=2, microbatches=4, hardware=get_hardware("cpu-local")).action_s == 0.0
+
+
+def test_a_split_backward_sends_its_input_gradients_before_its_weight_part() -> None:
+    """With ``grads_first`` (the runtime's default where nothing is recomputed on demand) a B on
+    a chunk that sends gradients back posts them after its input-gradient part: the previous
+    stage's backward starts a weight part earlier (pp 2: F 1, B 2 of which W 1, no link)."""
+    from lynx.planner.timeline import Loads
+
+    plain = PipelineCosts.uniform(pp=2, microbatches=4, forward_s=1.0, backward_s=2.0)
+    plain = dataclasses.replace(plain, costs=tuple(dataclasses.replace(c, backward_weight_s=1.0) for c in plain.costs))
+    split = dataclasses.replace(plain, grads_first=True)
+    t0, t1 = run_timeline(plain), run_timeline(split)
+    b0 = [next(a for a in t.actions[0] if a.kind == "B" and a.microbatch == 0) for t in (t0, t1)]
+    # device 1: F0 1-2, B0 2-4 (its input part ends at 3); device 0's B0 waited until 4, now 3
+    assert (b0[0].start, b0[1].start) == (pytest.approx(4.0), pytest.approx(3.0))
+    assert t1.busy_s == pytest.approx(t0.busy_s) and t1.step_time_s == pytest.approx(t0.step_time_s - 1.0)
+    # a B that recomputes on demand runs whole (the runtime's unless_held): as without the split
+    whole = run_timeline(split, Loads(on_demand={(1, j, 1): 0.0 + 1e-9 for j in range(4)}))
+    assert whole.step_time_s == pytest.approx(t0.step_time_s, abs=1e-6)

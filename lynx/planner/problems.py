@@ -87,7 +87,7 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
     action_s = hardware.runtime_action_s if hardware is not None else 0.0  # the runtime's own, per action
     return PipelineCosts(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
                          costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s,
-                         host=host, action_s=action_s,
+                         host=host, action_s=action_s, grads_first=tp == 1,   # as the runtime: TP runs B whole
                          cores=CoreSharing.from_hardware(hardware, pp=pp, tp=tp, dp=dp))
 
 

@@ -5,7 +5,9 @@ the list the runtime executes: ``1f1b``, ``gpipe``, ``interleaved1f1b``, ``zbh1`
 per-block costs and p2p times — a forward waits for its activation, a backward (or a zero-bubble
 input-gradient ``I``) for its gradient, a deferred weight-gradient ``W`` for nothing — optionally
 with recomputation placed in windows or on demand, and records every interval a device waits:
-``recv_grad`` before a backward, ``recv_act`` before a forward (it serves the next backward whose
+``recv_grad`` before a backward (a ``B`` that sends its input gradients before its weight
+part — ``PipelineCosts.grads_first``, as the runtime does — hands them over that much earlier),
+``recv_act`` before a forward (it serves the next backward whose
 forward is done) — each named by the ``R`` action the list puts before the wait —, the
 ``tp_allreduce`` of each layer's backward (serving layers not yet backpropagated) and the
 ``dp_collective`` tail after a device's last backward. A ``W`` runs where the list puts it, so
@@ -131,7 +133,8 @@ class _Replay:
             return done.get(("I", a.chunk, a.microbatch))
         if a.chunk == self.n_chunks - 1:
             return done.get(("F", a.chunk, a.microbatch))
-        t = done.get((a.kind, a.chunk + 1, a.microbatch))
+        # a B that sent its input gradients before its weight part (see backward)
+        t = done.get((a.kind + "i", a.chunk + 1, a.microbatch), done.get((a.kind, a.chunk + 1, a.microbatch)))
         return None if t is None else t + pipe.boundary_s[a.chunk]
 
     def served_by_recv_act(self, s: int, index: int) -> Optional[tuple[int, int]]:
@@ -269,6 +272,9 @@ class _Replay:
         for ``I``), its tp all-reduces (a window)."""
         t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
         copies = self.copies
+        blocks = list(reversed(self.chunk_of[a.chunk].blocks))
+        if self.grads_first(a, blocks):
+            return self.backward_grads_first(s, a, blocks, t)
         if copies is not None and a.kind in ("B", "I"):
             t = self.copy_wait(s, a, None, self.issue_streamed(s, a, None, t))
         for b in reversed(self.chunk_of[a.chunk].blocks):
@@ -304,6 +310,34 @@ class _Replay:
             copies.release(s)
         return t
 
+    def grads_first(self, a: TimedAction, blocks: list[int]) -> bool:
+        """Whether the runtime splits ``a``, a ``B``: its input gradients sent before its weight
+        part (``PipelineCosts.grads_first``; a B that recomputes on demand or copies runs whole)."""
+        return (self.pipe.grads_first and a.kind == "B" and a.chunk > 0 and self.copies is None
+                and not any(self.pipe.costs[b].tp_backward_s > 0 for b in blocks)
+                and not any(self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0) > 0 for b in blocks))
+
+    def backward_grads_first(self, s: int, a: TimedAction, blocks: list[int], t: float) -> float:
+        """A ``B`` split as the runtime runs it: every block's input-gradient part, the input
+        gradients sent (``done[("Bi", ...)]``: what the previous chunk's backward waits for), then
+        every block's weight part."""
+        for b in blocks:
+            cost = self.pipe.costs[b]
+            compute = cost.backward_s - self.weight_s(a.chunk, cost)
+            self.segment(s, "backward", t, t + compute, f"{self.tag(a)} {cost.name}")
+            t += compute
+            self.busy[s] += compute
+        self.done[("Bi", a.chunk, a.microbatch)] = t
+        for b in blocks:
+            cost = self.pipe.costs[b]
+            w = self.weight_s(a.chunk, cost)
+            self.segment(s, "weight", t, t + w, f"{self.tag(a)} {cost.name}")
+            t += w
+            self.busy[s] += w
+            if a.microbatch == self.last_bwd_mb[a.chunk]:
+                self.block_done[(s, b)] = t
+        return t
+
     def issue_streamed(self, s: int, a: TimedAction, block: Optional[int], t: float) -> float:
         """Issue the prefetches ``a``'s backward issues as block ``block`` starts (None: as the
         backward starts); returns when the device is free again (later only on a synchronous link)."""
@@ -336,7 +370,8 @@ class _Replay:
         if a.kind == "F" and a.chunk < self.n_chunks - 1 and boundary[a.chunk] > 0:
             self.segment(s, "send", end, end + boundary[a.chunk], f"act {a.microbatch}")
         if a.kind in ("B", "I") and a.chunk > 0 and boundary[a.chunk - 1] > 0:
-            self.segment(s, "send", end, end + boundary[a.chunk - 1], f"grad {a.microbatch}")
+            sent = self.done.get(("Bi", a.chunk, a.microbatch), end) if a.kind == "B" else end
+            self.segment(s, "send", sent, sent + boundary[a.chunk - 1], f"grad {a.microbatch}")
 
     def data_parallel_and_optimizer(self) -> list[float]:
         """Per device: gradient collectives (one bucket per block, in gradient order), then the

@@ -43,6 +43,10 @@ class PipelineCosts:
     optimizer_s: tuple[float, ...] = ()    # per device: its optimizer step, after its last gradient (empty: 0)
     host: Optional[HostCopies] = None      # the host link's copy lanes (offload; lynx.planner.copy_lanes)
     action_s: float = 0.0                  # the runtime's host work per action of a device's list
+    # a B on a chunk that sends gradients back posts them after its input-gradient part, before
+    # its weight part (the runtime's RuntimeConfig.send_grads_first), where it recomputes nothing
+    # on demand (else the runtime runs it whole: StageModule.defer_weights(unless_held=True))
+    grads_first: bool = False
     # more ranks than cores: the step re-timed with the cores shared among the busy ranks
     # (lynx.planner.core_sharing); None: a core or device per rank, the costs as they are
     cores: Optional["CoreSharing"] = None
