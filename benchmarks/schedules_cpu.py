@@ -102,7 +102,11 @@ def make_plans(rate_mbit: float, level: float) -> dict:
         predicted = {}
         for variant, plan in plans.items():
             sim = simulate(plan, graph)
+            # per rank, each compute action as the replay timed it (start of its host work → end)
+            actions = [[[f"{a.kind}{'' if sim.timeline.pipeline.virtual == 1 else f'.c{a.chunk}'}", a.microbatch,
+                         a.ready, a.start, a.end] for a in acts] for acts in sim.timeline.actions]
             predicted[variant] = {"step_s": sim.step_time_s, "bubble_s": sim.bubble_s, "fits": sim.fits_budget,
+                                  "busy_s": list(sim.timeline.busy_s), "actions": actions,
                                   "activation_bytes": list(sim.activation_bytes),
                                   "recomputed": sum(d.action == "recompute" for st in plan.stages
                                                     for d in st.decisions)}
@@ -136,7 +140,7 @@ def worker(spec_path: str) -> None:
         for variant in VARIANTS:
             plan = Plan.from_json(spec["schedules"][schedule]["plans"][variant])
             pipes[(schedule, variant)] = lynx.runtime.Pipeline(dataclasses.replace(base, plan=plan), timeout_s=600,
-                                                               exit_on_error=False)
+                                                               exit_on_error=False, trace=spec["trace"])
     opt = torch.optim.AdamW([p for p in model.parameters()], lr=1e-5)
     keys = list(pipes)
     rows = []
@@ -156,6 +160,8 @@ def worker(spec_path: str) -> None:
                              "step_s": s.step_s + opt_s, "bubble_s": s.step_s + opt_s - busy,
                              "peak_saved_bytes": s.peak_saved_bytes, "hidden_s": s.recompute_hidden_s,
                              "exposed_s": s.exposed_recompute_s})
+                if spec["trace"]:   # each action's (what, microbatch, start, end) from the step's start
+                    rows[-1]["events"] = [(w, j, a - s.events[0][2], b - s.events[0][2]) for w, j, a, b in s.events]
     print_rows(rows)
     for pipe in pipes.values():
         pipe.close()
@@ -200,6 +206,7 @@ def main() -> None:
     ap.add_argument("--out", default="schedules_cpu.json")
     ap.add_argument("--worker")
     ap.add_argument("--plans-only", action="store_true", help="print the plans' predictions and stop")
+    ap.add_argument("--trace", help="also write every rank's per-action timestamps and the plan's to this JSON file")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker)
@@ -217,7 +224,7 @@ def main() -> None:
                   f"{p['recomputed']} nodes recomputed")
     if args.plans_only:
         return
-    spec = {"schedules": plans["schedules"], "reps": args.reps, "nice": args.nice}
+    spec = {"schedules": plans["schedules"], "reps": args.reps, "nice": args.nice, "trace": bool(args.trace)}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     load = os.getloadavg()
@@ -227,7 +234,12 @@ def main() -> None:
         out = bed.run([sys.executable, __file__, "--worker", f.name],
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=3600)
     os.unlink(f.name)
-    res = summarise(rows_from_stdout(out[0].stdout), plans)
+    rows = rows_from_stdout(out[0].stdout)
+    res = summarise(rows, plans)
+    if args.trace:
+        Path(args.trace).write_text(json.dumps({"rows": rows, "predicted": {
+            k: {v: {"actions": p["actions"], "busy_s": p["busy_s"], "step_s": p["step_s"]}
+                for v, p in sch["predicted"].items()} for k, sch in plans["schedules"].items()}}))
     print(f"\nbed: rate-limited={limited}" + (f", {link}" if link else "") + f"; load {load} at start, "
           f"{os.getloadavg()} at end")
     print(f"{'schedule/variant':>26} {'step ms [IQR]':>21} {'pred':>7} {'ratio':>6} | {'bubble ms':>9} {'pred':>7} "
