@@ -11,6 +11,8 @@ is recomputed on demand inside the backward graph), ``W`` runs a deferred weight
 graph, ``DP`` arms the data-parallel buckets for the next action (on-demand recompute then runs
 while they are in flight), ``OPT`` finishes the step. Every wait goes through the
 :class:`~lynx.runtime.faults.FaultMonitor`, so a failed peer is named instead of hanging.
+The messages themselves (receives posted, sends, the bounded wait) and what a step has in
+flight: :mod:`lynx.runtime.rank_messages`, the runner's base class.
 
 Why a loop of its own rather than ``torch.distributed.pipelining``'s schedule runtime:
 ``docs/runtime.md``. Adding a schedule is adding a generator in :mod:`lynx.planner.schedule`.
@@ -26,26 +28,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from lynx.errors import LynxConfigError, LynxError, LynxRuntimeError
-from lynx.planner.schedule import SCHEDULES, Action, Op, message_tag, rank_actions
+from lynx.planner.schedule import SCHEDULES, Action, Op, rank_actions
 from lynx.planner.windows import WindowId
 from lynx.rewrite.saved import SavedBytesMeter
 from lynx.runtime.data_parallel import AllReduceSync, BucketedSync, BucketLauncher, syncs_own_buckets
-from lynx.runtime.faults import FaultMonitor, PeerTimeoutError
-from lynx.runtime.p2p import Pollable, boundary_meta, flags_tag, post_recv, post_send
+from lynx.runtime.faults import FaultMonitor
+from lynx.runtime.p2p import boundary_meta
+from lynx.runtime.rank_messages import RankMessages, StepState
 from lynx.runtime.stats import StepStats
-from lynx.runtime.step import InFlight, as_received, backward_step, forward_step, needs_grad
+from lynx.runtime.step import as_received, backward_step, forward_step
 from lynx.runtime.topology import Topology
 
 __all__ = ["RuntimeConfig", "StageRunner"]
 
-_MAX_CHECK_S = 1.0   # longest gap between two looks at the store while a receive is awaited
 
 
 class RuntimeConfig(BaseModel):
@@ -73,25 +74,8 @@ class RuntimeConfig(BaseModel):
         return value
 
 
-@dataclass
-class _StepState:
-    """What one step has in flight: posted receives and sends, forwards awaiting backward."""
 
-    stats: StepStats
-    start: float
-    recv: dict[tuple[Op, int, int], tuple[list, list]] = field(default_factory=dict)
-    flights: dict[tuple[int, int], InFlight] = field(default_factory=dict)
-    to_send: dict[tuple[int, int], list] = field(default_factory=dict)     # input gradients, until sent
-    sends: list[tuple[list, list]] = field(default_factory=list)
-    # an activation send holds its tensors: dropped once that microbatch's gradient is back
-    # (the peer has used it), so a stage holds no more than the plan counts
-    act_sends: dict[tuple[int, int], tuple[list, list]] = field(default_factory=dict)
-    flag_recv: dict[int, Any] = field(default_factory=dict)   # chunk -> (buffer, works) of its flags
-    sent_first: set[tuple[int, int]] = field(default_factory=set)   # (chunk, mb): input gradients sent inside B
-    armed: bool = False
-
-
-class StageRunner:
+class StageRunner(RankMessages):
     """Runs this rank's chunks of the pipeline (see module docstring).
 
     ``stages``: chunk index → stage module (``Pipeline`` builds them); ``schedule``: the plan's
@@ -152,9 +136,6 @@ class StageRunner:
                     st.on_param_grad = self.launcher.param_ready
 
     # ------------------------------------------------------------------ places
-    def _rank_of(self, chunk: int) -> int:
-        return self.topo.rank_of(chunk % self.topo.pp, self.topo.dp_rank)
-
     def _what(self, op: str, chunk: int) -> str:
         return op if self.config.virtual == 1 else f"{op}.c{chunk}"
 
@@ -188,37 +169,12 @@ class StageRunner:
                     (c, int(j), sorted(members, key=lambda n: position.get(n, -1)), offloaded))
         return windows
 
-    def _wait(self, work: Any, what: str, peer: int | None) -> float:
-        """The monitor's bounded wait, but blocking on a :class:`Pollable`'s completion event in
-        slices instead of the monitor's sleep-polling, so a receive on the critical path is
-        picked up at once (the monitor polls every 2 ms: ~1 ms lost per message on average)."""
-        start = time.monotonic()
-        if isinstance(work, Pollable):
-            # the store is asked after the first slice, then at doubling intervals up to a second:
-            # each check is a round trip to rank 0's store thread (~10 ms on a loaded core), and one
-            # under way when the message lands delays the rank by that much
-            slice_s = min(self.monitor.check_every_s, 0.05)
-            every, next_check = slice_s, start + slice_s
-            while not work.block(slice_s):
-                now = time.monotonic()
-                if now >= next_check:
-                    self.monitor.check()
-                    every = min(2 * every, _MAX_CHECK_S)
-                    next_check = now + every
-                if now - start > self.monitor.timeout_s:
-                    who = f" from rank {peer}" if peer is not None else ""
-                    raise PeerTimeoutError(
-                        f"rank {self.topo.rank}: {what}{who} did not complete within {self.monitor.timeout_s:g} s "
-                        "and no rank reported an error; a peer may be hung or the link down (raise timeout_s "
-                        "if links are slow)")
-        return time.monotonic() - start + self.monitor.wait(work, what, peer)
-
     def _mark(self, stats: StepStats, what: str, j: int, t0: float) -> None:
         if self.config.trace:
             # absolute perf_counter (CLOCK_MONOTONIC on Linux): comparable across the ranks of a machine
             stats.events.append((what, j, t0, time.perf_counter()))
 
-    def _recompute(self, state: _StepState, a: Action) -> None:
+    def _recompute(self, state: StepState, a: Action) -> None:
         """``R``: the recompute graph of each microbatch the window serves (one generated call per
         chunk). Time while the awaited message was still in flight counts as hidden, the rest
         (it had arrived, or nothing is awaited) as exposed."""
@@ -282,7 +238,7 @@ class StageRunner:
                 state.armed = False
         return self._finish_step(state)
 
-    def _begin_step(self) -> _StepState:
+    def _begin_step(self) -> StepState:
         """Reset gradients and peaks."""
         self.monitor.check()
         topo = self.topo
@@ -298,48 +254,10 @@ class StageRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = self._t0 = time.perf_counter()
         self._mark(stats, "start", -1, start)
-        return _StepState(stats=stats, start=start)
-
-    # ------------------------------------------------------------- messages
-    def _post_recv_act(self, state: _StepState, a: Action) -> None:
-        c, peer = a.chunk, self._rank_of(a.chunk - 1)
-        if c not in self.recv_flags and c not in state.flag_recv:
-            buf = torch.empty(len(self.recv_meta[c]), dtype=torch.uint8, device=self.device)
-            import torch.distributed as dist
-
-            state.flag_recv[c] = (buf, [Pollable(dist.irecv(buf, peer, tag=flags_tag(c - 1)), watch=False)])
-        key = (Op.RECV_ACT, c, a.microbatch)
-        state.recv[key] = post_recv(self.recv_meta[c], peer, message_tag(Op.RECV_ACT, c - 1, a.microbatch),
-                                    self.device, watch=key in self._watched)
-
-    def _post_recv_grad(self, state: _StepState, a: Action) -> None:
-        c = a.chunk
-        key = (Op.RECV_GRAD, c, a.microbatch)
-        state.recv[key] = post_recv(self.send_meta[c], self._rank_of(c + 1), message_tag(Op.RECV_GRAD, c, a.microbatch),
-                                    self.device, only=self.send_flags[c], watch=key in self._watched)
-
-    def _send_act(self, state: _StepState, a: Action) -> None:
-        c, j = a.chunk, a.microbatch
-        output = state.flights[(c, j)].output
-        peer = self._rank_of(c + 1)
-        if c not in self.send_flags:
-            self.send_flags[c] = [needs_grad(o) for o in output]
-            flags = torch.tensor(self.send_flags[c], dtype=torch.uint8, device=self.device)
-            state.sends.append(post_send([flags], peer, flags_tag(c)))
-        state.act_sends[(c, j)] = post_send(list(output), peer, message_tag(Op.SEND_ACT, c, j))
-
-    def _send_grad(self, state: _StepState, a: Action) -> None:
-        c, j = a.chunk, a.microbatch
-        if (c, j) in state.sent_first:   # already sent by its B, before the weight gradients
-            return
-        in_grads = state.to_send.pop((c, j))
-        payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
-                   if flag else None
-                   for g, flag, meta in zip(in_grads, self.recv_flags.get(c, []), self.recv_meta[c])]
-        state.sends.append(post_send(payload, self._rank_of(c - 1), message_tag(Op.SEND_GRAD, c - 1, j)))
+        return StepState(stats=stats, start=start)
 
     # -------------------------------------------------------------- compute
-    def _forward(self, state: _StepState, a: Action, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
+    def _forward(self, state: StepState, a: Action, batches: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """F: wait for the activation, run the forward graph."""
         c, j, stats = a.chunk, a.microbatch, state.stats
         received: list[torch.Tensor] = []
@@ -363,7 +281,7 @@ class StageRunner:
         if c == self.last_chunk:
             stats.losses.append(float(flight.output.detach()))
 
-    def _backward(self, state: _StepState, a: Action) -> None:
+    def _backward(self, state: StepState, a: Action) -> None:
         """B (or I): wait for the gradient, run the backward graph (its input-gradient part for
         I); on-demand recompute runs inside it."""
         c, j, stats, stage = a.chunk, a.microbatch, state.stats, self.chunks[a.chunk]
@@ -404,7 +322,7 @@ class StageRunner:
         if a.op is Op.BACKWARD:
             self._release(state, c, j)
 
-    def _weight(self, state: _StepState, a: Action) -> None:
+    def _weight(self, state: StepState, a: Action) -> None:
         """W: the deferred weight-gradient graph of a microbatch whose I ran."""
         c, j = a.chunk, a.microbatch
         t0 = time.perf_counter()
@@ -413,7 +331,7 @@ class StageRunner:
         self._mark(state.stats, self._what("W", c), j, t0)
         self._release(state, c, j)
 
-    def _release(self, state: _StepState, c: int, j: int) -> None:
+    def _release(self, state: StepState, c: int, j: int) -> None:
         mb = self.chunks[c].release(j)
         state.stats.recompute_on_demand_s += mb.on_demand_s
         state.stats.recompute_tp_hidden_s += getattr(mb, "tp_hidden_s", 0.0)   # the backward graph's TP windows
@@ -422,12 +340,12 @@ class StageRunner:
         if state.armed and self.sync is not None:
             state.stats.recompute_on_demand_dp_s += mb.on_demand_s
 
-    def _arm(self, state: _StepState) -> None:
+    def _arm(self, state: StepState) -> None:
         if self.launcher is not None:
             self.launcher.arm(reset=False)
             state.armed = True
 
-    def _finish_step(self, state: _StepState) -> StepStats:
+    def _finish_step(self, state: StepState) -> StepStats:
         """Wait for the sends, synchronise tied weights and data-parallel gradients, step the optimizer."""
         stats = state.stats
         t0 = time.perf_counter()
