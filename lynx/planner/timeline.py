@@ -22,6 +22,11 @@ step is that of the program that runs. Windows are
 named by their place in the schedule, not their time, so the same ids exist in every replay
 and a plan made on one replay can be scored on another.
 
+What the replay reads off the action lists before it runs (each device's compute actions with
+their windows and posts, the microbatches in flight): :mod:`lynx.planner.timed_actions`; its
+host copies (prefetches issued and waited for): :mod:`lynx.planner.replay_copies`; its inputs
+and result: :mod:`lynx.planner.timeline_types`.
+
 Example::
 
     >>> from lynx.planner.timeline import PipelineCosts, run_timeline
@@ -41,13 +46,15 @@ from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.copy_lanes import CopyReplay
 from lynx.planner.core_sharing import share_replay
 from lynx.planner.partition import BlockCost
-from lynx.planner.schedule import POSTS, Op, rank_actions
+from lynx.planner.replay_copies import EPS, ReplayCopies
+from lynx.planner.schedule import rank_actions
+from lynx.planner.timed_actions import chunk_of_block, eligible_layers, in_flight, timed_actions, trailing_posts
 from lynx.planner.timeline_types import Loads, PipelineCosts, Segment, TimedAction, Timeline, Window
 from lynx.planner.windows import WindowId
 
 __all__ = ["PipelineCosts", "Loads", "TimedAction", "Window", "Segment", "Timeline", "run_timeline"]
 
-_EPS = 1e-12
+_EPS = EPS
 
 
 def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: bool = True) -> Timeline:
@@ -65,22 +72,22 @@ def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: 
     copies = replay.copies
     return Timeline(pipeline=pipe, actions=replay.actions, windows=replay.windows, segments=replay.segments,
                     step_time_s=max(device_end), device_end_s=device_end, busy_s=replay.busy,
-                    in_flight=_in_flight(replay.actions, pipe.virtual), exposed_recompute_s=replay.exposed,
+                    in_flight=in_flight(replay.actions, pipe.virtual), exposed_recompute_s=replay.exposed,
                     hidden_recompute_s=replay.hidden, exposed_copy_s=replay.exposed_copy,
                     pending_bytes=replay.pending,
                     copy_bytes=[(copies.bytes_out.get(s, 0), copies.bytes_in.get(s, 0)) if copies else (0, 0)
                                 for s in range(pipe.pp)])
 
 
-class _Replay:
+class _Replay(ReplayCopies):
     """The state of one replay: each device runs its actions in order as soon as their input
     (activation or gradient) has arrived; every wait before an action is a window."""
 
     def __init__(self, pipe: PipelineCosts, loads: Loads, record: bool) -> None:
         self.pipe, self.loads, self.record = pipe, loads, record
         lists = rank_actions(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
-        self.actions = [_timed(s, acts) for s, acts in enumerate(lists)]
-        self.trailing_posts = [_trailing_posts(acts) for acts in lists]   # after the last compute action
+        self.actions = [timed_actions(s, acts) for s, acts in enumerate(lists)]
+        self.trailing_posts = [trailing_posts(acts) for acts in lists]   # after the last compute action
         self.n_chunks = len(pipe.chunks)
         self.chunk_of = {c.index: c for c in pipe.chunks}
         # the action after which a chunk's weight gradients are final: its last B, or W
@@ -110,10 +117,6 @@ class _Replay:
     def tag(self, a: TimedAction) -> str:
         """How a bar names its action: ``F3``, ``I3``, ``W3``; ``F3c2`` with several chunks per device."""
         return f"{a.kind}{a.microbatch}" + (f"c{a.chunk}" if self.pipe.virtual > 1 else "")
-
-    def segment(self, s: int, kind: str, start: float, end: float, label: str) -> None:
-        if self.record:
-            self.segments.append(Segment(s, kind, start, end, label))
 
     def window_load(self, wid: WindowId) -> float:
         self.used.add(wid)
@@ -150,7 +153,7 @@ class _Replay:
             return None
         key = (s, upto_chunk, below_block)
         if key not in self._eligible:
-            self._eligible[key] = _eligible_layers(self.pipe, s, upto_chunk, below_block)
+            self._eligible[key] = eligible_layers(self.pipe, s, upto_chunk, below_block)
         return self._eligible[key]
 
     def account(self, s: int, start: float, load: float, capacity: float, label: str) -> None:
@@ -218,18 +221,6 @@ class _Replay:
         self.account(s, a.ready, load, capacity, str(wid))
         if a.start > a.ready + load + _EPS:
             self.segment(s, "wait", a.ready + load, a.start, str(wid))
-
-    def prefetch_in_window(self, s: int, wid: WindowId, t: float) -> float:
-        """Issue the prefetches the plan names in window ``wid`` at ``t`` (compute seconds on a
-        synchronous link)."""
-        assert self.copies is not None and self.copies.loads is not None
-        spent = 0.0
-        for chunk, mb, nbytes in self.copies.loads.window.get(wid, ()):
-            start, end, compute = self.copies.issue(s, chunk, mb, nbytes, t + spent, None)
-            spent += compute
-            if not compute:
-                self.segment(s, "h2d", start, end, f"prefetch mb{mb}")
-        return spent
 
     def forward(self, s: int, a: TimedAction) -> float:
         t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
@@ -338,32 +329,6 @@ class _Replay:
                 self.block_done[(s, b)] = t
         return t
 
-    def issue_streamed(self, s: int, a: TimedAction, block: Optional[int], t: float) -> float:
-        """Issue the prefetches ``a``'s backward issues as block ``block`` starts (None: as the
-        backward starts); returns when the device is free again (later only on a synchronous link)."""
-        assert self.copies is not None
-        for issue, reader, nbytes in self.copies.loads.streamed.get((a.chunk, a.microbatch), ()):
-            if issue != block:
-                continue
-            start, end, compute = self.copies.issue(s, a.chunk, a.microbatch, nbytes, t, reader)
-            if compute:
-                self.segment(s, "h2d", t, t + compute, f"prefetch mb{a.microbatch}")
-                self.busy[s] += compute
-                t += compute
-            else:
-                self.segment(s, "h2d", start, end, f"prefetch mb{a.microbatch}")
-        return t
-
-    def copy_wait(self, s: int, a: TimedAction, block: Optional[int], t: float) -> float:
-        """Wait until what block ``block`` (None: the backward's start) reads is back on the device."""
-        assert self.copies is not None
-        arrival = self.copies.arrival(a.chunk, a.microbatch, block)
-        if arrival > t + _EPS:
-            self.segment(s, "wait", t, arrival, f"h2d {a.kind}{a.microbatch}")
-            self.exposed_copy[s] += arrival - t
-            return arrival
-        return t
-
     def finish(self, s: int, a: TimedAction, end: float) -> None:
         boundary = self.pipe.boundary_s
         a.end = self.free[s] = self.done[(a.kind, a.chunk, a.microbatch)] = end
@@ -391,7 +356,7 @@ class _Replay:
                 idle_from = max(start, self.free[s])
                 if link > idle_from + _EPS:
                     self.windows.append(Window(WindowId.dp(s, b), s, "dp_collective",
-                                               self.last_bwd_mb[_chunk_of_block(pipe, b)],
+                                               self.last_bwd_mb[chunk_of_block(pipe, b)],
                                                idle_from, link - idle_from, (), 0.0))
                 device_end[s] = max(device_end[s], link)
             step = pipe.optimizer_s[s] if s < len(pipe.optimizer_s) else 0.0
@@ -412,64 +377,3 @@ def _account(segments: Optional[list[Segment]], busy: list[float], exposed: list
     busy[s] += load
     hidden[s] += min(load, capacity)
     exposed[s] += max(0.0, load - capacity)
-
-
-def _chunk_of_block(pipe: PipelineCosts, block: int) -> int:
-    return next(c.index for c in pipe.chunks if block in c.blocks)
-
-
-def _timed(device: int, actions: list) -> list[TimedAction]:
-    """The compute actions of a device's list, each with the window its ``R`` action names and
-    the sends and receives posted since the compute action before it."""
-    out, window, posts = [], None, 0
-    for a in actions:
-        if a.op is Op.RECOMPUTE:
-            window = a.window
-        elif a.op in POSTS:
-            posts += 1
-        elif a.is_compute:
-            out.append(TimedAction(device=device, kind=a.kind, chunk=a.chunk, microbatch=a.microbatch, window=window,
-                                   posts=posts))
-            window, posts = None, 0
-    return out
-
-
-def _trailing_posts(actions: list) -> int:
-    """Sends and receives a device's list posts after its last compute action."""
-    last = max((i for i, a in enumerate(actions) if a.is_compute), default=-1)
-    return sum(1 for a in actions[last + 1:] if a.op in POSTS)
-
-
-def _in_flight(actions: list[list[TimedAction]], virtual: int) -> list[int]:
-    """Per device: most microbatches forwarded but not yet backpropagated, at a backward's start
-    (chunk-microbatch pairs ÷ chunks per device, rounded up, for the interleaved schedule); under
-    zero bubble a microbatch is in flight until its ``W``."""
-    result = []
-    for acts in actions:
-        split = any(a.kind == "W" for a in acts)
-        live, peak = 0, 0
-        for a in acts:
-            if a.kind == "F":
-                live += 1
-            elif a.kind == "I":
-                peak = max(peak, live)
-            elif a.kind == "W" or (a.kind == "B" and not split):
-                peak = max(peak, live)
-                live -= 1
-        result.append(-(-peak // virtual))
-    return result
-
-
-def _eligible_layers(pipe: PipelineCosts, s: int, upto_chunk: int, below_block: Optional[int]) -> tuple[int, ...]:
-    """Layers of device s not yet backpropagated: chunks up to ``upto_chunk``, and within it
-    the blocks before ``below_block``."""
-    layers: list[int] = []
-    for c in pipe.device_chunks(s):
-        if c.index > upto_chunk:
-            continue
-        for b in c.blocks:
-            if c.index == upto_chunk and below_block is not None and b >= below_block:
-                continue
-            if pipe.costs[b].layer is not None:
-                layers.append(pipe.costs[b].layer)
-    return tuple(sorted(layers))
