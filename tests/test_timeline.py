@@ -198,3 +198,27 @@ def test_a_split_backward_sends_its_input_gradients_before_its_weight_part() -> 
     # a B that recomputes on demand runs whole (the runtime's unless_held): as without the split
     whole = run_timeline(split, Loads(on_demand={(1, j, 1): 0.0 + 1e-9 for j in range(4)}))
     assert whole.step_time_s == pytest.approx(t0.step_time_s, abs=1e-6)
+
+
+def test_the_links_host_cost_is_charged_to_the_compute_a_message_overlaps() -> None:
+    """``link_host_s_per_byte``: each message costs its two devices ``bytes × s/B`` times the share
+    of its flight a compute action overlaps (pp 2, F 1 s, B 2 s, a 1 s link; 1000 B at 1 ms/B:
+    1 s for a whole overlap); time a device waits absorbs it."""
+    from lynx.planner.hardware import LinkSpec
+    from lynx.planner.link_host import link_host_charges
+    from lynx.planner.timeline import _Replay, Loads
+
+    plain = PipelineCosts.uniform(pp=2, microbatches=2, forward_s=1.0, backward_s=2.0, p2p_s=1.0)
+    charged = dataclasses.replace(plain, link_host_s_per_byte=1e-3, boundary_bytes=(1000,))
+    replay = _Replay(charged, Loads(), record=False)
+    replay.run_actions()
+    charges = link_host_charges(replay)
+    # device 0's F1 (1-2 s) sends while F0's activation flows (1-2 s: device 1 waits for it, no
+    # charge); device 1's F0 (2-3 s) receives F1's, its F1 (5-6 s) sends B0's gradient, which
+    # device 0 waits for (no charge)
+    assert charges == {(0, "F", 0, 1): pytest.approx(1.0), (1, "F", 1, 0): pytest.approx(1.0),
+                       (1, "F", 1, 1): pytest.approx(1.0)}
+    t0, t1 = run_timeline(plain), run_timeline(charged)
+    assert sum(t1.busy_s) == pytest.approx(sum(t0.busy_s) + sum(charges.values()))
+    assert t1.step_time_s >= t0.step_time_s
+    assert "host_s_per_byte" not in LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9).model_dump()   # as before

@@ -63,6 +63,7 @@ PHYSICAL_RANGES: dict[str, tuple[float, float, str]] = {
     "rng_s_per_element": (0.0, 1e-3, "s"),
     "optimizer_s_per_param": (0.0, 1e-3, "s"),
     "runtime_action_s": (0.0, 1.0, "s"),
+    "host_s_per_byte": (0.0, 1e-6, "s/B"),
 }
 
 
@@ -85,6 +86,17 @@ class LinkSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     alpha_s: _physical("alpha_s")  # type: ignore[valid-type]
     beta_bytes_per_s: _physical("beta_bytes_per_s")  # type: ignore[valid-type]
+    # CPU seconds each end's host loses per byte sent or received while the message flows (a
+    # software-shaped link's kernel work on the ranks' own cores: lynx.testbed.host_probe); the
+    # timeline charges it to the compute the message overlaps (lynx.planner.link_host)
+    host_s_per_byte: _physical("host_s_per_byte") = 0.0  # type: ignore[valid-type]
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: Any) -> Any:
+        data = handler(self)   # a link without a host cost records as before the field existed
+        if isinstance(data, dict) and data.get("host_s_per_byte") == 0.0:
+            del data["host_s_per_byte"]
+        return data
 
 
 class Calibration(BaseModel):

@@ -67,7 +67,7 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
     costs = block_costs(graph, comm, tp=tp, optimizer=optimizer)
     blocks = graph.graph["blocks"]
     chunk_of_node = {n: c.index for c in chunks for b in c.blocks for n in blocks[b]["nodes"]}
-    boundary = []
+    boundary, boundary_bytes = [], []
     for c in chunks[:-1]:
         sent: set[str] = set()
         for b in c.blocks:
@@ -76,6 +76,7 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
                     sent.add(n)
         nbytes = sum(bytes_per_rank(graph.nodes[n].get("output_bytes", 0), graph.nodes[n], tp) for n in sent)
         boundary.append(comm.p2p(nbytes))
+        boundary_bytes.append(int(nbytes))
     optimizer_s: tuple[float, ...] = ()
     if hardware is not None:  # each device's optimizer step over its parameters (lynx.planner.cost.optimizer_step_s)
         from lynx.planner.cost import optimizer_step_s
@@ -88,6 +89,8 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
     return PipelineCosts(pp=pp, microbatches=microbatches, schedule=schedule, chunks=tuple(chunks),
                          costs=tuple(costs), boundary_s=tuple(boundary), virtual=virtual, optimizer_s=optimizer_s,
                          host=host, action_s=action_s, grads_first=tp == 1,   # as the runtime: TP runs B whole
+                         link_host_s_per_byte=hardware.links["pp"].host_s_per_byte if hardware is not None else 0.0,
+                         boundary_bytes=tuple(boundary_bytes),
                          cores=CoreSharing.from_hardware(hardware, pp=pp, tp=tp, dp=dp))
 
 

@@ -45,6 +45,7 @@ from typing import Optional
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.copy_lanes import CopyReplay
 from lynx.planner.core_sharing import share_replay
+from lynx.planner.link_host import link_host_charges
 from lynx.planner.partition import BlockCost
 from lynx.planner.replay_copies import EPS, ReplayCopies
 from lynx.planner.schedule import rank_actions
@@ -62,6 +63,11 @@ def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: 
     ``record=False`` skips the drawing segments (faster, for planning loops)."""
     replay = _Replay(pipe, loads or Loads(), record)
     replay.run_actions()
+    if pipe.link_host_s_per_byte > 0 and pipe.cores is None:   # again, the link's host work charged
+        charges = link_host_charges(replay)
+        if charges:
+            replay = _Replay(pipe, loads or Loads(), record, link_host=charges)
+            replay.run_actions()
     device_end = replay.data_parallel_and_optimizer()
     if pipe.cores is not None:   # ranks sharing a CPU's cores: the step re-timed (lynx.planner.core_sharing)
         device_end = share_replay(replay, device_end)
@@ -83,8 +89,10 @@ class _Replay(ReplayCopies):
     """The state of one replay: each device runs its actions in order as soon as their input
     (activation or gradient) has arrived; every wait before an action is a window."""
 
-    def __init__(self, pipe: PipelineCosts, loads: Loads, record: bool) -> None:
+    def __init__(self, pipe: PipelineCosts, loads: Loads, record: bool,
+                 link_host: Optional[dict[tuple[int, str, int, int], float]] = None) -> None:
         self.pipe, self.loads, self.record = pipe, loads, record
+        self.link_host = link_host or {}   # per compute action, the link's host seconds (planner/link_host.py)
         lists = rank_actions(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
         self.actions = [timed_actions(s, acts) for s, acts in enumerate(lists)]
         self.trailing_posts = [trailing_posts(acts) for acts in lists]   # after the last compute action
@@ -182,6 +190,14 @@ class _Replay(ReplayCopies):
                 raise LynxConfigError(f"schedule {self.pipe.schedule!r} deadlocks for pp={self.pipe.pp}, "
                                       f"m={self.pipe.microbatches}")
 
+    def host(self, s: int, a: TimedAction, t: float) -> float:
+        """The link's host work charged to compute action ``a`` (:mod:`lynx.planner.link_host`), from ``t``."""
+        cost = self.link_host.get((s, a.kind, a.chunk, a.microbatch), 0.0)
+        if cost > 0:
+            self.segment(s, "runtime", t, t + cost, f"{self.tag(a)} link host")
+            self.busy[s] += cost
+        return t + cost
+
     def runtime(self, s: int, start: float, actions: int, label: str) -> float:
         """The runtime's own host work for ``actions`` actions of the list, from ``start``."""
         cost = actions * self.pipe.action_s
@@ -223,7 +239,7 @@ class _Replay(ReplayCopies):
             self.segment(s, "wait", a.ready + load, a.start, str(wid))
 
     def forward(self, s: int, a: TimedAction) -> float:
-        t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
+        t = self.host(s, a, self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime"))
         for b in self.chunk_of[a.chunk].blocks:
             cost = self.pipe.costs[b]
             self.segment(s, "forward", t, t + cost.forward_s, f"{self.tag(a)} {cost.name}")
@@ -247,7 +263,7 @@ class _Replay(ReplayCopies):
 
     def weight(self, s: int, a: TimedAction) -> float:
         """A deferred weight-gradient ``W``: each block's weight part of its backward."""
-        t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
+        t = self.host(s, a, self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime"))
         for b in reversed(self.chunk_of[a.chunk].blocks):
             cost = self.pipe.costs[b]
             w = self.weight_s(a.chunk, cost)
@@ -261,7 +277,7 @@ class _Replay(ReplayCopies):
     def backward(self, s: int, a: TimedAction) -> float:
         """Per block in reverse: on-demand recomputation, the backward (its input-gradient part
         for ``I``), its tp all-reduces (a window)."""
-        t = self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime")
+        t = self.host(s, a, self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime"))
         copies = self.copies
         blocks = list(reversed(self.chunk_of[a.chunk].blocks))
         if self.grads_first(a, blocks):

@@ -47,6 +47,11 @@ class PipelineCosts:
     # its weight part (the runtime's RuntimeConfig.send_grads_first), where it recomputes nothing
     # on demand (else the runtime runs it whole: StageModule.defer_weights(unless_held=True))
     grads_first: bool = False
+    # the host's CPU seconds per byte a device sends or receives, charged to the compute its
+    # messages overlap (LinkSpec.host_s_per_byte of the pp link; lynx.planner.link_host), and the
+    # bytes of each boundary's message (activation one way, gradient the other)
+    link_host_s_per_byte: float = 0.0
+    boundary_bytes: tuple[int, ...] = ()
     # more ranks than cores: the step re-timed with the cores shared among the busy ranks
     # (lynx.planner.core_sharing); None: a core or device per rank, the costs as they are
     cores: Optional["CoreSharing"] = None

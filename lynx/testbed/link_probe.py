@@ -1,8 +1,8 @@
 """Worker of :func:`lynx.testbed.measure_link`: times gloo send/recv between ranks 0 and 1.
 
 Run by a :class:`~lynx.testbed.NetBed` on every rank (``python -m lynx.testbed.link_probe
---bytes N --repeats R``). Rank 0 sends ``N`` bytes to rank 1 and waits for a one-byte
-acknowledgement, ``R`` times after a short warm-up; it prints one line
+--bytes N --repeats R [--pause S]``). Rank 0 sends ``N`` bytes to rank 1 and waits for a
+one-byte acknowledgement, ``R`` times after a short warm-up (each after ``S`` seconds of rest); it prints one line
 ``LYNX_LINK {"bytes": N, "seconds": [...]}``. Other ranks only join the group.
 
 Example::
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds the link rests before each repeat")
     args = parser.parse_args(argv)
 
     import torch
@@ -44,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         # Warm-up (up to 256 KB, not timed): connects the pair and grows the TCP window.
         for timed in [False] + [True] * args.repeats:
             data = payload if timed else payload[: 1 << 18]
+            if args.pause > 0 and rank == 0:   # a rested link (a tbf bucket full again), rank 1 in recv
+                time.sleep(args.pause)
             start = time.perf_counter()
             if rank == 0:
                 dist.send(data, dst=1)

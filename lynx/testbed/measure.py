@@ -50,8 +50,9 @@ class LinkMeasurement:
 
 
 def measure_link(bed: NetBed, nbytes: int | None = None, repeats: int = 3,
-                 timeout_s: float = 120.0) -> LinkMeasurement:
-    """Send ``nbytes`` from rank 0 to rank 1 ``repeats`` times over ``bed`` and time it.
+                 timeout_s: float = 120.0, pause_s: float = 0.0) -> LinkMeasurement:
+    """Send ``nbytes`` from rank 0 to rank 1 ``repeats`` times over ``bed`` and time it
+    (``pause_s``: the link rests that long before each, e.g. a ``tbf`` bucket refilled).
 
     ``nbytes`` defaults to about one second of traffic at the nominal rate (at least 1 MB,
     at most 64 MB), long enough that the tbf burst and TCP slow start do not dominate.
@@ -65,7 +66,7 @@ def measure_link(bed: NetBed, nbytes: int | None = None, repeats: int = 3,
         raise LynxConfigError(f"measure_link: nbytes and repeats must be > 0, got "
                               f"{nbytes} and {repeats}")
     results = bed.run([sys.executable, "-m", "lynx.testbed.link_probe", "--bytes", str(nbytes),
-                       "--repeats", str(repeats)], timeout_s=timeout_s)
+                       "--repeats", str(repeats), "--pause", str(pause_s)], timeout_s=timeout_s)
     for line in results[0].stdout.splitlines():
         if line.startswith(MARKER):
             data = json.loads(line[len(MARKER):])
