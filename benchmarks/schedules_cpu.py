@@ -4,7 +4,9 @@ A small GPT (``CFG``: 4 layers, so 2 chunks per rank fit under interleaving) run
 ranks (one thread, one core each, niced as ``benchmarks/overlap_cpu.py`` does) in the test
 bed's network namespaces, the pipeline link rate-limited with ``tc tbf`` where root allows
 (``lynx.testbed.NetBed``). Per schedule Lynx plans with node times measured on this machine
-(``lynx.analyze(times="measure")``) and the bed's link rate, under **one** memory budget for
+(``lynx.analyze(times="measure")``) and the bed's pipeline link as measured before planning
+(``measure_bed_link``: α, β at the boundary's message size, the host's CPU cost per byte of
+traffic — ``lynx.testbed.host_probe``), under **one** memory budget for
 every schedule (``--level`` of the way from the largest ``full`` peak to 1F1B's ``none``
 peak), and three variants run through ``lynx.runtime.Pipeline``:
 
@@ -70,21 +72,43 @@ def step_batch(rep: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------- plans
-def make_plans(rate_mbit: float, level: float) -> dict:
-    """Per schedule the three plans (JSON) and their predictions, at one budget."""
+def measure_bed_link(bed, nbytes: int) -> tuple[object, dict]:
+    """The bed's pipeline link as this pipeline uses it: α half a rested 1-byte round trip, β
+    from a rested ``nbytes`` message (the boundary's; a tbf bucket full again, as between a
+    pipeline's messages), the host's cost per byte with traffic both ways (lynx.testbed.host_probe)."""
+    from lynx.planner.hardware import LinkSpec
+    from lynx.testbed import measure_link
+    from lynx.testbed.host_probe import measure_link_host
+
+    small = measure_link(bed, nbytes=1, repeats=5, pause_s=0.05)
+    large = measure_link(bed, nbytes=nbytes, repeats=5, pause_s=0.05)
+    host = measure_link_host(bed, message_bytes=nbytes)
+    alpha = small.median_s / 2
+    link = LinkSpec(alpha_s=alpha, beta_bytes_per_s=nbytes / max(large.median_s - small.median_s, 1e-9),
+                    host_s_per_byte=host.host_s_per_byte)
+    return link, {"round_trip_1B_s": small.seconds, "message_bytes": nbytes, "message_s": large.seconds,
+                  "host": str(host), "alpha_s": link.alpha_s, "beta_bytes_per_s": link.beta_bytes_per_s,
+                  "host_s_per_byte": link.host_s_per_byte}
+
+
+def make_plans(link_for, level: float) -> dict:
+    """Per schedule the three plans (JSON) and their predictions, at one budget; ``link_for(nbytes)``
+    gives the pipeline link measured with the boundary's message size (``measure_bed_link``)."""
     import lynx
     from lynx.config import CompileConfig
-    from lynx.planner.hardware import LinkSpec, get_hardware
+    from lynx.planner.hardware import get_hardware
     from lynx.planner.loop import plan_graph
+    from lynx.planner.problems import build_pipeline
     from lynx.planner.simulator import simulate
 
     torch.set_num_threads(1)
     model, inputs = build_model()
     base = get_hardware("cpu-local")
-    link = LinkSpec(alpha_s=3e-4, beta_bytes_per_s=(rate_mbit or 10_000) * 0.955e6 / 8)
-    hw = base.model_copy(update={"links": {**base.links, "pp": link, "dp": link}})
-    analysis = lynx.analyze(model, inputs, target="cpu", hardware=hw, times="measure")
+    analysis = lynx.analyze(model, inputs, target="cpu", hardware=base, times="measure")
     graph = analysis.graph
+    nbytes = build_pipeline(graph, pp=PP, microbatches=MICROBATCHES, hardware=base).boundary_bytes[0]
+    link, measured = link_for(nbytes)
+    hw = base.model_copy(update={"links": {**base.links, "pp": link, "dp": link}})
     common = {"pp": PP, "microbatches": MICROBATCHES, "hardware": hw, "target": "cpu", "virtual_stages": 2}
     peaks = {}
     for schedule in SCHEDULES:
@@ -93,7 +117,7 @@ def make_plans(rate_mbit: float, level: float) -> dict:
             peaks[(schedule, solver)] = max(p.predicted.peak_memory_bytes)
     floor = max(peaks[(s, "full")] for s in SCHEDULES)
     budget = int(floor + level * max(0, peaks[("1f1b", "none")] - floor))
-    out = {"budget": budget, "schedules": {}}
+    out = {"budget": budget, "schedules": {}, "link": measured}
     for schedule in SCHEDULES:
         cfg = CompileConfig(solver="heu", memory_budget=budget, schedule=schedule, time_limit_s=30, **common)
         plans = {"lynx": plan_graph(graph, cfg, check_budget=False),
@@ -215,21 +239,23 @@ def main() -> None:
 
     renice_session(args.nice)
     started = time.perf_counter()
-    plans = make_plans(args.rate, args.level)
-    for schedule in SCHEDULES:
-        for variant, p in plans["schedules"][schedule]["predicted"].items():
-            print(f"plan {schedule:>15}/{variant:<9}: predicted step {p['step_s'] * 1e3:7.1f} ms, bubble "
-                  f"{p['bubble_s'] * 1e3:6.1f} ms, activations {[round(b / 2**20, 2) for b in p['activation_bytes']]}"
-                  f" MiB, {'fits' if p['fits'] else 'does NOT fit'} {plans['budget'] / 2**20:.1f} MiB, "
-                  f"{p['recomputed']} nodes recomputed")
-    if args.plans_only:
-        return
-    spec = {"schedules": plans["schedules"], "reps": args.reps, "nice": args.nice, "trace": bool(args.trace)}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    load = os.getloadavg()
     with NetBed(world_size=PP, rate_mbit=args.rate or None) as bed:
         limited = bed.rate_limited
+        plans = make_plans(lambda nbytes: measure_bed_link(bed, nbytes), args.level)
+        print(f"pipeline link as measured: {plans['link']}")
+        for schedule in SCHEDULES:
+            for variant, p in plans["schedules"][schedule]["predicted"].items():
+                print(f"plan {schedule:>15}/{variant:<9}: predicted step {p['step_s'] * 1e3:7.1f} ms, bubble "
+                      f"{p['bubble_s'] * 1e3:6.1f} ms, activations "
+                      f"{[round(b / 2**20, 2) for b in p['activation_bytes']]} MiB, "
+                      f"{'fits' if p['fits'] else 'does NOT fit'} {plans['budget'] / 2**20:.1f} MiB, "
+                      f"{p['recomputed']} nodes recomputed")
+        if args.plans_only:
+            return
+        spec = {"schedules": plans["schedules"], "reps": args.reps, "nice": args.nice, "trace": bool(args.trace)}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(spec, f)
+        load = os.getloadavg()
         link = measure_link(bed) if limited else None
         out = bed.run([sys.executable, __file__, "--worker", f.name],
                       env={"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}, timeout_s=3600)
@@ -258,7 +284,8 @@ def main() -> None:
     result = {"when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": CFG, "pp": PP,
               "microbatch": MICROBATCH, "microbatches": MICROBATCHES, "reps": args.reps, "level": args.level,
               "budget_bytes": plans["budget"], "rate_mbit": args.rate, "rate_limited": limited,
-              "link": str(link) if link else "loopback, not limited", "loadavg_start": load,
+              "link": str(link) if link else "loopback, not limited", "planned_link": plans["link"],
+              "loadavg_start": load,
               "loadavg_end": os.getloadavg(), "wall_s": time.perf_counter() - started, "results": res}
     path = ROOT / "benchmarks" / "results" / args.out
     path.write_text(json.dumps(result, indent=1))
