@@ -43,6 +43,9 @@ Conventions (see ``docs/train_your_model.md``):
   :func:`lynx.runtime.checkpoint.save_state` (nothing unpickled on load).
 - **Failures**: an uncaught exception on any rank ends every rank with exit status 1 and a
   message naming the failed rank (:mod:`lynx.runtime.failure_exit`).
+
+What the pipeline hands its runner in place of your objects (the last stage with its loss, an
+optimizer whose ``step()`` your loop calls): :mod:`lynx.runtime.pipeline_adapters`.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from lynx.runtime.batching import (
 from lynx.runtime.executable import check_executable
 from lynx.runtime.job import check_runnable, check_same_everywhere, join_job
 from lynx.runtime.p2p import Pollable
+from lynx.runtime.pipeline_adapters import LossStage, StepByUser
 from lynx.runtime.data_parallel import syncs_own_buckets
 from lynx.runtime.runner import RuntimeConfig, StageRunner
 from lynx.runtime.rank_rng import RankRNG
@@ -75,26 +79,6 @@ from lynx.runtime.topology import make_topology, rank_device, tied_groups
 from lynx.runtime.tp import tp_window_schedule
 
 __all__ = ["Pipeline"]
-
-
-class _LossStage:
-    """The last stage as the runner drives it: the stage module, then the loss of its output."""
-
-    def __init__(self, stage: Any, loss: Any) -> None:
-        self._stage, self._loss = stage, loss
-        self.targets: dict[int, tuple] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stage, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("_stage", "_loss", "targets"):
-            object.__setattr__(self, name, value)
-        else:   # e.g. on_param_grad: the stage's own
-            setattr(self._stage, name, value)
-
-    def __call__(self, *args: Any, microbatch: int = 0) -> torch.Tensor:
-        return self._loss(self._stage(*args, microbatch=microbatch), self.targets.get(microbatch, ()))
 
 
 class Pipeline:
@@ -132,7 +116,7 @@ class Pipeline:
         # this compilation says, whatever the plan was made with)
         check_executable({**plan.config, "compile": bool(getattr(config, "compile", False))})
         self.compiled = compiled
-        self._loss_stage: _LossStage | None = None
+        self._loss_stage: LossStage | None = None
         self.loss = (compiled.loss or LossSpec("scalar", "the model's output")).with_loss_fn(loss_fn)
         if self.loss.form is None:
             raise LynxConfigError(f"cannot train: {self.loss.description}")
@@ -166,7 +150,7 @@ class Pipeline:
         last = max(self.chunks)
         driven = dict(self.chunks)
         if self.chunks[last].spec.is_last:
-            driven[last] = self._loss_stage = _LossStage(self.chunks[last], self.loss)
+            driven[last] = self._loss_stage = LossStage(self.chunks[last], self.loss)
         parts = split_cached(captured.gm, chunk_node_lists(plan, compiled.analysis.graph))
         names = [set().union(*(part.attr_names for part in parts[s::pp])) for s in range(pp)]
         self.attr_names = names[topo.stage]
@@ -253,7 +237,7 @@ class Pipeline:
             raise LynxConfigError(f"use_optimizer takes lynx.optim.DeMo or DistributedLion (optimizers that sync "
                                   f"their own buckets), got {type(optimizer).__name__}; other optimizers need no call")
         self.runner.close()
-        self.optimizer = _StepByUser(optimizer, launch_early=not self.skip_nonfinite)
+        self.optimizer = StepByUser(optimizer, launch_early=not self.skip_nonfinite)
         self.runner = self._make_runner()
 
     # ------------------------------------------------------------------- step
@@ -401,22 +385,3 @@ class Pipeline:
     def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
         if kind is None:
             self.close()
-
-
-class _StepByUser:
-    """A bucketed optimizer as the runner sees it: buckets launched during the last backward
-    (unless ``launch_early`` is False: then its ``step()`` launches them, after the step's
-    gradients were checked), and ``step()`` left to the user's loop (where it finishes the
-    collectives and updates)."""
-
-    def __init__(self, inner: Any, launch_early: bool = True) -> None:
-        self.inner, self.launch_early = inner, launch_early
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def launch(self, bucket: int) -> Any:
-        return self.inner.launch(bucket) if self.launch_early else None
-
-    def step(self) -> None:
-        pass
