@@ -222,3 +222,14 @@ def test_the_links_host_cost_is_charged_to_the_compute_a_message_overlaps() -> N
     assert sum(t1.busy_s) == pytest.approx(sum(t0.busy_s) + sum(charges.values()))
     assert t1.step_time_s >= t0.step_time_s
     assert "host_s_per_byte" not in LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9).model_dump()   # as before
+
+
+def test_messages_one_way_queue_on_their_link() -> None:
+    """A device's messages to the same peer go one after another (one connection, in order): F1's
+    activation, sent at 2 s while F0's (1-4 s) is still in flight, arrives at 7 s, not 5 s."""
+    pipe = PipelineCosts.uniform(pp=2, microbatches=2, forward_s=1.0, backward_s=0.5, p2p_s=3.0)
+    t = run_timeline(pipe)
+    f1 = next(a for a in t.actions[1] if a.kind == "F" and a.microbatch == 1)
+    assert (f1.arrival, f1.start) == (pytest.approx(7.0), pytest.approx(7.0))
+    sends = sorted((g.start, g.end) for g in t.segments if g.kind == "send" and g.device == 0)
+    assert sends[:2] == [(pytest.approx(1.0), pytest.approx(4.0)), (pytest.approx(4.0), pytest.approx(7.0))]

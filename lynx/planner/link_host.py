@@ -6,8 +6,8 @@ while the message flows — softirqs charged to whatever runs there. A rank that
 its messages flow computes slower; one that waits meanwhile loses nothing it measures. The
 link's figure, ``LinkSpec.host_s_per_byte`` (measured: :func:`lynx.testbed.host_probe.measure_link_host`),
 reaches the timeline as ``PipelineCosts.link_host_s_per_byte``; :func:`link_host_charges` takes
-a finished replay's messages (each boundary's bytes over ``[sent, sent + boundary_s]``: an
-activation after its ``F``, a gradient after its ``B``'s input part or its ``I``) and charges
+a finished replay's messages (each boundary's bytes over its flight: an activation after its
+``F``, a gradient after its ``B``'s input part or its ``I``, each once the link is free) and charges
 each compute action of the sending and the receiving device ``host_s_per_byte × bytes`` times
 the share of the message's flight the action overlaps. :func:`lynx.planner.timeline.run_timeline`
 replays the step again with those charges (``runtime`` segments labelled ``link host`` at each
@@ -40,20 +40,7 @@ def link_host_charges(replay: Any) -> dict[Key, float]:
     per_byte = pipe.link_host_s_per_byte
     if per_byte <= 0 or not pipe.boundary_bytes:
         return {}
-    device = {c.index: c.device for c in pipe.chunks}
-    last = len(pipe.chunks) - 1
-    messages: list[tuple[int, int, float, float, int]] = []   # (sender, receiver, start, end, bytes)
-    for acts in replay.actions:
-        for a in acts:
-            if a.kind == "F" and a.chunk < last:
-                b, sender, receiver, sent = a.chunk, device[a.chunk], device[a.chunk + 1], a.end
-            elif a.kind in ("B", "I") and a.chunk > 0:
-                b, sender, receiver = a.chunk - 1, device[a.chunk], device[a.chunk - 1]
-                sent = replay.done.get(("Bi", a.chunk, a.microbatch), a.end) if a.kind == "B" else a.end
-            else:
-                continue
-            if sender != receiver and pipe.boundary_s[b] > 0:
-                messages.append((sender, receiver, sent, sent + pipe.boundary_s[b], pipe.boundary_bytes[b]))
+    messages = [(src, dst, start, end, pipe.boundary_bytes[b]) for src, dst, start, end, b in replay.messages]
     charges: dict[Key, float] = {}
     for s, acts in enumerate(replay.actions):
         mine = [m for m in messages if s in (m[0], m[1])]

@@ -7,7 +7,8 @@ input-gradient ``I``) for its gradient, a deferred weight-gradient ``W`` for not
 with recomputation placed in windows or on demand, and records every interval a device waits:
 ``recv_grad`` before a backward (a ``B`` that sends its input gradients before its weight
 part — ``PipelineCosts.grads_first``, as the runtime does — hands them over that much earlier),
-``recv_act`` before a forward (it serves the next backward whose
+``recv_act`` before a forward (a device's messages to one peer go one after another, in order,
+each ``boundary_s`` long) (it serves the next backward whose
 forward is done) — each named by the ``R`` action the list puts before the wait —, the
 ``tp_allreduce`` of each layer's backward (serving layers not yet backpropagated) and the
 ``dp_collective`` tail after a device's last backward. A ``W`` runs where the list puts it, so
@@ -93,6 +94,9 @@ class _Replay(ReplayCopies):
                  link_host: Optional[dict[tuple[int, str, int, int], float]] = None) -> None:
         self.pipe, self.loads, self.record = pipe, loads, record
         self.link_host = link_host or {}   # per compute action, the link's host seconds (planner/link_host.py)
+        self.arrive: dict[tuple[str, int, int], float] = {}   # (kind, chunk, mb) of a sender -> its message's arrival
+        self.link_free: dict[tuple[int, int], float] = {}     # (from, to) device -> when its last message is through
+        self.messages: list[tuple[int, int, float, float, int]] = []   # (from, to, start, end, boundary)
         lists = rank_actions(pipe.schedule, pipe.pp, pipe.microbatches, pipe.virtual)
         self.actions = [timed_actions(s, acts) for s, acts in enumerate(lists)]
         self.trailing_posts = [trailing_posts(acts) for acts in lists]   # after the last compute action
@@ -135,15 +139,20 @@ class _Replay(ReplayCopies):
         actions it waits for ended (``done``: this replay's)."""
         pipe = self.pipe
         done = self.done if done is None else done
+        own = done is self.done   # this replay's messages queue on their link (see send)
         if a.kind == "F":
             if a.chunk == 0:
                 return 0.0
+            if own:
+                return self.arrive.get(("F", a.chunk - 1, a.microbatch))
             t = done.get(("F", a.chunk - 1, a.microbatch))
             return None if t is None else t + pipe.boundary_s[a.chunk - 1]
         if a.kind == "W":   # after its own I, earlier on the same device
             return done.get(("I", a.chunk, a.microbatch))
         if a.chunk == self.n_chunks - 1:
             return done.get(("F", a.chunk, a.microbatch))
+        if own:
+            return self.arrive.get((a.kind, a.chunk + 1, a.microbatch))
         # a B that sent its input gradients before its weight part (see backward)
         t = done.get((a.kind + "i", a.chunk + 1, a.microbatch), done.get((a.kind, a.chunk + 1, a.microbatch)))
         return None if t is None else t + pipe.boundary_s[a.chunk]
@@ -346,13 +355,26 @@ class _Replay(ReplayCopies):
         return t
 
     def finish(self, s: int, a: TimedAction, end: float) -> None:
-        boundary = self.pipe.boundary_s
         a.end = self.free[s] = self.done[(a.kind, a.chunk, a.microbatch)] = end
-        if a.kind == "F" and a.chunk < self.n_chunks - 1 and boundary[a.chunk] > 0:
-            self.segment(s, "send", end, end + boundary[a.chunk], f"act {a.microbatch}")
-        if a.kind in ("B", "I") and a.chunk > 0 and boundary[a.chunk - 1] > 0:
+        if a.kind == "F" and a.chunk < self.n_chunks - 1:
+            self.send(a, a.chunk, end, f"act {a.microbatch}")
+        if a.kind in ("B", "I") and a.chunk > 0:
             sent = self.done.get(("Bi", a.chunk, a.microbatch), end) if a.kind == "B" else end
-            self.segment(s, "send", sent, sent + boundary[a.chunk - 1], f"grad {a.microbatch}")
+            self.send(a, a.chunk - 1, sent, f"grad {a.microbatch}")
+
+    def send(self, a: TimedAction, boundary: int, sent: float, label: str) -> None:
+        """``a``'s message over ``boundary`` posted at ``sent``: it leaves once the messages the
+        device sent the same way before it are through (one connection per pair, in order: a
+        link's direction carries one message at a time) and arrives ``boundary_s`` later."""
+        src = self.chunk_of[a.chunk].device
+        dst = self.chunk_of[boundary + 1 if a.kind == "F" else boundary].device
+        seconds = self.pipe.boundary_s[boundary]
+        start = max(sent, self.link_free.get((src, dst), 0.0)) if src != dst else sent
+        end = self.arrive[(a.kind, a.chunk, a.microbatch)] = start + seconds
+        if seconds > 0 and src != dst:
+            self.link_free[(src, dst)] = end
+            self.messages.append((src, dst, start, end, boundary))
+            self.segment(src, "send", start, end, label)
 
     def data_parallel_and_optimizer(self) -> list[float]:
         """Per device: gradient collectives (one bucket per block, in gradient order), then the
