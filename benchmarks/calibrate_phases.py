@@ -91,18 +91,18 @@ def one_run(log: Path, repeats: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     _child.update(log=str(log), t0=t0)
     steps: list[tuple[str, float, float]] = []
-    real_step = host._Progress.step
+    real_step = host.CalibrationProgress.step
 
     def step(self: Any, what: str) -> None:
         steps.append((what, time.perf_counter() - t0, time.process_time()))
         real_step(self, what)
 
-    host._Progress.step = step
+    host.CalibrationProgress.step = step
     try:
         load = os.getloadavg()[0]
         spec = host.calibrate_host(progress=False, repeats=repeats)
     finally:
-        host._Progress.step = real_step
+        host.CalibrationProgress.step = real_step
     steps.append(("end", time.perf_counter() - t0, time.process_time()))
     rows = [{"step": w[:70], "wall": t2 - t, "cpu": c2 - c} for (w, t, c), (_, t2, c2) in zip(steps, steps[1:])]
     procs = [json.loads(line) for line in log.read_text().splitlines()]

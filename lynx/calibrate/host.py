@@ -23,6 +23,8 @@ forked, joined into a group and torn down for them (that took ~2.5 s, with this 
 before the captures began). The figures no capture feeds
 (an eager op, the dtype matmuls, the host copies) are timed by a process forked as the
 captures begin, on the core the first capture leaves idle (:mod:`lynx.calibrate.standalone`).
+The GPU's figures: :mod:`lynx.calibrate.gpu_figures`; the progress shown:
+:mod:`lynx.calibrate.progress`.
 
 Example (about 20 s on 2 cores; ``lynx calibrate`` runs it)::
 
@@ -39,17 +41,19 @@ import datetime
 import os
 import socket
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
+from lynx.calibrate.gpu_figures import measure_gpu
+from lynx.calibrate.host_copies import HOST_LINK_FIGURES, physical_memory
+from lynx.calibrate.progress import CalibrationProgress
 from lynx.calibrate.repeats import Repeated
 from lynx.planner.cost import allreduce_time
 from lynx.units import format_size
 from lynx.errors import LynxRuntimeError
-from lynx.planner.hardware import HARDWARE_PRESETS, RELIABLE_SPREAD, Calibration, HardwareSpec, LinkSpec
+from lynx.planner.hardware import RELIABLE_SPREAD, Calibration, HardwareSpec, LinkSpec
 
 __all__ = ["calibrate_host", "unreliable_figures", "STARVED_SHARE", "LINK_REPEATS_PER_REPEAT"]
 
@@ -63,11 +67,11 @@ def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None =
     if device == "cuda" and not torch.cuda.is_available():
         raise LynxRuntimeError("--device cuda: torch sees no CUDA device here (a CPU-only torch build, or no GPU "
                                "visible); measure the CPU with --device cpu")
-    say = _Progress(progress)
+    say = CalibrationProgress(progress)
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     threads = torch.get_num_threads()
     try:
-        fields, measured, notes, used_threads = (_measure_cpu if device == "cpu" else _measure_gpu)(repeats, say)
+        fields, measured, notes, used_threads = (_measure_cpu if device == "cpu" else measure_gpu)(repeats, say)
     finally:
         torch.set_num_threads(threads)
         say.close()
@@ -130,7 +134,7 @@ def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict
 
 
 # ------------------------------------------------------------------------------- CPU
-def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
+def _measure_cpu(repeats: int, say: "CalibrationProgress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     from lynx.calibrate.cpu import ReferenceModel, start_generated_graphs_s
     from lynx.calibrate.runtime import start_runtime_action_s
     from lynx.calibrate.standalone import start_standalone
@@ -163,8 +167,8 @@ def _measure_cpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[R
                                     sharded)
 
 
-def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: Any, started: tuple, sharded: Any
-                         ) -> tuple[dict[str, Any], list[Repeated], list[str], int]:
+def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: Any, small: Any, started: tuple,
+                         sharded: Any) -> tuple[dict[str, Any], list[Repeated], list[str], int]:
     """The CPU figures from the references and the prepared processes (:func:`_measure_cpu`)."""
     from lynx.calibrate.cpu import OPTIMIZERS, generated_graphs_results, generated_graphs_s, generated_op_overhead_s
     from lynx.calibrate.cpu import node_rates, optimizer_s_per_param
@@ -180,7 +184,7 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
     ladder = ", ".join(format_size(n) for n in LADDER_BYTES)
     m = {name: Repeated(name) for name in (
         "peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16", "memory_bandwidth",
-        "rng_s_per_element", *_HOST_LINK)}
+        "rng_s_per_element", *HOST_LINK_FIGURES)}
     # host costs of a few µs per op or param: other jobs on the other core (its share of the
     # caches and memory) only ever add to them, in bursts, so the least disturbed repeat is the figure
     for name in ("op_overhead_s", "runtime_action_s", *(f"optimizer_s_per_param.{o}" for o in OPTIMIZERS)):
@@ -236,11 +240,11 @@ def _measure_cpu_figures(repeats: int, say: "_Progress", reference: Any, small: 
         "name": f"{socket.gethostname()}-cpu", "device": "cpu",
         "peak_flops": {d: m[f"peak_flops.{d}"].median for d in ("float32", "bfloat16", "float16")},
         "achievable_fraction": 1.0, "memory_bandwidth": m["memory_bandwidth"].median,
-        "memory_bytes": _physical_memory(), "links": {"pp": link, "dp": link},   # tp: after its stage
+        "memory_bytes": physical_memory(), "links": {"pp": link, "dp": link},   # tp: after its stage
         "op_overhead_s": m["op_overhead_s"].value, "rng_s_per_element": m["rng_s_per_element"].median,
         "optimizer_s_per_param": {o: m[f"optimizer_s_per_param.{o}"].value for o in OPTIMIZERS},
-        "host_link": {**{k.split(".", 1)[1]: m[k].median for k in _HOST_LINK}, "synchronous": True},
-        "host_memory_bytes": _physical_memory() // 2,
+        "host_link": {**{k.split(".", 1)[1]: m[k].median for k in HOST_LINK_FIGURES}, "synchronous": True},
+        "host_memory_bytes": physical_memory() // 2,
         "runtime_action_s": m["runtime_action_s"].value,
     }
     say.step("a tensor-parallel stage on 2 processes: what its collectives cost beyond the all-reduces alone; "
@@ -297,123 +301,3 @@ def _ops(reference: Any) -> int:
     from lynx.calibrate.cpu import generated_ops
 
     return generated_ops(reference)
-
-
-# ------------------------------------------------------------------------------- GPU
-def _measure_gpu(repeats: int, say: "_Progress") -> tuple[dict[str, Any], list[Repeated], list[str], int]:
-    from lynx.calibrate.gpu import device_memory_bytes, launch_overhead_s, matmul_flops, memory_bandwidth
-    from lynx.calibrate.host_copies import pinned_link
-    from lynx.calibrate.links import measure_link
-
-    gpus = torch.cuda.device_count()
-    say.total(repeats + (1 if gpus >= 2 else 0))
-    notes = []
-    links_measured = None
-    if gpus >= 2:
-        say.step("NCCL link between GPU 0 and GPU 1")
-        alphas, betas = measure_link("nccl", repeats=repeats)
-        links_measured = (alphas, betas)
-    device = torch.device("cuda", 0)
-    name = torch.cuda.get_device_name(device)
-    m = {n: Repeated(n) for n in ("peak_flops.float32", "peak_flops.bfloat16", "peak_flops.float16",
-                                  "memory_bandwidth", "op_overhead_s", *_HOST_LINK)}
-    for r in range(repeats):
-        say.step(f"repeat {r + 1} of {repeats}: matmul per dtype, memory bandwidth, launch overhead on {name}")
-        for dtype, rate in matmul_flops(device).items():
-            m[f"peak_flops.{dtype}"].add(rate)
-        m["memory_bandwidth"].add(memory_bandwidth(device))
-        m["op_overhead_s"].add(launch_overhead_s(device))
-        for key, value in pinned_link(device).items():
-            m[f"host_link.{key}"].add(value)
-    measured = list(m.values())
-    if links_measured is not None:
-        link = LinkSpec(alpha_s=statistics.median(links_measured[0]),
-                        beta_bytes_per_s=statistics.median(links_measured[1]))
-        links = {"pp": link, "tp": link, "dp": link}
-        measured += [Repeated("links.alpha_s", links_measured[0]),
-                     Repeated("links.beta_bytes_per_s", links_measured[1])]
-        notes.append(
-            "links: NCCL between GPU 0 and GPU 1 of this host for pp, tp and dp; links to other hosts "
-            "are not visible from here: describe them in a cluster file (docs/hardware.md)"
-        )
-    else:
-        preset = _closest_preset(name)
-        links = dict(HARDWARE_PRESETS[preset].links)
-        notes.append(f"links: one GPU visible, nothing to measure between; taken from the {preset!r} preset")
-    fields = {
-        "name": f"{socket.gethostname()}-{name.replace(' ', '-').lower()}",
-        "device": "cuda",
-        "peak_flops": {d: m[f"peak_flops.{d}"].median for d in ("float32", "bfloat16", "float16")},
-        "achievable_fraction": 1.0,
-        "memory_bandwidth": m["memory_bandwidth"].median,
-        "memory_bytes": device_memory_bytes(device),
-        "links": links,
-        "op_overhead_s": m["op_overhead_s"].median,
-        "host_link": {k.split(".", 1)[1]: m[k].median for k in _HOST_LINK},
-        "host_memory_bytes": _physical_memory() // max(1, gpus) // 2,
-    }
-    notes.append(f"GPU 0: {name}; float32 matmul with allow_tf32={torch.backends.cuda.matmul.allow_tf32}")
-    notes.append("host link (offload): pinned 256 MiB copies each way on a side stream, 4 KiB for the latency; "
-                 "host memory: half of the RAM's share per GPU")
-    return fields, measured, notes, torch.get_num_threads()
-
-
-_HOST_LINK = ("host_link.alpha_s", "host_link.d2h_bytes_per_s", "host_link.h2d_bytes_per_s")
-
-
-def _closest_preset(gpu_name: str) -> str:
-    lowered = gpu_name.lower()
-    for key, preset in (("h200", "h200"), ("h100", "h100-sxm"), ("a100", "a100-80g")):
-        if key in lowered:
-            return preset
-    return "a100-pcie-box"
-
-
-def _physical_memory() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 8 * 2**30
-
-
-class _Progress:
-    """Progress on stderr: a rich bar on a terminal, a line per step otherwise."""
-
-    def __init__(self, active: bool) -> None:
-        self.active, self.bar, self.task, self.count, self.n = active, None, None, 0, 0
-        self.started = time.perf_counter()
-
-    def total(self, n: int) -> None:
-        self.n = n
-        if self.active and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn("calibrate"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                TextColumn("{task.description}"),
-                console=Console(stderr=True),
-                transient=True,
-            )
-            self.bar.start()
-            self.task = self.bar.add_task("", total=n)
-
-    def step(self, what: str) -> None:
-        if not self.active:
-            return
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.count, description=what)
-        else:
-            print(
-                f"calibrate [{self.count + 1}/{self.n}] {time.perf_counter() - self.started:5.1f} s  {what}",
-                file=sys.stderr,
-                flush=True,
-            )
-        self.count += 1
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()

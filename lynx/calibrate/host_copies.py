@@ -7,6 +7,9 @@
   link is *synchronous*): a 64 MiB ``copy_`` between two buffers, and a 4 KiB one for the
   latency. Both directions are the same memcpy.
 
+Beside them, the names a calibration gives the host link's figures (:data:`HOST_LINK_FIGURES`)
+and the host's RAM (:func:`physical_memory`), which bounds the host memory offload may use.
+
 Example::
 
     >>> rates = memcpy_link(nbytes=1 << 20, runs=2)
@@ -16,13 +19,25 @@ Example::
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
-__all__ = ["memcpy_link", "memcpy_links", "pinned_link"]
+__all__ = ["memcpy_link", "memcpy_links", "pinned_link", "HOST_LINK_FIGURES", "physical_memory"]
 
 _SMALL = 4096
+
+# the host link's figures, as a calibration names them (each the median of its repeats)
+HOST_LINK_FIGURES = ("host_link.alpha_s", "host_link.d2h_bytes_per_s", "host_link.h2d_bytes_per_s")
+
+
+def physical_memory() -> int:
+    """This host's RAM in bytes (8 GiB where it cannot be read)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
 
 
 def _best(fn, runs: int) -> float:
