@@ -138,7 +138,7 @@ def _measure_cpu(repeats: int, say: "CalibrationProgress") -> tuple[dict[str, An
     from lynx.calibrate.cpu import ReferenceModel, start_generated_graphs_s
     from lynx.calibrate.runtime import start_runtime_action_s
     from lynx.calibrate.standalone import start_standalone
-    from lynx.calibrate.tp_stage import TP_REPEATS, start_tp_stage_s
+    from lynx.calibrate.tp_stage import TP_REPEATS, TP_RUNS, start_tp_stage_s
 
     say.total(3 + repeats)
     torch.set_num_threads(1)
@@ -156,7 +156,7 @@ def _measure_cpu(repeats: int, say: "CalibrationProgress") -> tuple[dict[str, An
         # the tp link's all-reduce ladder the TP stage's (no pair of processes forked for them)
         runtime_ranks = ranks.enter_context(start_runtime_action_s(small, repeats=repeats,
                                                                    link_repeats=LINK_REPEATS_PER_REPEAT * repeats))
-        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=min(repeats, TP_REPEATS), runs=3,
+        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=min(repeats, TP_REPEATS), runs=TP_RUNS,
                                                         ladder_repeats=repeats))
         reference = ReferenceModel()
         # the check's timing of the reference's generated graphs: traced in a process of its own
@@ -176,7 +176,7 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
     from lynx.calibrate.cpu import priced_graphs_s
     from lynx.calibrate.runtime import runtime_action_results
     from lynx.calibrate.standalone import standalone_results
-    from lynx.calibrate.tp_stage import per_collective_s, priced_stage_s, tp_stage_results
+    from lynx.calibrate.tp_stage import TP_RUNS, per_collective_s, priced_stage_s, tp_stage_results
 
     from lynx.calibrate.allreduce import allreduce_link
 
@@ -288,8 +288,9 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
              f"{tp_link.alpha_s * 1e6:.1f} µs, a 32 KiB all-reduce {allreduce_time(32768, 2, tp_link) * 1e6:.0f} µs), "
              f"and α raised by half of what each collective costs inside a TP stage beyond that: gpt-tiny at seq "
              f"4 × 1 in pp 1 × tp 2 on 2 processes ran its generated graphs in {min(stage_walls) * 1e3:.1f}-"
-             f"{max(stage_walls) * 1e3:.1f} ms (the fastest of 3 in each of {len(stage_walls)} repeats), priced at "
-             f"{priced * 1e3:.1f} ms without it: {statistics.median(extra) * 1e6:.0f} µs more per collective "
+             f"{max(stage_walls) * 1e3:.1f} ms (the median of {TP_RUNS} runs in each of {len(stage_walls)} repeats: "
+             f"every step pays the typical run's hand-offs), priced at {priced * 1e3:.1f} ms without it: "
+             f"{statistics.median(extra) * 1e6:.0f} µs more per collective "
              f"({collectives} per run), a 32 KiB all-reduce "
              f"{allreduce_time(32768, 2, fields['links']['tp']) * 1e6:.0f} µs in all",
              "bfloat16/float16 matmul: float32's fitted rate × their speed on a (512, 128) @ (128, 512) matmul",

@@ -13,7 +13,13 @@ its generated graphs in 27 ms of CPU time but 100 ms of wall time, 64 all-reduce
 4 microbatches, compiled for pp 1 × tp 2, :class:`~lynx.calibrate.cpu.ReferenceModel`) runs
 through :class:`lynx.runtime.Pipeline`'s stage on two forked processes (gloo on 127.0.0.1, a
 port of their own), its 4 microbatches' forwards then backwards, and each repeat keeps the
-fastest run's wall seconds (other load only delays a run). :func:`per_collective_s` takes what
+median of its runs' wall seconds. Not the fastest, as for a figure timed on one thread: a run's
+64 collectives each wake gloo's threads on both ranks (a rank's main thread, gloo's loop and
+work threads: six threads on a 2-vCPU VM) and how those hand-offs meet the two ranks' compute
+differs run to run with nothing else running — with no other load at all, a pp 1 × tp 2 training's
+median step was 1.2× its fastest (benchmarks/results/tp_prediction_quiet_2026-12-05c.json), and the
+stage's runs here spread as much (fastest of 7 81.7 ms, median 100.4 ms). Every step pays that
+typical cost, so the fastest run priced the collectives at a lucky run's. :func:`per_collective_s` takes what
 the cost model prices that run at — the arithmetic and per-op cost of the rank's nodes
 (:func:`lynx.planner.tp_costs.rank_seconds`) and every all-reduce on the fitted link — from it,
 and divides what is left by the collectives the run issued: the per-collective term the tp
@@ -32,6 +38,7 @@ Example (forks two processes; a few seconds)::
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any, NamedTuple
 
@@ -41,16 +48,16 @@ from lynx.calibrate.cpu import ReferenceModel
 from lynx.errors import LynxRuntimeError
 
 __all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "TPMeasured", "priced_stage_s", "per_collective_s",
-           "TP_REPEATS"]
+           "TP_REPEATS", "TP_RUNS"]
 
-# repeats of the stage in a calibration: a run takes ~0.13 s on 2 cores, so 5 repeats of the
-# fastest of 3 took 2.3 s of a 20 s calibration; 3 keep the fastest of 3 per repeat and the
-# median over them (the figure), 0.8 s sooner
+# repeats of the stage in a calibration: a run takes ~0.1 s on 2 cores; 3 repeats of 5 runs,
+# each repeat the median of its runs and the figure the median over the repeats (~1.5 s)
 TP_REPEATS = 3
+TP_RUNS = 5
 
 
 class TPMeasured(NamedTuple):
-    """What rank 0 of :func:`start_tp_stage_s` measured: per repeat, the fastest run's seconds;
+    """What rank 0 of :func:`start_tp_stage_s` measured: per repeat, the median run's seconds;
     and the all-reduce ladder per repeat and size (:func:`lynx.calibrate.allreduce.ladder_trips`),
     or None when not asked for."""
 
@@ -59,7 +66,7 @@ class TPMeasured(NamedTuple):
 
 
 def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0) -> list[float]:
-    """Per repeat, the fastest of ``runs`` wall seconds of the TP reference's generated forwards
+    """Per repeat, the median of ``runs`` wall seconds of the TP reference's generated forwards
     and backwards (all its microbatches) on rank 0 of two forked processes. Needs ``fork``."""
     with start_tp_stage_s(reference, repeats, runs, timeout_s) as started:
         return tp_stage_results(reference, started).walls
@@ -132,7 +139,7 @@ def per_collective_s(measured_s: float, priced_s: float, collectives: int) -> fl
 def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats: int, runs: int,
             timeout_s: float, ladder_repeats: int = 0) -> tuple[list[float], Any]:
     """One rank (:func:`lynx.calibrate.forked.staged_rank` runs it): its stage, traced; then,
-    once let go, per repeat the fastest wall seconds of its stage's graphs alone; then (with
+    once let go, per repeat the median wall seconds of its stage's graphs alone; then (with
     ``ladder_repeats``) the all-reduce ladder on the ranks' gloo group
     (:func:`lynx.calibrate.allreduce.ladder_trips`; rank 0 returns it)."""
     import torch.distributed as dist
@@ -152,13 +159,13 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
     graphs()   # warm-up: the caches, after the wait (the code is warm: it ran before it)
     out = []
     for _ in range(repeats):
-        best = float("inf")
+        walls = []
         for _ in range(runs):
             dist.barrier()
             start = time.perf_counter()
             graphs()
-            best = min(best, time.perf_counter() - start)
-        out.append(best)
+            walls.append(time.perf_counter() - start)
+        out.append(statistics.median(walls))   # the typical run: see the module docstring
     ladder = None
     if ladder_repeats:
         from lynx.calibrate.allreduce import ladder_trips

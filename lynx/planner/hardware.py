@@ -41,8 +41,10 @@ __all__ = ["LinkSpec", "Calibration", "CoreShare", "HardwareSpec", "HARDWARE_PRE
 # pair forked for them), β the median of twice as many repeats (10, each of 100 small trips);
 # 6: β the best of those repeats, as α (the median followed the host's placement of the vCPUs);
 # 7: the forked ranks' threads on 0.1 ms scheduler slices, as a CPU training rank's
-# (lynx.runtime.sched_slice): the links and the TP stage's collectives timed as they then run.
-CALIBRATION_METHOD = 7
+# (lynx.runtime.sched_slice): the links and the TP stage's collectives timed as they then run;
+# 8: the TP stage's run the median of 5 per repeat, not the fastest of 3 (its collectives' thread
+# hand-offs spread its runs with nothing else running; every step pays the typical run's).
+CALIBRATION_METHOD = 8
 
 # A measured figure is repeatable when every repeat is within ±10% of the repeats' median (for a
 # best-of-repeats figure: its two best repeats within 10%); `lynx calibrate` flags the others.
