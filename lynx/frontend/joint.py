@@ -17,6 +17,9 @@ for a CPU target, and what ``lynx.rewrite.lower`` keeps or drops.
 The joint graph depends only on the stage graph and the signature of its inputs (shapes,
 dtypes, devices, which need a gradient), not on the plan, so it is cached on the stage graph.
 
+The interpreter that runs the stage graph inside the trace (:class:`GraphRunner`, re-exported
+here): :mod:`lynx.frontend.graph_runner`.
+
 Example::
 
     >>> import torch
@@ -39,8 +42,9 @@ import torch
 from torch import fx
 
 from lynx.errors import LynxError, LynxRuntimeError
+from lynx.frontend.graph_runner import GraphRunner, on_profile_device
 from lynx.torch_private import (aot_export_joint, all_op_names, has_kernel, is_forward_node, is_op_overload, kept_whole,
-                                op_schema, output_aliases_input, tree_flatten, tree_map)
+                                op_schema, output_aliases_input)
 
 __all__ = ["JointGraph", "JointParts", "GraphRunner", "trace_joint", "signature_of", "is_view_op", "fetch_attr",
            "classify", "owners_of", "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved",
@@ -72,44 +76,6 @@ def is_view_op(target: Any) -> bool:
         return False
     returns = op_schema(target).returns
     return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
-
-
-class GraphRunner(fx.Interpreter):
-    """Runs a stage graph with its attributes taken from ``attrs`` (the primals being traced).
-
-    :mod:`lynx.frontend.joint_tp` subclasses it to run the graph tensor-parallel."""
-
-    def __init__(self, gm: fx.GraphModule, attrs: dict[str, Any], clone: frozenset[int], meta_to_cpu: bool) -> None:
-        super().__init__(gm)
-        self.attrs, self.clone, self.meta_to_cpu = attrs, clone, meta_to_cpu
-
-    def fetch_attr(self, target: str) -> Any:
-        return self.attrs[target]
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
-            return None  # the capture device's baked-in checks (a meta capture profiled on fake CPU)
-        if n.op == "call_module" and n.target == "_guards_fn":
-            return None  # export's input guards: checked when the model was captured
-        return super().run_node(n)
-
-    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
-        if self.meta_to_cpu:  # profiled on fake CPU tensors: factory ops follow
-            args, kwargs = tree_map(on_profile_device, (args, kwargs))
-        return super().call_function(target, args, kwargs)
-
-    def output(self, target: Any, args: Any, kwargs: Any) -> Any:
-        flat, _ = tree_flatten(args[0])
-        return tuple(v.clone() if i in self.clone else v for i, v in enumerate(flat))
-
-
-def on_profile_device(value: Any) -> Any:
-    """``value``, or the CPU where it is another device: a graph captured on meta or on a GPU
-    (``arange(..., device=cuda:0)`` baked in) is profiled on fake CPU tensors, and the tensors
-    its factory ops make must be on the device of the rest."""
-    if isinstance(value, torch.device) and value.type != "cpu":
-        return torch.device("cpu")
-    return value
 
 
 def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
