@@ -17,7 +17,7 @@ import torch
 import lynx
 from lynx.frontend.capture import capture
 from lynx.rewrite import build_stages
-from lynx.rewrite.split import op_nodes
+from lynx.rewrite.split import op_nodes, split_graph
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,3 +146,56 @@ def test_offloaded_values_come_back_in_whichever_part_reads_them_first():
     assert not [n for n in reference if not torch.equal(reference[n], grads[n])]
     assert [s.meter.live_bytes for s in stages] == [0, 0]
     assert all(moved), f"a stage moved nothing to the host: {moved}"
+
+
+STAGE, TRIALS = 2, 10
+
+
+def test_the_plan_counts_what_the_meter_counts_for_a_split_backward():
+    """Random drop sets on the second stage of a ZB-H1 plan (pp 2): what the plan's memory model
+    says a split backward adds above what the microbatch holds — ``I``'s rise, what ``I`` hands
+    ``W``, ``W``'s rise (:func:`lynx.solvers.memory_weights.split_backward_bytes`) — is what the
+    runtime's meter adds for it (the generated graphs' ``extra_peak_bytes`` and ``cross_bytes``,
+    ``StageModule.backward`` / ``backward_weight``), to the byte: values re-run before the
+    step that first needs them (or the re-run of a consumer), freed after their last reader,
+    only what ``I`` brought back and ``W`` reads handed over."""
+    import random
+
+    from lynx.frontend.graph import build_graph
+    from lynx.frontend.joint import trace_joint
+    from lynx.frontend.profile_cache import cached_profile
+    from lynx.planner.cost import annotate_times
+    from lynx.planner.problems import build_pipeline, build_problems, stage_nodes
+    from lynx.planner.timeline import run_timeline
+    from lynx.rewrite.lower import lower
+    from lynx.solvers.memory_microbatch import held_bytes
+    from lynx.solvers.memory_weights import split_backward_bytes
+    from lynx.solvers.problem import Assignment
+
+    _, inputs, captured, _ = _captured()
+    hardware = lynx.CompileConfig(pp=4, microbatches=4, hardware="cpu-local", target="cpu").hardware_spec()
+    profile = cached_profile(captured, "cpu")
+    graph = build_graph(captured, profile, {})
+    annotate_times(graph, hardware, profile.dtype)
+    pipe = build_pipeline(graph, pp=4, microbatches=4, schedule="zbh1", hardware=hardware)
+    problem = build_problems(graph, pipe, run_timeline(pipe), budget_bytes=1 << 40, static=[0] * 4)[STAGE]
+    second = split_graph(captured.gm, [stage_nodes(graph, pipe, s) for s in range(4)])[STAGE]
+    batch = dict(zip(captured.input_names, inputs))
+    model_inputs = [batch[n] for n in second.spec.inputs]
+    values = {n.name: n.meta["val"] for n in captured.gm.graph.nodes if "val" in n.meta}
+    received = [torch.zeros(values[n].shape, dtype=values[n].dtype).requires_grad_(values[n].is_floating_point())
+                for n in second.spec.recv]   # (what the values are does not change the graphs)
+    joint = trace_joint(second.gm, model_inputs + received)
+    rng = random.Random(0)
+    layers = [n.name for n in problem.nodes if n.layer is not None]
+    compared = []
+    for _ in range(TRIALS):
+        fraction = rng.choice([0.2, 0.5, 0.8])
+        drop = frozenset(n for n in layers if rng.random() < fraction)
+        first, weights = lower(joint, drop, model_inputs=len(model_inputs)).split_backward_graphs(frozenset(), True)
+        held = held_bytes(problem, Assignment(drop))
+        during_i, until_w, during_w = split_backward_bytes(problem, Assignment(drop), frozenset())
+        compared.append(((during_i - held, until_w - held, during_w - until_w),
+                         (first.extra_peak_bytes, first.cross_bytes, weights.extra_peak_bytes)))
+    assert [plan for plan, _ in compared] == [meter for _, meter in compared]
+    assert sum(1 for _, (rise_i, cross, rise_w) in compared if rise_i and cross and rise_w) >= 1

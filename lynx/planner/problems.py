@@ -194,8 +194,15 @@ def _stage_nodes(graph: nx.DiGraph, pipe: PipelineCosts, s: int, tp: int) -> tup
             chunk=chunk_of[n],
             output_reads=_reads(attrs, "output", start[chunk_of[n]], position),
             rest_reads=_reads(attrs, "rest", start[chunk_of[n]], position),
+            view_of=_view_of(graph, n, members, chunk_of),
         ))
     return tuple(nodes), sent_bytes if any(marked(graph.nodes[n]) for n in names) else _per_rank(sent_bytes, tp)
+
+
+def _view_of(graph: nx.DiGraph, n: str, members: set[str], chunk_of: dict[str, int]) -> str | None:
+    """For a view, the node in its chunk whose output storage it is (else None)."""
+    base = _storage_owner(graph, n, members)
+    return base if base is not None and base != n and chunk_of.get(base) == chunk_of[n] else None
 
 
 def _reads(attrs: dict, part: str, start: int, position: dict[str, int]) -> Optional[tuple[bool, bool]]:
@@ -228,17 +235,24 @@ def _sent_storages(graph: nx.DiGraph, names: list[str]) -> tuple[set[str], int]:
     for n in names:
         if all(v in members for v in graph.successors(n)):
             continue
-        base: str | None = n
-        while base is not None and graph.nodes[base].get("is_view"):
-            inputs = list(graph.predecessors(base))
-            if not inputs or inputs[0] not in members:
-                base = None
-                break
-            base = inputs[0]
+        base = _storage_owner(graph, n, members)
         if base is None:
             continue
         (saved if graph.nodes[base].get("output_saved") else owners).add(base)
     return saved, sum(int(graph.nodes[b].get("output_bytes", 0)) for b in owners)
+
+
+def _storage_owner(graph: nx.DiGraph, n: str, members: set[str]) -> str | None:
+    """The node whose output storage ``n``'s output is (``n`` itself unless a view; through
+    views of views), or None where that storage is not the stage's (a view of a model input or
+    of a received value)."""
+    base = n
+    while graph.nodes[base].get("is_view"):
+        inputs = list(graph.predecessors(base))
+        if not inputs or inputs[0] not in members:
+            return None
+        base = inputs[0]
+    return base
 
 
 def _windows(timeline: Timeline, stage: int) -> tuple[ProblemWindow, ...]:

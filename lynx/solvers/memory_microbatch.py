@@ -28,7 +28,8 @@ from lynx.solvers.offload import group_layout, issue_steps
 from lynx.solvers.problem import Assignment, ProblemNode, StageProblem, is_sent
 from lynx.solvers.problem import consumers_of as _consumers
 
-__all__ = ["microbatch_peak_bytes", "held_bytes", "arrivals_by_microbatch", "saved_parts", "window_steps"]
+__all__ = ["microbatch_peak_bytes", "held_bytes", "arrivals_by_microbatch", "saved_parts", "window_steps",
+           "backward_rows"]
 
 _NEVER = 1 << 60
 
@@ -87,7 +88,7 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
     node prefetched in a tensor-parallel window is there from (else 0).
     """
     arrival = arrival or {}
-    last, rows = _static(problem)
+    last, rows = backward_rows(problem)
     dropped = assignment.recompute
     offloaded = assignment.offload
     issue = issue_steps(problem, offloaded) if offloaded else {}
@@ -141,8 +142,9 @@ _STATIC: dict[int, tuple[tuple, tuple[int, tuple]]] = {}
 _SHAPES: dict[tuple, tuple] = {}
 
 
-def _static(problem: StageProblem) -> tuple[int, tuple]:
-    """What :func:`microbatch_peak_bytes` reads of the nodes alone, consumers before producers:
+def backward_rows(problem: StageProblem) -> tuple[int, tuple]:
+    """What :func:`microbatch_peak_bytes` (and a split backward's model,
+    :func:`lynx.solvers.memory_weights.part_rise_bytes`) reads of the nodes alone, consumers before producers:
     the last backward step, and per node its name, backward step, consumers, savers' steps (a
     known saved output), whether its savers are unknown and then the steps that may read it,
     its output's and its other saved bytes, whether it is sent and then whether in-stage

@@ -38,13 +38,16 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from lynx.planner.schedule import Op
 from lynx.planner.windows import WindowId
 from lynx.solvers.memory_microbatch import arrivals_by_microbatch, held_bytes, microbatch_peak_bytes
 from lynx.solvers.memory_weights import split_backward_bytes
 from lynx.solvers.problem import Assignment, StageProblem
+
+# a zero-bubble backward's (most held during I, held until W, most held during W) per chunk problem
+SplitModel = Callable[[StageProblem, Assignment, frozenset], tuple[int, int, int]]
 
 __all__ = ["replay_peak_bytes", "chunk_problems", "replayed_beyond_bound", "bound_counts"]
 
@@ -112,10 +115,12 @@ def bound_counts(problem: StageProblem) -> tuple[dict[int, int], int, int]:
 
 
 def replay_peak_bytes(problem: StageProblem, assignment: Assignment, pending: Sequence[int] | None = None,
-                      trace: list | None = None) -> int:
+                      trace: list | None = None, split_model: SplitModel = split_backward_bytes) -> int:
     """The device's peak saved bytes over ``problem.actions`` (see the module docstring);
     ``pending``: per group rank, other microbatches' offload copies (one chunk only); ``trace``:
-    appended (action, the most it held during the action) for each compute action."""
+    appended (action, the most it held during the action) for each compute action; ``split_model``:
+    a zero-bubble backward's figures (the runtime's; HEU's books count
+    :func:`~lynx.solvers.memory_weights.split_backward_bound_bytes`)."""
 
     subs = chunk_problems(problem)
     chunk_of = {n.name: n.chunk for n in problem.nodes}
@@ -140,7 +145,7 @@ def replay_peak_bytes(problem: StageProblem, assignment: Assignment, pending: Se
     def split(c: int, j: int) -> tuple[int, int, int]:   # zero bubble: I's peak, held until W, W's peak
         pf = frozenset(n for n, _ in arrivals[c].get(j, frozenset()))
         if (c, pf) not in split_cache:
-            split_cache[(c, pf)] = split_backward_bytes(subs[c], assignment, pf)
+            split_cache[(c, pf)] = split_model(subs[c], assignment, pf)
         return split_cache[(c, pf)]
 
     live: dict[tuple[int, int], int] = {}

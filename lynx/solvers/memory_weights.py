@@ -6,14 +6,16 @@ what it re-runs) just before its first reader; the weight-gradient part ``W`` ru
 the microbatch's slots and the values ``I`` regenerated that ``W``'s own backward nodes read —
 ``I`` hands those over (*cross values*), and the stage holds them, with everything the
 microbatch kept, until ``W`` has run (the runtime's meter: ``StageModule.backward_weight``).
-``W`` regenerates whatever else it reads. Which part reads which saved value is the node's
+``W`` regenerates whatever else it reads. (``I`` brings back only the pieces it needs: a node it
+re-runs for its statistics alone hands no output over.) Which part reads which saved value is the node's
 ``output_reads`` / ``rest_reads`` (:mod:`lynx.frontend.joint_weights`; unknown: both).
 
 * :func:`weight_held_bytes`: from ``I``'s end to ``W``'s, per microbatch: what it held after
   its forward (:func:`~lynx.solvers.memory_microbatch.held_bytes`), what was prefetched for it, and the
   cross values;
-* :func:`weight_peak_bytes`: while ``W`` runs: that, plus the largest group (layer) of the
-  values ``W`` regenerates itself (each group's are read by that group's weight gradients).
+* :func:`weight_peak_bytes`: while ``W`` runs: that, plus how far ``W``'s own regeneration
+  rises above what it starts from (:func:`part_rise_bytes`, step by step as the generated
+  graphs run; :func:`split_backward_bound_bytes`: group by group, what HEU's books count).
 
 Example::
 
@@ -30,14 +32,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lynx.solvers.memory_microbatch import held_bytes, microbatch_peak_bytes, saved_parts
+from lynx.solvers.memory_microbatch import backward_rows, held_bytes, microbatch_peak_bytes, saved_parts
 from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, consumers_of, group_key, group_ranks,
                                   is_sent)
 
 __all__ = ["weight_held_bytes", "weight_peak_bytes", "input_peak_bytes", "weight_read_bytes", "split_backward_bytes",
-           "handed_bytes", "regenerating_parts", "starts_input_regeneration"]
+           "handed_bytes", "regenerating_parts", "starts_input_regeneration", "part_rise_bytes",
+           "split_backward_bound_bytes"]
 
 _BOTH = (True, True)
+_NEVER = 1 << 60   # a step no backward reaches
 # handed_bytes and regenerating_parts per node tuple (asked by the stage model, the bounds,
 # HEU's layouts and terms, each time the planner solves the stage)
 _CACHE: dict[tuple[str, int], tuple[tuple, Any]] = {}
@@ -57,13 +61,13 @@ def _per_nodes(kind: str, problem: StageProblem, build: Callable[[StageProblem],
 def _regenerated(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
                  ) -> tuple[set[str], set[str]]:
     """The dropped nodes ``I`` regenerates, and those ``W`` regenerates (each re-run also brings
-    back its dropped inputs, unless handed over)."""
+    back its dropped inputs, unless handed over; a view, its storage's producer's output)."""
     dropped = assignment.recompute
     consumers = consumers_of(problem)
     in_i: set[str] = set()
     in_w: set[str] = set()
     for n in reversed(problem.nodes):   # consumers before producers
-        if n.name not in dropped or n.name in prefetched:
+        if (n.name not in dropped and n.view_of is None) or n.name in prefetched:
             continue
         out, rest = n.output_reads or _BOTH, n.rest_reads or _BOTH
         if out[0] or rest[0] or any(c in in_i for c in consumers[n.name]):
@@ -176,11 +180,128 @@ def split_backward_bytes(problem: StageProblem, assignment: Assignment, prefetch
                          ) -> tuple[int, int, int]:
     """(most held during ``I``, held from ``I``'s end to ``W``'s, most held during ``W``).
 
-    Each graph runs its groups (layers, edge blocks) in backward order, regenerating a group's
-    values just before it and dropping what the group read last (a value, after its own group;
-    what nobody in the graph reads, at once), as the generated code does; the meter counts the
-    microbatch's kept values until ``W`` ends and, above them, how far the graph's live values
-    rise over its inputs."""
+    The meter (:class:`~lynx.rewrite.stage.StageModule`) counts the microbatch's kept values
+    until ``W`` ends and, above them, how far each generated graph's live values rise over its
+    inputs (:func:`lynx.rewrite.liveness.extra_peak_bytes`), with the values ``I`` hands over
+    from ``I``'s end to ``W``'s; each rise is :func:`part_rise_bytes`."""
+    held = sum(sum(_inputs(n, assignment.dropped, prefetched)) for n in problem.nodes)
+    if not any(_reads_input(n) for n in problem.nodes):
+        # the chunk sends no input gradient (the first): I is empty and W the whole backward
+        return held, held, microbatch_peak_bytes(problem, assignment, prefetched)
+    rise_i, cross, rise_w = part_rise_bytes(problem, assignment, prefetched)
+    return held + rise_i, held + cross, held + cross + rise_w
+
+
+def part_rise_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
+                    ) -> tuple[int, int, int]:
+    """How far ``I``'s live values rise above its inputs, what ``I`` hands ``W``, and how far
+    ``W``'s live values rise above its inputs (those handed over among them): the generated
+    graphs' ``extra_peak_bytes`` and ``cross_bytes`` (:func:`lynx.rewrite.liveness.extra_peak_bytes`),
+    from the rows :func:`~lynx.solvers.memory_microbatch.microbatch_peak_bytes` reads
+    (:func:`~lynx.solvers.memory_microbatch.backward_rows`).
+
+    What the graphs do (:func:`lynx.rewrite.emit_backward.build_backward`): a part reads a
+    value's saved output and rest where ``output_reads`` / ``rest_reads`` say; before a backward
+    step it re-runs, in forward order, each dropped node the step needs — what the step reads,
+    and the inputs of what it re-runs — bringing back only the pieces needed (the output for a
+    reader or a consumer, the rest for the node's own step; an unknown split: all of it). Each
+    value is freed after its last reader, a step or a re-run, except what ``I`` brought back
+    that ``W`` reads: ``I`` returns it (held to ``I``'s end) and ``W`` starts from it; ``W``
+    re-runs whatever else it needs. Kept values are inputs — of ``I`` all of them (freed at
+    once where it does not read them), of ``W`` those it reads — except a value sent to the
+    next stage (the stage holds it whatever the graphs do). A view is its storage's producer's
+    output: a part needing it needs that output, whether the plan drops the view."""
+    last, rows = backward_rows(problem)
+    nodes = problem.nodes
+    index = {n.name: i for i, n in enumerate(nodes)}
+    # a time: step · k + the re-run's forward index, or + len(nodes) for the step's own reads
+    k = len(nodes) + 1
+    end = last * k + len(nodes)
+    on_demand = assignment.recompute - prefetched
+    dropped = assignment.dropped
+    handed_out: set[str] = set()
+    handed_rest: set[str] = set()
+    rises = []
+    cross = 0
+    for part in (0, 1):
+        events: dict[int, int] = {}
+        initial = 0
+        regen: dict[str, int] = {}   # the time a node is re-run at
+
+        def hold(first: int, until: int, nbytes: int, is_input: bool = False) -> None:
+            nonlocal initial
+            if is_input and (part == 0 or first <= until):   # I takes every kept value, W what it reads
+                initial += nbytes
+            if nbytes and first <= until:
+                events[first] = events.get(first, 0) + nbytes
+                events[until + 1] = events.get(until + 1, 0) - nbytes
+
+        for n, (name, own_step, consumers, savers, unknown, maybe, out_bytes, own_bytes, sent, reread) in zip(
+                reversed(nodes), rows):
+            out_read, rest_read = (n.output_reads or _BOTH)[part], (n.rest_reads or _BOTH)[part]
+            reads = ([s_ * k + len(nodes) for s_ in savers] if out_read else []) + [
+                regen[c] for c in consumers if c in regen]
+            if unknown:
+                first_read = min(min(maybe, default=_NEVER) * k + len(nodes) if out_read else _NEVER,
+                                 min(reads, default=_NEVER))
+                last_read = own_step * k + len(nodes) if first_read != _NEVER else -1
+            else:
+                first_read, last_read = min(reads, default=_NEVER), max(reads, default=-1)
+            need_out = first_read != _NEVER
+            need_rest = rest_read and own_bytes > 0
+            own_end = own_step * k + len(nodes)
+            if name not in on_demand and n.view_of is None:   # (a view reads its storage's producer)
+                if not (sent and name not in dropped):
+                    hold(0, last_read if need_out else -1, out_bytes, True)
+                hold(0, own_end if need_rest else -1, own_bytes, True)
+                continue
+            if sent and not reread:
+                out_bytes = 0   # the stage holds what it sent; in-stage readers have none to re-run
+            all_rest = n.output_bytes is None   # an unknown split: a re-run brings back all of it
+            if part == 1:   # what I handed over is an input; W re-runs the node for the rest
+                if need_out and (name in handed_out or all_rest and name in handed_rest):
+                    hold(0, last_read, out_bytes, True)
+                    need_out = False
+                if need_rest and name in handed_rest:
+                    hold(0, own_end, own_bytes, True)
+                    need_rest = False
+            if not (need_out or need_rest):
+                continue
+            at = min(first_read if need_out else _NEVER, own_end if need_rest else _NEVER) // k * k + index[name]
+            regen[name] = at
+            out_until = last_read if need_out else -1
+            rest_until = own_end if need_rest else max(at, out_until) if all_rest else -1
+            if part == 0:
+                out_w, rest_w = (n.output_reads or _BOTH)[1], (n.rest_reads or _BOTH)[1]
+                if need_out and out_w and out_bytes:
+                    handed_out.add(name)
+                    cross += out_bytes
+                    out_until = end
+                if rest_until >= 0 and rest_w and own_bytes:
+                    handed_rest.add(name)
+                    cross += own_bytes
+                    rest_until = end
+            if need_out:
+                hold(at, out_until, out_bytes)
+            hold(at, rest_until, own_bytes)
+        live, best = 0, initial   # (an input nobody reads is freed before the first step)
+        for t in sorted(events):
+            live += events[t]
+            best = max(best, live)
+        rises.append(best - initial)
+    return rises[0], cross, rises[1]
+
+
+def split_backward_bound_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
+                         ) -> tuple[int, int, int]:
+    """:func:`split_backward_bytes` group by group, never less: what HEU's books count
+    (:mod:`lynx.solvers.heu.ondemand`, linear in what is dropped).
+
+    Each part runs its groups (layers, edge blocks) in backward order, regenerating all of a
+    group's values it may need (its own and, for a consumer it re-runs, their inputs) just before
+    the group and freeing what the group read after it — never later than the generated graphs,
+    which regenerate each value before its first reader and free it after its last. ``I`` hands
+    ``W`` all that ``W`` reads of what it regenerated (a superset of the pieces it brings back)."""
     dropped = assignment.dropped
     if not any(_reads_input(n) for n in problem.nodes):
         # the chunk sends no input gradient (the first): I is empty and W the whole backward
@@ -218,3 +339,11 @@ def split_backward_bytes(problem: StageProblem, assignment: Assignment, prefetch
         peak = max(peak, live + sum(n.saved_bytes for n in by_group[g] if n.name in in_w))
         live -= sum(read(n, 1) + (weight_read_bytes(n) if n.name in in_i else 0) for n in by_group[g])
     return during_i, held + cross, held + cross + peak - initial
+
+
+def _inputs(n: ProblemNode, dropped: frozenset[str], prefetched: frozenset[str]) -> tuple[int, int]:
+    """(output, rest) bytes of ``n`` the microbatch holds when its backward starts."""
+    out_bytes, rest_bytes = saved_parts(n)
+    if n.name not in dropped or n.name in prefetched:
+        return out_bytes, rest_bytes
+    return (out_bytes, 0) if is_sent(n) else (0, 0)

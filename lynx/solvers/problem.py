@@ -95,6 +95,10 @@ class ProblemNode:
     # None: unknown, both may
     output_reads: tuple[bool, bool] | None = None
     rest_reads: tuple[bool, bool] | None = None
+    # a view (no storage of its own): the in-chunk node whose output storage it is. The runtime
+    # counts a value on its storage's producer (lynx.rewrite.lower), so a part that re-runs a
+    # consumer of the view reads that node's output, whatever the plan says of the view
+    view_of: str | None = None
 
 
 @dataclass(frozen=True)

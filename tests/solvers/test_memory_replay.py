@@ -68,15 +68,22 @@ def test_each_chunk_holds_its_own_bytes():
 
 
 def test_weight_part_holds_what_input_part_regenerated_for_it():
-    """ZB-H1: a dropped node whose statistics I reads (I regenerates it) and whose output only W
-    reads is handed from I to W: the microbatch holds its output from I's end to W's."""
+    """ZB-H1, as the generated graphs do it: a dropped node whose statistics I reads and whose
+    output only W reads is re-run by I for its statistics alone (the output is not brought
+    back there) and by W for its output; where I re-runs a dropped consumer of it, I brings the
+    output back and hands it to W, which then regenerates nothing."""
     p = make_uniform_problem(layers=1, microbatches=M, in_flight=2, seq=256)
     ln2 = next(n for n in p.nodes if n.name.endswith("ln2"))
+    fc1 = next(n for n in p.nodes if n.name.endswith("fc1"))
     nodes = tuple(dataclasses.replace(n, output_bytes=n.saved_bytes // 2, output_reads=(False, True),
                                       rest_reads=(True, False)) if n is ln2 else
                   dataclasses.replace(n, output_reads=(True, False), rest_reads=(True, False)) for n in p.nodes)
     p = dataclasses.replace(p, nodes=nodes)
-    drop = Assignment(frozenset({ln2.name}))
+    alone = Assignment(frozenset({ln2.name}))
+    during_i, held_until_w, during_w = split_backward_bytes(p, alone, frozenset())
+    assert held_until_w == held_bytes(p, alone)   # nothing handed over
+    assert during_w == held_until_w + ln2.saved_bytes // 2   # W brings the output back itself
+    drop = Assignment(frozenset({ln2.name, fc1.name}))
     during_i, held_until_w, during_w = split_backward_bytes(p, drop, frozenset())
     assert held_until_w == held_bytes(p, drop) + ln2.saved_bytes // 2
     assert during_i >= held_until_w and during_w == held_until_w   # W regenerates nothing itself

@@ -6,8 +6,10 @@ and its value the bytes of the group's items regenerated on demand. With events
 (:mod:`lynx.solvers.heu.chunked`) a key is a group and a backward part — ``3·group + part``,
 the part one of :data:`~lynx.solvers.heu.events.WHOLE`, ``INPUT``, ``WEIGHT`` — and, for a
 zero-bubble chunk whose ``I`` reads something, its value follows
-:func:`lynx.solvers.memory_weights.split_backward_bytes` group by group, relative to what the
-running pair holds (kept and prefetched values, counted by the events already):
+:func:`lynx.solvers.memory_weights.split_backward_bound_bytes` — the replay's
+:func:`~lynx.solvers.memory_weights.split_backward_bytes` group by group, never less, as the
+whole backward's keys bound :func:`~lynx.solvers.memory_microbatch.microbatch_peak_bytes` — relative
+to what the running pair holds (kept and prefetched values, counted by the events already):
 
 * ``I`` at group g: the values ``I`` regenerates there, less what it no longer holds — the
   held values only ``W`` reads (never live in ``I``), and the held values ``I`` read in the
