@@ -187,9 +187,11 @@ class _ProfilingInterpreter(fx.Interpreter):
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         owner = self.tracker.owner(t)
         if owner is not None:
+            current = self.tracker.current
+            assert current is not None   # an owner was found or recorded: a node is running (SaveTracker.owner)
             _, _, savers = self.saved.setdefault(storage_key(t), (owner, _storage_nbytes(t), []))
-            if self.tracker.current not in savers:
-                savers.append(self.tracker.current)
+            if current not in savers:
+                savers.append(current)
         return t
 
     def run_node(self, n: fx.Node) -> Any:

@@ -45,6 +45,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    future_mask: torch.Tensor   # a buffer, registered for attention="math"
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads

@@ -59,6 +59,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaAttention(nn.Module):
+    rope_cos: torch.Tensor   # buffers: the rotary tables (seq_len, head_dim / 2)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads = cfg.heads, cfg.kv_heads

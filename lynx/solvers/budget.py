@@ -56,7 +56,7 @@ def budget_error(problem: StageProblem, *, time_limit_s: float = 5.0) -> LynxBud
         f"{_fmt(transient)} regenerated on demand for one layer": transient,
         f"{_fmt(prefetched)} prefetched for one microbatch": prefetched,
     }
-    dominant = max(parts, key=parts.get)
+    dominant = max(parts, key=parts.__getitem__)
     bound = "" if sol.status == "OPTIMAL" else " (at most; the search stopped early)"
     return LynxBudgetError(
         f"stage {problem.stage}: no plan fits the activation budget of {_fmt(problem.activation_budget_bytes)}; "

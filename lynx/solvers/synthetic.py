@@ -95,10 +95,9 @@ def make_uniform_problem(
     for layer in range(layers):
         prefix = f"l{layer}."
         for name, saved, out_saved, cost, ins, core in chain:
+            # "IN": the previous layer's output (none before the first layer)
             resolved = tuple(
-                (layer_input if src == "IN" else prefix + src)
-                for src in ins
-                if not (src == "IN" and layer_input is None)
+                value for value in (layer_input if src == "IN" else prefix + src for src in ins) if value is not None
             )
             nodes.append(ProblemNode(prefix + name, saved, out_saved, cost, resolved, layer, layer_class, core))
         layer_input = prefix + "add2"

@@ -106,12 +106,13 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                 continue
             for mb, (w_src, w_dst) in enumerate(zip(when(producer), when(node))):
                 if w_src > w_dst:
-                    w_src = assignment.window_of.get((src, mb))
-                    w_dst = assignment.window_of.get((name, mb))
+                    src_window = assignment.window_of.get((src, mb))
+                    dst_window = assignment.window_of.get((name, mb))
                     raise LynxPlanError(
                         f"{where}: for microbatch {mb}, {name!r} is recomputed "
-                        f"({'on demand, ' + group_key(node) if w_dst is None else f'in {w_dst}'}) before its "
-                        f"input {src!r} is ({'on demand, ' + group_key(producer) if w_src is None else str(w_src)}); "
+                        f"({'on demand, ' + group_key(node) if dst_window is None else f'in {dst_window}'}) before "
+                        f"its input {src!r} is "
+                        f"({'on demand, ' + group_key(producer) if src_window is None else str(src_window)}); "
                         f"keep {src!r} or prefetch it earlier"
                     )
 

@@ -64,7 +64,7 @@ def run_local(stages: Sequence, microbatches: Sequence[Mapping[str, torch.Tensor
     """
     p, m = len(stages), len(microbatches)
     if schedule == "sequential":
-        queues = [[] for _ in range(p)]
+        queues: list[list[Action]] = [[] for _ in range(p)]
         order = [(s, a) for j in range(m) for s, a in
                  [(s, Action(Op.FORWARD, s, j)) for s in range(p)]
                  + [(s, Action(Op.BACKWARD, s, j)) for s in reversed(range(p))]]
