@@ -36,6 +36,7 @@ __all__ = [
     "StagePlan",
     "ChunkRecord",
     "WindowRecord",
+    "WindowKind",
     "Predicted",
     "Plan",
     "HardwareSource",
@@ -111,6 +112,10 @@ class StagePlan(BaseModel):
     decisions: list[Decision]
 
 
+# what a stage waits for in a window (lynx.planner.windows.WINDOW_KINDS)
+WindowKind = Literal["recv_grad", "recv_act", "tp_allreduce", "dp_collective"]
+
+
 class WindowRecord(BaseModel):
     """An idle interval a stage could fill with recomputation."""
 
@@ -118,7 +123,7 @@ class WindowRecord(BaseModel):
 
     id: str
     stage: int
-    kind: Literal["recv_grad", "recv_act", "tp_allreduce", "dp_collective"]
+    kind: WindowKind
     microbatch: int
     capacity_s: float
     eligible_layers: Optional[list[int]] = None

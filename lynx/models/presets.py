@@ -20,13 +20,13 @@ import importlib.util
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import nn
 
 from lynx.errors import LynxConfigError
-from lynx.models.gpt import GPT, GPTConfig
+from lynx.models.gpt import GPT, Attention, GPTConfig
 from lynx.models.llama import Llama, LlamaConfig
 
 __all__ = ["PRESETS", "Preset", "ResolvedModel", "build_preset", "check_factory_result", "infer_dims", "resolve_model",
@@ -106,7 +106,7 @@ def build_preset(
     attention: str | None = None,
     dropout: float | None = None,
     device: str | torch.device = "meta",
-) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+) -> tuple[nn.Module, tuple[torch.Tensor, ...] | dict[str, torch.Tensor]]:
     """Build preset ``name`` as ``(model, (idx, targets))`` for one microbatch."""
     m = resolve_model(name, seq=seq, microbatch=microbatch, dtype=dtype, attention=attention,
                       dropout=dropout, device=device)
@@ -123,13 +123,15 @@ def _build(preset: Preset, seq: int | None, microbatch: int, dtype: torch.dtype,
             raise LynxConfigError(f"--attention applies to GPT presets only; {preset.name} always uses sdpa")
         if attention not in ("math", "sdpa"):
             raise LynxConfigError(f"attention must be 'math' or 'sdpa', got {attention!r}")
-        cfg = replace(cfg, attention=attention)
+        assert isinstance(cfg, GPTConfig)   # a "gpt" preset holds a GPTConfig
+        cfg = replace(cfg, attention=cast(Attention, attention))   # one of them: checked above
     if dropout is not None:
         if preset.family != "gpt":
             raise LynxConfigError(f"dropout applies to GPT presets only, not {preset.name}")
+        assert isinstance(cfg, GPTConfig)   # a "gpt" preset holds a GPTConfig
         cfg = replace(cfg, dropout=dropout)
     with torch.device(device):
-        model = (GPT(cfg) if preset.family == "gpt" else Llama(cfg)).to(dtype)
+        model = (GPT(cfg) if isinstance(cfg, GPTConfig) else Llama(cfg)).to(dtype)   # family "gpt": GPTConfig
         idx = torch.zeros(microbatch, cfg.seq_len, dtype=torch.long)  # (B, T)
         if device.type != "meta":
             gen = torch.Generator().manual_seed(0)

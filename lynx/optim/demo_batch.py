@@ -36,7 +36,9 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional, TypeVar
 
 import torch
 
@@ -46,6 +48,14 @@ from lynx.optim.topk import topk_rows
 from lynx.torch_private import foreach_copy_
 
 __all__ = ["ChunkGroup", "BucketKernel", "from_grid"]
+
+_T = TypeVar("_T")
+
+
+def _compressed(value: Optional[_T], member: int) -> _T:
+    """A compressed bucket member's gradient or settings (only dense members' are None)."""
+    assert value is not None, f"bucket member {member} is compressed: it has a gradient and settings"
+    return value
 
 
 @dataclass
@@ -179,7 +189,8 @@ class BucketKernel:
         return g.momentum[start : start + self.plan.tensors[j].layout.n_chunks]
 
     # ------------------------------------------------------------------ sending side
-    def compress(self, grads: list[torch.Tensor | None], settings: list[tuple[float, float] | None]) -> torch.Tensor:
+    def compress(self, grads: Sequence[torch.Tensor | None],
+                 settings: Sequence[tuple[float, float] | None]) -> torch.Tensor:
         """Update the momenta with ``grads``, pack their top-k coefficients into one row.
 
         ``grads`` and ``settings`` (``(decay, lr)``) are per bucket member, in bucket order;
@@ -198,16 +209,17 @@ class BucketKernel:
         for g, spans, block_views in zip(self.groups, self._spans, self._block_views):
             blocks, mom = g.blocks, g.momentum
             foreach_copy_(
-                block_views, [chunk_view(grads[j].contiguous(), layout) for j, _, _, _, layout in spans]
+                block_views, [chunk_view(_compressed(grads[j], j).contiguous(), layout)
+                              for j, _, _, _, layout in spans]
             )
             coeffs = encode_chunks(blocks, mid=g.mid, out=g.coeffs)  # (N, E) DCT of the gradient
-            scales = {settings[j] for j in g.members}
+            scales = {_compressed(settings[j], j) for j in g.members}
             if len(scales) == 1:
                 decay, lr = scales.pop()
                 mom.mul_(decay).add_(coeffs, alpha=lr)
             else:  # members from param groups with different settings
                 for j, start, end, _, _ in spans:
-                    decay, lr = settings[j]
+                    decay, lr = _compressed(settings[j], j)
                     mom[start:end].mul_(decay).add_(coeffs[start:end], alpha=lr)
             idx = topk_rows(mom, g.k, scratch=g.magnitude)  # (N, k) largest |M|, ties → lower index
             picked = mom.gather(1, idx)  # (N, k)

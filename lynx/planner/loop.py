@@ -25,14 +25,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import networkx as nx
 
 from lynx.config import CompileConfig
 from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.phases import Phases
-from lynx.plan import (HardwareSource, Plan, Predicted, StagePlan, WindowRecord, field_fingerprints,
+from lynx.plan import (HardwareSource, Plan, Predicted, StagePlan, WindowKind, WindowRecord, field_fingerprints,
                        fingerprint_of)
 from lynx.planner.comm import CommModel
 from lynx.planner.copy_lanes import HostCopies
@@ -48,7 +48,7 @@ from lynx.planner.problems import (
 from lynx.planner.simulator import SimResult, simulate_assignments
 from lynx.planner.timeline import PipelineCosts, run_timeline
 from lynx.solvers.offload import total_exposed_s
-from lynx.solvers.problem import StageProblem
+from lynx.solvers.problem import SolveResult, StageProblem
 from lynx.solvers.setup import REGISTRY, prepare, setup_seconds
 from lynx.solvers.validate import validate
 from lynx.units import format_size
@@ -137,7 +137,7 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
             for index, problem in enumerate(problems):
                 started, imported = time.perf_counter(), setup_seconds()
                 try:
-                    kept = previous_results and _still_hidden(problem, previous_results[index])
+                    kept = _still_hidden(problem, previous_results[index] if previous_results else None)
                     if kept:  # nothing to gain on this stage: its plan still hides everything
                         results.append(kept)
                         continue
@@ -205,7 +205,9 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, pro
             host_bytes=sim.host_bytes[s], exposed_copy_s=sim.exposed_copy_per_stage[s],
             chunks=chunks,
             decisions=decisions_from_assignment(problem, result.assignment)))
-    windows = [WindowRecord(id=str(w.id), stage=p.stage, kind=w.kind, microbatch=w.microbatch, capacity_s=w.capacity_s,
+    # a problem window's kind is one of WindowRecord's (planner.windows.WINDOW_KINDS); pydantic checks it
+    windows = [WindowRecord(id=str(w.id), stage=p.stage, kind=cast(WindowKind, w.kind), microbatch=w.microbatch,
+                            capacity_s=w.capacity_s,
                             eligible_layers=None if w.eligible_layers is None else list(w.eligible_layers))
                for p in problems for w in p.windows]
     status = max((r.status for r in results), key=lambda st: _STATUS_RANK.get(st, 1))
@@ -222,7 +224,7 @@ def _assemble(graph: nx.DiGraph, config: CompileConfig, pipe: PipelineCosts, pro
         config_fingerprints=field_fingerprints(fields), hardware_source=HardwareSource.of(config.hardware_spec()))
 
 
-def _still_hidden(problem: StageProblem, result: Any) -> Any:
+def _still_hidden(problem: StageProblem, result: Optional[SolveResult]) -> Optional[SolveResult]:
     """The previous round's result for this stage when it is still valid on the re-derived
     windows and exposes nothing there (no solver can do better: the objective is 0 and
     memory does not depend on window capacities), else None."""
@@ -287,7 +289,7 @@ def _budget_message(graph: nx.DiGraph, pipe: PipelineCosts, config: CompileConfi
     lines = []
     for s, peak in enumerate(peaks):
         parts = dict(breakdown[s], activations=activations[s])
-        dominant = max(parts, key=parts.get)
+        dominant = max(parts, key=parts.__getitem__)
         detail = ", ".join(f"{k} {format_size(v)}" for k, v in parts.items())
         lines.append(f"stage {s}: {format_size(peak)} ({detail}; mostly {dominant}, "
                      f"{problems[s].in_flight} microbatch(es) in flight)")

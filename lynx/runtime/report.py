@@ -219,8 +219,10 @@ def _load_lines(summary: RunSummary) -> list[str]:
                 f"the run's own)" if load.others_cpus is not None else "")]
     if load.differs and summary.predicted_step_s:
         fastest = summary.fastest_step_s / summary.predicted_step_s
+        ratio = summary.step_ratio
+        assert ratio is not None   # there is a prediction
         if load.others_run > load.margin:
-            slower = "so its steps ran slower" if summary.step_ratio > 1 else "which can slow its steps"
+            slower = "so its steps ran slower" if ratio > 1 else "which can slow its steps"
             what = f"other jobs took about {load.others_run:.1f} cpus during this run, {slower}"
         else:
             what = (f"the figures were measured at load {load.calibrated:.2f} (their spread says how steadily), other "
@@ -233,12 +235,14 @@ def _load_lines(summary: RunSummary) -> list[str]:
             f"times CPU time), and this run's load differs from it by more than the margin of {margin}: {what}; "
             f"the fastest step, the least "
             f"disturbed, is {fastest:.2f}× the prediction ({_bar(fastest, STEP_TIME_TOLERANCE)}), the median "
-            f"{summary.step_ratio:.2f}×")
+            f"{ratio:.2f}×")
     if load.speed_differs and summary.predicted_step_s:
-        scaled = summary.predicted_step_s * load.cpu_ratio
-        pace = "slower" if load.cpu_ratio > 1 else "faster"
+        cpu_ratio = load.cpu_ratio
+        assert cpu_ratio is not None   # speed_differs: the run's CPU time was read
+        scaled = summary.predicted_step_s * cpu_ratio
+        pace = "slower" if cpu_ratio > 1 else "faster"
         lines.append(
-            f"the run's ranks needed {load.cpu_ratio:.2f}× the CPU time per step the prediction counts while other "
+            f"the run's ranks needed {cpu_ratio:.2f}× the CPU time per step the prediction counts while other "
             f"jobs took {load.others_run:.1f} cpus: the cores ran {pace} than when calibrated, which CPU time "
             f"shows and no load figure does (on a virtual machine: other tenants of the host's cores and memory; or "
             f"another clock); the prediction is for the calibrated speed — at this run's it is "
@@ -259,6 +263,7 @@ def format_summary(summary: RunSummary, plan: Any = None) -> str:
              f"{summary.fastest_step_s * 1e3:.1f} ms" if summary.timed_steps > 1 else "one step")
     if summary.predicted_step_s:
         ratio = summary.step_ratio
+        assert ratio is not None   # there is a prediction
         lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps}), predicted "
                      f"{summary.predicted_step_s * 1e3:.1f} ms: measured/predicted {ratio:.2f} "
                      f"({_bar(ratio, STEP_TIME_TOLERANCE)}; fastest step "

@@ -51,7 +51,7 @@ optimizer whose ``step()`` your loop calls): :mod:`lynx.runtime.pipeline_adapter
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,9 @@ from lynx.runtime.rank_rng import RankRNG
 from lynx.runtime.stats import StepStats
 from lynx.runtime.topology import make_topology, rank_device, tied_groups
 from lynx.runtime.tp import tp_window_schedule
+
+if TYPE_CHECKING:
+    from lynx.rewrite.stage import StageModule
 
 __all__ = ["Pipeline"]
 
@@ -140,15 +143,16 @@ class Pipeline:
         # this rank's model chunks (one, or `virtual` under interleaved 1F1B), by pipeline position;
         # with tp > 1 this TP rank's shards of them
         tp_mesh = topo.tp_mesh if tp > 1 else None
-        self.chunks = (build_chunk_modules(compiled, topo.stage, tp_mesh=tp_mesh) if stage is None
-                       else {topo.stage: stage})
+        # a stage given in place of compiled.stage(i) has StageModule's boundary and methods (see Args)
+        self.chunks: dict[int, StageModule] = (build_chunk_modules(compiled, topo.stage, tp_mesh=tp_mesh)
+                                               if stage is None else {topo.stage: cast("StageModule", stage)})
         self.device = rank_device()
         for chunk in self.chunks.values():
             if any(p.device != self.device for p in chunk.parameters()):
                 chunk.to(self.device)   # the user's parameters: the chunk shares them
         self.stage = next(iter(self.chunks.values()))
         last = max(self.chunks)
-        driven = dict(self.chunks)
+        driven: dict[int, Any] = dict(self.chunks)   # what the runner drives (StageRunner's stages)
         if self.chunks[last].spec.is_last:
             driven[last] = self._loss_stage = LossStage(self.chunks[last], self.loss)
         parts = split_cached(captured.gm, chunk_node_lists(plan, compiled.analysis.graph))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from lynx.errors import LynxPlanError
 from lynx.plan import Decision, Plan, Predicted, StagePlan, StageSchedule, fingerprint_of
@@ -45,12 +45,14 @@ def captured_with_plan(model: Any, inputs: Any, plan: Plan, config: Any, *, shar
     from types import SimpleNamespace
 
     from lynx.compiler import Compiled
+    from lynx.frontend.analyze import Analysis
     from lynx.frontend.capture import capture
     from lynx.runtime.loss import find_loss, output_structure
 
     captured = captured if captured is not None else capture(model, inputs)
-    return Compiled(plan=plan, config=config,
-                    analysis=SimpleNamespace(captured=captured, graph=None, layer_of=dict(layer_of or {})),
+    # no profile or graph: a stand-in with what stages and the runtime read of an Analysis
+    analysis = cast(Analysis, SimpleNamespace(captured=captured, graph=None, layer_of=dict(layer_of or {})))
+    return Compiled(plan=plan, config=config, analysis=analysis,
                     loss=find_loss(output_structure(captured.gm)), sharding=sharding)
 
 
@@ -61,7 +63,7 @@ def with_stages(compiled: Any, schedules: Sequence[StageSchedule], *,
 
     plan = compiled.plan
     same_split = stage_nodes is None
-    nodes = stage_node_lists(plan, compiled.analysis.graph) if same_split else [list(n) for n in stage_nodes]
+    nodes = stage_node_lists(plan, compiled.analysis.graph) if stage_nodes is None else [list(n) for n in stage_nodes]
     if len(schedules) != len(nodes):
         raise LynxPlanError(f"{len(schedules)} stage schedules for {len(nodes)} stages")
     m = plan.microbatches
