@@ -236,7 +236,7 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
     alpha = Repeated("links.alpha_s", alphas, best="min")
     beta = Repeated("links.beta_bytes_per_s", betas, best="max")
     link = LinkSpec(alpha_s=alpha.value, beta_bytes_per_s=beta.value)
-    fields = {
+    fields: dict[str, Any] = {   # HardwareSpec's fields (it validates them)
         "name": f"{socket.gethostname()}-cpu", "device": "cpu",
         "peak_flops": {d: m[f"peak_flops.{d}"].median for d in ("float32", "bfloat16", "float16")},
         "achievable_fraction": 1.0, "memory_bandwidth": m["memory_bandwidth"].median,

@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, TypedDict
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer
 
@@ -244,8 +244,17 @@ def _ethernet(gbit_per_s: float, alpha_s: float) -> LinkSpec:
 
 # A100 80GB: SXM 312 TF fp16/bf16 dense, 19.5 TF fp32 (non-TF32), 2.0 TB/s HBM2e; PCIe card:
 # the same compute, 1.935 TB/s (NVIDIA A100 datasheet, 2021).
-_A100_SXM = dict(fp16=312e12, fp32=19.5e12, bw=2.0e12, mem_gib=80)
-_A100_PCIE = dict(fp16=312e12, fp32=19.5e12, bw=1.935e12, mem_gib=80)
+class _GpuFigures(TypedDict):
+    """A GPU's datasheet figures, as :func:`_gpu` takes them."""
+
+    fp16: float      # FLOP/s, dense
+    fp32: float
+    bw: float        # HBM bytes/s
+    mem_gib: int
+
+
+_A100_SXM = _GpuFigures(fp16=312e12, fp32=19.5e12, bw=2.0e12, mem_gib=80)
+_A100_PCIE = _GpuFigures(fp16=312e12, fp32=19.5e12, bw=1.935e12, mem_gib=80)
 # Ethernet between nodes over the kernel's TCP (NCCL's socket transport, no RDMA): a message
 # costs tens of µs one way on one switch; 30 µs assumed. The presets give each GPU its own port
 # (as cloud instances with a NIC per GPU do); a port shared by g GPUs gives each β/g — write
