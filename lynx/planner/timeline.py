@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 from lynx.errors import LynxConfigError, LynxPlanError
@@ -273,7 +274,11 @@ class _Replay(ReplayCopies):
     def weight(self, s: int, a: TimedAction) -> float:
         """A deferred weight-gradient ``W``: each block's weight part of its backward."""
         t = self.host(s, a, self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime"))
-        for b in reversed(self.chunk_of[a.chunk].blocks):
+        return self.weight_parts(s, a, reversed(self.chunk_of[a.chunk].blocks), t)
+
+    def weight_parts(self, s: int, a: TimedAction, blocks: Iterable[int], t: float) -> float:
+        """Each of ``blocks``' weight part in turn from ``t`` (a ``W``, or a split ``B``'s tail)."""
+        for b in blocks:
             cost = self.pipe.costs[b]
             w = self.weight_s(a.chunk, cost)
             self.segment(s, "weight", t, t + w, f"{self.tag(a)} {cost.name}")
@@ -344,15 +349,7 @@ class _Replay(ReplayCopies):
             t += compute
             self.busy[s] += compute
         self.done[("Bi", a.chunk, a.microbatch)] = t
-        for b in blocks:
-            cost = self.pipe.costs[b]
-            w = self.weight_s(a.chunk, cost)
-            self.segment(s, "weight", t, t + w, f"{self.tag(a)} {cost.name}")
-            t += w
-            self.busy[s] += w
-            if a.microbatch == self.last_bwd_mb[a.chunk]:
-                self.block_done[(s, b)] = t
-        return t
+        return self.weight_parts(s, a, blocks, t)
 
     def finish(self, s: int, a: TimedAction, end: float) -> None:
         a.end = self.free[s] = self.done[(a.kind, a.chunk, a.microbatch)] = end
