@@ -224,3 +224,25 @@ def test_a_hardware_file_says_devices_share_the_host_link(tmp_path) -> None:
     path.write_text("device: a100-80g\nhost_link: {shared_by: 0}\n")
     with pytest.raises(LynxConfigError, match="host_link.shared_by"):
         load_hardware_file(path)
+
+
+def test_a_backward_without_copies_still_sends_its_input_gradients_first() -> None:
+    """Offload on stage 0 only: stage 1's B brings nothing back from the host, so it still runs
+    split as the runtime does (its input gradients sent before its weight part); stage 0's
+    copies stay on their lanes (pp 2: F 1, B 2 of which W 1)."""
+    import dataclasses
+
+    pipe = _uniform()
+    pipe = dataclasses.replace(pipe, costs=tuple(dataclasses.replace(c, backward_weight_s=1.0) for c in pipe.costs))
+    split = dataclasses.replace(pipe, grads_first=True)
+    copies = CopyLoads(offload={(0, j, 0): 100_000 for j in range(4)}, window={},
+                       streamed={(0, j): [(None, 0, 100_000)] for j in range(4)})
+    plain, early = (run_timeline(p, Loads(copies=copies)) for p in (pipe, split))
+    b0 = [next(a for a in t.actions[0] if a.kind == "B" and a.microbatch == 0) for t in (plain, early)]
+    assert b0[0].start > b0[1].start and early.step_time_s < plain.step_time_s
+    assert early.copy_bytes[0] == plain.copy_bytes[0] == (400_000, 400_000)
+    # stage 1 offloading too: its B brings values back and runs whole, as without the split
+    both = CopyLoads(offload={**copies.offload, **{(1, j, 1): 100_000 for j in range(4)}}, window={},
+                     streamed={**copies.streamed, **{(1, j): [(None, 1, 100_000)] for j in range(4)}})
+    assert run_timeline(split, Loads(copies=both)).step_time_s == pytest.approx(
+        run_timeline(pipe, Loads(copies=both)).step_time_s)

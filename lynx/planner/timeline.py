@@ -333,23 +333,34 @@ class _Replay(ReplayCopies):
 
     def grads_first(self, a: TimedAction, blocks: list[int]) -> bool:
         """Whether the runtime splits ``a``, a ``B``: its input gradients sent before its weight
-        part (``PipelineCosts.grads_first``; a B that recomputes on demand or copies runs whole)."""
-        return (self.pipe.grads_first and a.kind == "B" and a.chunk > 0 and self.copies is None
+        part (``PipelineCosts.grads_first``; a B that recomputes on demand or brings values back
+        from the host runs whole: the runtime's ``offload_groups`` check)."""
+        return (self.pipe.grads_first and a.kind == "B" and a.chunk > 0
                 and not any(self.pipe.costs[b].tp_backward_s > 0 for b in blocks)
-                and not any(self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0) > 0 for b in blocks))
+                and not any(self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0) > 0 for b in blocks)
+                and not (self.copies is not None and self.copies.loads is not None
+                         and any(self.copies.loads.offload.get((a.chunk, a.microbatch, b), 0) for b in blocks)))
 
     def backward_grads_first(self, s: int, a: TimedAction, blocks: list[int], t: float) -> float:
         """A ``B`` split as the runtime runs it: every block's input-gradient part, the input
         gradients sent (``done[("Bi", ...)]``: what the previous chunk's backward waits for), then
-        every block's weight part."""
+        every block's weight part. Other microbatches' copies still pending count, as in a whole B."""
+        copies = self.copies
         for b in blocks:
             cost = self.pipe.costs[b]
+            if copies is not None:
+                held = copies.pending(s, t)
+                if held > self.pending[s].get(b, 0):
+                    self.pending[s][b] = held
             compute = cost.backward_s - self.weight_s(a.chunk, cost)
             self.segment(s, "backward", t, t + compute, f"{self.tag(a)} {cost.name}")
             t += compute
             self.busy[s] += compute
         self.done[("Bi", a.chunk, a.microbatch)] = t
-        return self.weight_parts(s, a, blocks, t)
+        t = self.weight_parts(s, a, blocks, t)
+        if copies is not None:
+            copies.release(s)
+        return t
 
     def finish(self, s: int, a: TimedAction, end: float) -> None:
         a.end = self.free[s] = self.done[(a.kind, a.chunk, a.microbatch)] = end
