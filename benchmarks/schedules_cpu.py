@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pickle
 import statistics
 import sys
 import tempfile
@@ -117,7 +118,7 @@ def make_plans(link_for, level: float) -> dict:
             peaks[(schedule, solver)] = max(p.predicted.peak_memory_bytes)
     floor = max(peaks[(s, "full")] for s in SCHEDULES)
     budget = int(floor + level * max(0, peaks[("1f1b", "none")] - floor))
-    out = {"budget": budget, "schedules": {}, "link": measured}
+    out = {"budget": budget, "schedules": {}, "link": measured, "graph": graph}
     for schedule in SCHEDULES:
         cfg = CompileConfig(solver="heu", memory_budget=budget, schedule=schedule, time_limit_s=30, **common)
         plans = {"lynx": plan_graph(graph, cfg, check_budget=False),
@@ -230,7 +231,8 @@ def main() -> None:
     ap.add_argument("--out", default="schedules_cpu.json")
     ap.add_argument("--worker")
     ap.add_argument("--plans-only", action="store_true", help="print the plans' predictions and stop")
-    ap.add_argument("--trace", help="also write every rank's per-action timestamps and the plan's to this JSON file")
+    ap.add_argument("--trace", help="also write every rank's per-action timestamps, the plan's and the plans to this "
+                    "JSON file, and the timed graph they were made for to FILE.graph.pkl (to replay them otherwise)")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker)
@@ -250,6 +252,9 @@ def main() -> None:
                       f"{[round(b / 2**20, 2) for b in p['activation_bytes']]} MiB, "
                       f"{'fits' if p['fits'] else 'does NOT fit'} {plans['budget'] / 2**20:.1f} MiB, "
                       f"{p['recomputed']} nodes recomputed")
+        graph = plans.pop("graph")
+        if args.trace:   # the node times measured here: simulate(plan, graph) replays a plan again
+            Path(args.trace + ".graph.pkl").write_bytes(pickle.dumps(graph))
         if args.plans_only:
             return
         spec = {"schedules": plans["schedules"], "reps": args.reps, "nice": args.nice, "trace": bool(args.trace)}
@@ -265,7 +270,8 @@ def main() -> None:
     if args.trace:
         Path(args.trace).write_text(json.dumps({"rows": rows, "predicted": {
             k: {v: {"actions": p["actions"], "busy_s": p["busy_s"], "step_s": p["step_s"]}
-                for v, p in sch["predicted"].items()} for k, sch in plans["schedules"].items()}}))
+                for v, p in sch["predicted"].items()} for k, sch in plans["schedules"].items()},
+            "plans": {k: sch["plans"] for k, sch in plans["schedules"].items()}}))
     print(f"\nbed: rate-limited={limited}" + (f", {link}" if link else "") + f"; load {load} at start, "
           f"{os.getloadavg()} at end")
     print(f"{'schedule/variant':>26} {'step ms [IQR]':>21} {'pred':>7} {'ratio':>6} | {'bubble ms':>9} {'pred':>7} "

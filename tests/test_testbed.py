@@ -209,3 +209,31 @@ def test_not_root_falls_back_with_the_reason(monkeypatch) -> None:
         assert not bed.rate_limited and "not running as root" in bed.fallback_reason
         assert bed.addresses == ["127.0.0.1", "127.0.0.1"] and bed.ifname == "lo"
         assert bed.exec_prefix(1) == []
+
+
+def test_link_host_probe_sends_as_a_pipeline_unless_streamed() -> None:
+    """``measure_link_host`` runs the probe with one message each way at a time (``--streamed``
+    only when asked) and reads each rank's extra seconds per byte; the figure is their mean."""
+    import json
+
+    from lynx.testbed.host_probe import MARKER, measure_link_host
+    from lynx.testbed.netbed import RankResult
+
+    class Bed:
+        world_size = 2
+
+        def __init__(self) -> None:
+            self.commands: list[list[str]] = []
+
+        def run(self, command, env=None, timeout_s=None):
+            self.commands.append(list(command))
+            rows = [{"rank": r, "idle_s": [1.0, 1.0], "busy_s": [1.0 + 0.1 * (r + 1)] * 2, "bytes": 10**8}
+                    for r in (0, 1)]
+            return [RankResult(rank=r["rank"], returncode=0, stdout=MARKER + json.dumps(r) + "\n", stderr="",
+                               elapsed_s=1.0) for r in rows]
+
+    bed = Bed()
+    paced = measure_link_host(bed, message_bytes=4096)
+    measure_link_host(bed, message_bytes=4096, streamed=True)
+    assert "--streamed" not in bed.commands[0] and bed.commands[1][-1] == "--streamed"
+    assert paced.host_s_per_byte == pytest.approx((1e-9 + 2e-9) / 2)   # 0.1 s and 0.2 s over 1e8 B

@@ -12,6 +12,15 @@ of the two ranks: ``LinkSpec.host_s_per_byte``, which the timeline charges to th
 message overlaps). One direction alone measured much less on the bed (issue 27): the figure is
 for traffic both ways.
 
+The messages go as a pipeline sends them: one each way at a time, the pair waited for before
+the next. Posted all at once (``streamed=True``) they cost the bed's host ~0.6× as much per byte
+(on the 2-core VM, 7.0–8.5 ns/B streamed against 11.3–12.9 paced, three of each in one bed):
+each message's own wake-ups and small control packets through the ``tbf`` queues weigh as much
+as its bytes, and a pipeline pays them per message — over the bed its ranks' compute
+lost 13–16 ns/B (gloo's threads' CPU time and softirqs on the rank's core, read from
+``/proc``), twice what the streamed probe said. Which rank pays more changes from bed to bed and
+does not follow the probe's per-rank split, hence one figure, the mean.
+
 Run as a worker by a :class:`~lynx.testbed.NetBed` (``python -m lynx.testbed.host_probe``); it
 prints ``LYNX_LINK_HOST {"rank": r, "idle_s": [...], "busy_s": [...], "bytes": n}`` per rank.
 
@@ -67,7 +76,7 @@ class LinkHostMeasurement:
 
 
 def measure_link_host(bed: object, message_bytes: int = 1 << 18, messages: int = 24, repeats: int = 3,
-                      timeout_s: float = 300.0) -> LinkHostMeasurement:
+                      timeout_s: float = 300.0, streamed: bool = False) -> LinkHostMeasurement:
     """Run the probe on ``bed`` (a :class:`~lynx.testbed.NetBed` of 2 or more ranks) — see module docstring."""
     if getattr(bed, "world_size", 0) < 2:
         raise LynxConfigError("measure_link_host needs a bed with world_size >= 2")
@@ -75,7 +84,7 @@ def measure_link_host(bed: object, message_bytes: int = 1 << 18, messages: int =
         raise LynxConfigError(f"measure_link_host: message_bytes, messages and repeats must be > 0, got "
                               f"{message_bytes}, {messages}, {repeats}")
     results = bed.run([sys.executable, "-m", "lynx.testbed.host_probe", "--bytes", str(message_bytes),  # type: ignore[attr-defined]
-                       "--messages", str(messages), "--repeats", str(repeats)],
+                       "--messages", str(messages), "--repeats", str(repeats)] + (["--streamed"] if streamed else []),
                       env={"OMP_NUM_THREADS": "1"}, timeout_s=timeout_s)
     rows = {}
     for result in results[:2]:
@@ -95,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bytes", type=int, required=True)
     parser.add_argument("--messages", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--streamed", action="store_true", help="post every message at once (see measure_link_host)")
     args = parser.parse_args(argv)
 
     import torch
@@ -122,19 +132,26 @@ def main(argv: list[str] | None = None) -> None:
     idle, busy = [], []
     for _ in range(args.repeats + 1):   # the first round warms up (connects the pair)
         dist.barrier()
-        works: list[Any] = []
-        if rank in (0, 1):
-            for k in range(args.messages):
-                works.append(dist.isend(torch.ones(n), 1 - rank, tag=2 * k + rank))
-                works.append(dist.irecv(torch.empty(n), 1 - rank, tag=2 * k + 1 - rank))
         done = threading.Event()
 
-        def wait_all() -> None:   # gloo's Work learns it completed only inside wait() (the GIL released)
-            for w in works:
-                w.wait()
+        def exchange() -> None:
+            """One message each way at a time, each pair waited before the next (as a pipeline's
+            steady state sends an activation and receives a gradient), or all posted at once
+            (``--streamed``). gloo's Work learns it completed only inside wait() (the GIL released)."""
+            if rank in (0, 1):
+                works: list[Any] = []
+                for k in range(args.messages):
+                    works.append(dist.isend(torch.ones(n), 1 - rank, tag=2 * k + rank))
+                    works.append(dist.irecv(torch.empty(n), 1 - rank, tag=2 * k + 1 - rank))
+                    if not args.streamed:
+                        for w in works:
+                            w.wait()
+                        works = []
+                for w in works:
+                    w.wait()
             done.set()
 
-        threading.Thread(target=wait_all, daemon=True).start()
+        threading.Thread(target=exchange, daemon=True).start()
         start, iters = time.perf_counter(), 0
         while not done.is_set() or iters < 2:
             one()
