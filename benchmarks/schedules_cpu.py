@@ -21,9 +21,10 @@ peak), and three variants run through ``lynx.runtime.Pipeline``:
 All nine (schedule, variant) pipelines are built in the same processes and alternate step by
 step, the order rotating every repetition; each step ends with an AdamW step. Per schedule and
 variant it prints the measured step time (its slowest rank's, median over repetitions) and
-bubble (mean over ranks of the step not spent computing: forward, backward, recomputation,
-optimizer) next to the plan's prediction, and each rank's measured peak activation bytes
-(the runtime's meter) next to the plan's. Results go to ``benchmarks/results/schedules_cpu.json``.
+bubble (mean over ranks of the step — the slowest rank's, as the plan's — not spent computing:
+forward, backward, recomputation, optimizer) next to the plan's prediction, and each rank's
+measured peak activation bytes (the runtime's meter) next to the plan's. Results go to
+``benchmarks/results/schedules_cpu.json``.
 
     .venv/bin/python benchmarks/schedules_cpu.py                 # 100 Mbit/s, 8 repetitions
     .venv/bin/python benchmarks/schedules_cpu.py --rate 0 --reps 3   # loopback, quick
@@ -203,7 +204,11 @@ def summarise(rows: list[dict], plans: dict) -> dict:
             per_rep = [max(r["step_s"] for r in mine if r["rep"] == k) for k in reps]   # slowest rank's
             step = statistics.median(per_rep)
             q = statistics.quantiles(per_rep, n=4) if len(per_rep) > 1 else per_rep * 3
-            bubble = statistics.median(statistics.mean(r["bubble_s"] for r in mine if r["rep"] == k) for k in reps)
+            # per rank, the step (its slowest rank's, as the plan's step is its last device's end) less
+            # the rank's compute: a rank done early idles until the step ends, as the plan counts it
+            bubble = statistics.median(statistics.mean(step_k - r["step_s"] + r["bubble_s"] for r in mine
+                                                       if r["rep"] == k)
+                                       for k, step_k in zip(reps, per_rep))
             peaks = [max(r["peak_saved_bytes"] for r in mine if r["rank"] == s) for s in range(PP)]
             pred = plans["schedules"][schedule]["predicted"][variant]
             out[f"{schedule}/{variant}"] = {
