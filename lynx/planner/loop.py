@@ -127,11 +127,12 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
     previous = previous_results = None
     search_time, iterations = 0.0, 0
     problems: list[StageProblem] = []
+    offload = config.offload   # (off once the plans without offload score better: _without_offload)
     for iteration in range(config.max_iterations):
         iterations = iteration + 1
         problems = build_problems(graph, pipe, timeline, budget_bytes=budget, static=static, tp=config.tp,
                                   previous=problems if iteration else None,  # (same nodes: reused)
-                                  offload=config.offload, host_budget_bytes=config.host_budget_bytes())
+                                  offload=offload, host_budget_bytes=config.host_budget_bytes())
         results = []
         try:
             for index, problem in enumerate(problems):
@@ -163,6 +164,16 @@ def plan_graph_outcome(graph: nx.DiGraph, config: CompileConfig, *, comm: Option
         converged = best is not None and _converged(best[0], score) and _replay_agrees(results, sim)
         if best is None or score < best[0]:
             best = (score, sim, problems, results)
+        plain = _without_offload(results)
+        if plain is not None:   # the solvers' plans without offload, scored on the whole pipeline too
+            with phases.timed("simulate"):
+                alt = simulate_assignments(graph, pipe, problems, [r.assignment for r in plain], static=static,
+                                           budget_bytes=budget, record=False)
+            alt_score = (not alt.fits_budget, round(alt.step_time_s, 12), max(alt.peak_memory_bytes))
+            if alt_score < best[0]:   # better on the pipeline: the next rounds go on without offload
+                best, offload = (alt_score, alt, problems, plain), False
+                previous, previous_results, timeline = [r.assignment for r in plain], plain, alt.timeline
+                continue
         if assignments == previous or converged:
             break
         if not any(a.recompute or a.offload for a in assignments):
@@ -237,6 +248,17 @@ def _still_hidden(problem: StageProblem, result: Optional[SolveResult]) -> Optio
     if total_exposed_s(problem, result.assignment) > 0:
         return None
     return dataclasses.replace(result, search_time_s=0.0)
+
+
+def _without_offload(results: list[Any]) -> Optional[list[Any]]:
+    """The round's results with each stage's plan without offload where its solver found one
+    (``SolveResult.without_offload``), or None where none did. A stage's objective (exposed
+    recompute plus copy time) cannot see that a backward that copies or recomputes on demand
+    runs whole, its input gradients sent after its weight part (``PipelineCosts.grads_first``),
+    so a plan that offloads can be slower on the pipeline than the one without it."""
+    if not any(getattr(r, "without_offload", None) is not None for r in results):
+        return None
+    return [r.without_offload if getattr(r, "without_offload", None) is not None else r for r in results]
 
 
 def _converged(best: tuple, score: tuple) -> bool:

@@ -189,6 +189,10 @@ class SolveResult:
     objective_s: float
     gap: float | None  # relative optimality gap when known
     search_time_s: float
+    # with offload: the plan without offload the solver also found (the planner scores it on the
+    # whole pipeline as well: a stage's objective cannot see that a backward that copies or
+    # recomputes on demand runs whole, its input gradients sent only after its weight part)
+    without_offload: SolveResult | None = None
 
 
 # --------------------------------------------------------------------------- groups and classes

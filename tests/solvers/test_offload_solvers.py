@@ -140,3 +140,40 @@ def test_a_stage_holding_one_microbatch_offloads_what_drains_by_its_backward() -
     _check(p, heu)
     assert heu.objective_s <= solve("heu", dataclasses.replace(p, copies=None), time_limit_s=10).objective_s + 1e-12
     assert not solve("opt", p, time_limit_s=10).assignment.offload
+
+
+def test_heu_hands_back_its_plan_without_offload_and_the_loop_scores_it() -> None:
+    # a stage's objective cannot see that a backward that copies runs whole (its input
+    # gradients sent after its weight part): HEU hands back the plan it solved without offload
+    # first, and the planner keeps it where the pipeline runs it faster (then goes on without)
+    p = _tight()
+    res = solve("heu", p, time_limit_s=10)
+    assert res.assignment.offload and res.without_offload is not None
+    assert not res.without_offload.assignment.offload
+    validate(p, res.without_offload.assignment)
+    assert peak_activation_bytes(p, res.without_offload.assignment) <= p.activation_budget_bytes
+
+    g = synthetic_graph(layers=8)
+    from lynx.planner.hardware import get_hardware
+
+    hw = get_hardware("a100-80g")
+    base = CompileConfig(pp=2, microbatches=8, hardware=hw, solver="none", memory_budget=2**40)
+    comm = CommModel.from_hardware(hw, tp=1, dp=1, optimizer="adamw")
+    none = plan_graph_outcome(g, base, comm=comm, check_budget=False)
+    full = plan_graph_outcome(g, base.replace(solver="full"), comm=comm, check_budget=False)
+    budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes)
+                                                            - max(full.sim.peak_memory_bytes)))
+    cfg = base.replace(memory_budget=budget, offload=True, solver="heu")
+    with_copies_asked: list[bool] = []
+
+    def worse_with_offload(name, problem, **kw):   # the offload plan made the slowest there is
+        with_copies_asked.append(problem.copies is not None)
+        if problem.copies is None:
+            return solve(name, problem, **kw)
+        plain = solve(name, dataclasses.replace(problem, copies=None), **kw)
+        return dataclasses.replace(solve("full", problem, **kw), without_offload=plain)
+
+    out = plan_graph_outcome(g, cfg, comm=comm, solve=worse_with_offload)
+    assert out.sim.step_time_s < full.sim.step_time_s * (1 - 1e-3)
+    assert not any(r.assignment.offload for r in out.results)
+    assert with_copies_asked[0] and not with_copies_asked[-1]

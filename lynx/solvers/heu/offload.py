@@ -29,7 +29,10 @@ masks, norms). :func:`solve_heu_offload`:
    only what won before (that offload set, or none);
 4. joins the two, moves on demand what a window would recompute from a value that comes back
    only during the backward, checks the whole plan (validity, the memory model's peak with the
-   copies pending, the host budget) and keeps the plan exposing least recompute plus copy time.
+   copies pending, the host budget) and keeps the plan exposing least recompute plus copy time;
+   the plan of step 1 goes along (``SolveResult.without_offload``): the planner scores it on
+   the whole pipeline too (a backward that copies runs whole — its input gradients sent after
+   its weight part — which a stage's objective does not see: :mod:`lynx.planner.loop`).
 
 Example::
 
@@ -242,7 +245,8 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
         _WINNERS[memo] = (problem.nodes, winner)
     if best is None:   # (nothing fits with offload either: the recompute plan, or its budget error)
         return solve_plain(plain, time_limit_s=time_limit_s)
-    return SolveResult(best[1], "HEURISTIC", best[0], None, time.perf_counter() - start)
+    alternative = base if base is not None and best[1] != base.assignment else None
+    return SolveResult(best[1], "HEURISTIC", best[0], None, time.perf_counter() - start, alternative)
 
 
 def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_of: dict, streamed: set[str]
