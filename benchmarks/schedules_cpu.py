@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rank_cpu import cpu_delta, cpu_sample  # noqa: E402
 from rank_rows import print_rows, rows_from_stdout  # noqa: E402
 from shared_machine import renice_session  # noqa: E402
 
@@ -174,7 +175,9 @@ def worker(spec_path: str) -> None:
         idx, tgt = step_batch(rep)
         for key in keys[rep % len(keys):] + keys[:rep % len(keys)]:
             dist.barrier()
+            cpu0 = cpu_sample()
             pipes[key].step(idx, tgt)
+            cpu1 = cpu_sample()
             t0 = time.perf_counter()
             opt.step()
             opt.zero_grad()
@@ -188,6 +191,7 @@ def worker(spec_path: str) -> None:
                              "exposed_s": s.exposed_recompute_s})
                 if spec["trace"]:   # each action's (what, microbatch, start, end) from the step's start
                     rows[-1]["events"] = [(w, j, a - s.events[0][2], b - s.events[0][2]) for w, j, a, b in s.events]
+                    rows[-1]["cpu"] = cpu_delta(cpu0, cpu1)   # the core's time: gloo's threads, softirqs
     print_rows(rows)
     for pipe in pipes.values():
         pipe.close()
@@ -287,6 +291,13 @@ def main() -> None:
         print(f"{key:>26} {iqr:>21} {r['predicted_step_s'] * 1e3:7.1f} {r['step_ratio']:6.2f} | "
               f"{r['bubble_s'] * 1e3:9.1f} {r['predicted_bubble_s'] * 1e3:7.1f} {bub:>6} | {r['busy_ratio']:10.2f} | "
               + " ".join(f"{x:.3f}" if x else "-" for x in r["peak_ratio"]))
+    if args.trace:   # per rank and step, what took the rank's core besides its compute (rank_cpu.py)
+        print(f"{'core time per step, ms':>26} gloo threads · softirqs · main thread waited runnable, rank 0 | 1")
+        for key in res:
+            mine = [r for r in rows if f"{r['schedule']}/{r['variant']}" == key and "cpu" in r]
+            per = [[statistics.mean(r["cpu"][f] for r in mine if r["rank"] == q) * 1e3 for q in range(PP)]
+                   for f in ("other_threads_s", "softirq_s", "main_waited_s")]
+            print(f"{key:>26} " + " | ".join(" · ".join(f"{per[f][q]:5.1f}" for f in range(3)) for q in range(PP)))
     zb, base = res["zbh1/lynx"], res["1f1b/lynx"]
     predicted_faster = zb["predicted_step_s"] < base["predicted_step_s"]
     print(f"zero bubble + Lynx vs 1F1B + Lynx: predicted {zb['predicted_step_s'] / base['predicted_step_s']:.3f}×, "
