@@ -30,7 +30,7 @@ from lynx.planner.offload_costs import check_offload_schedule, copy_loads, offlo
 from lynx.planner.partition import block_costs, partition_graph, static_bytes_per_param
 from lynx.units import dtype_bytes
 from lynx.plan import ChunkRecord, Decision
-from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem
+from lynx.solvers.problem import Assignment, ProblemNode, ProblemWindow, StageProblem, defers_weights
 from lynx.planner.schedule import rank_actions
 from lynx.planner.timeline import Loads, PipelineCosts, Timeline
 from lynx.planner.windows import WindowId
@@ -264,11 +264,15 @@ def _windows(timeline: Timeline, stage: int) -> tuple[ProblemWindow, ...]:
 
 def loads_from_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: list[StageProblem],
                            assignments: list[Assignment]) -> Loads:
-    """The recomputation seconds each assignment places in windows and on demand."""
+    """The recomputation seconds each assignment places in windows and on demand. Where a
+    device's backward is split (zero bubble), each part is charged what its generated graph
+    re-runs (:func:`_split_on_demand`): ``W`` re-runs what it reads that ``I`` does not hand over."""
     chunk_of_block = {b: c.index for c in pipe.chunks for b in c.blocks}
     window: dict[WindowId, float] = {}
     on_demand: dict[tuple[int, int, int], float] = {}
+    on_demand_weight: dict[tuple[int, int, int], float] = {}
     for problem, assignment in zip(problems, assignments):
+        split = defers_weights(problem)
         for node in problem.nodes:
             if node.name not in assignment.recompute:
                 continue
@@ -282,12 +286,41 @@ def loads_from_assignments(graph: nx.DiGraph, pipe: PipelineCosts, problems: lis
             for j in range(problem.microbatches):
                 wid = assignment.window_of.get((node.name, j))
                 if wid is None:
-                    key = (chunk_of_block[block], j, block)
-                    on_demand[key] = on_demand.get(key, 0.0) + node.recompute_s
+                    if not split:
+                        key = (chunk_of_block[block], j, block)
+                        on_demand[key] = on_demand.get(key, 0.0) + node.recompute_s
                 else:
                     window[wid] = window.get(wid, 0.0) + node.recompute_s
+        if split:
+            _split_on_demand(graph, problem, assignment, chunk_of_block, on_demand, on_demand_weight)
     copies = copy_loads(graph, pipe, problems, assignments) if any(a.offload for a in assignments) else None
-    return Loads(window=window, on_demand=on_demand, copies=copies)
+    return Loads(window=window, on_demand=on_demand, on_demand_weight=on_demand_weight, copies=copies)
+
+
+def _split_on_demand(graph: nx.DiGraph, problem: StageProblem, assignment: Assignment,
+                     chunk_of_block: dict[int, int], on_demand: dict[tuple[int, int, int], float],
+                     on_demand_weight: dict[tuple[int, int, int], float]) -> None:
+    """A split backward's on-demand seconds per part, per (chunk, microbatch, block): each node
+    ``I`` re-runs for the microbatch into ``on_demand``, each ``W`` re-runs into
+    ``on_demand_weight`` — a node in both costs twice (:func:`~lynx.solvers.memory_weights.regenerated_nodes`:
+    what the generated graphs re-run, given what was prefetched for the microbatch)."""
+    from lynx.solvers.memory_replay import chunk_problems
+    from lynx.solvers.memory_weights import regenerated_nodes
+
+    seconds = {n.name: n.recompute_s for n in problem.nodes}
+    for sub in chunk_problems(problem).values():
+        names = {n.name for n in sub.nodes}
+        found: dict[frozenset[str], tuple[frozenset[str], frozenset[str]]] = {}
+        for j in range(problem.microbatches):
+            prefetched = frozenset(n for n in assignment.recompute & names if (n, j) in assignment.window_of)
+            if prefetched not in found:
+                found[prefetched] = regenerated_nodes(sub, assignment, prefetched)
+            for part, into in zip(found[prefetched], (on_demand, on_demand_weight)):
+                for name in part:
+                    if seconds[name] > 0:
+                        block = graph.nodes[name]["block"]
+                        key = (chunk_of_block[block], j, block)
+                        into[key] = into.get(key, 0.0) + seconds[name]
 
 
 def decisions_from_assignment(problem: StageProblem, assignment: Assignment) -> list[Decision]:

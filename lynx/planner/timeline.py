@@ -280,6 +280,12 @@ class _Replay(ReplayCopies):
         """Each of ``blocks``' weight part in turn from ``t`` (a ``W``, or a split ``B``'s tail)."""
         for b in blocks:
             cost = self.pipe.costs[b]
+            od = self.loads.on_demand_weight.get((a.chunk, a.microbatch, b), 0.0) if a.kind == "W" else 0.0
+            if od > 0:   # what W re-runs on demand before the block's weight part (I's own re-runs: not handed)
+                self.segment(s, "recompute", t, t + od, f"on demand {cost.name} (W)")
+                t += od
+                self.busy[s] += od
+                self.exposed[s] += od
             w = self.weight_s(a.chunk, cost)
             self.segment(s, "weight", t, t + w, f"{self.tag(a)} {cost.name}")
             t += w

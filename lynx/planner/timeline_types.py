@@ -74,10 +74,13 @@ class PipelineCosts:
 @dataclass(frozen=True)
 class Loads:
     """Recomputation to replay: seconds per window id and seconds on demand per
-    (chunk, microbatch, block) — the latter run inside that block's backward."""
+    (chunk, microbatch, block) — the latter run inside that block's backward (a zero-bubble
+    ``I``'s), and ``on_demand_weight`` inside its deferred weight part ``W``: the split graphs
+    each re-run what they read (:func:`lynx.solvers.memory_weights.regenerated_nodes`)."""
 
     window: dict[WindowId, float] = field(default_factory=dict)
     on_demand: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    on_demand_weight: dict[tuple[int, int, int], float] = field(default_factory=dict)
     copies: Optional[CopyLoads] = None     # offload copies (lynx.planner.copy_lanes)
 
     def __post_init__(self) -> None:   # a plan's strings become window ids

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import time
 
-from lynx.solvers.problem import Assignment, SolveResult, StageProblem, exposed_recompute_s, group_key, group_ranks
+from lynx.solvers.exposed import exposed_recompute_s
+from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.validate import required_recompute_closure
 

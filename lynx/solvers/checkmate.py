@@ -23,7 +23,8 @@ from lynx.errors import LynxPlanError
 from lynx.solvers.cpsat import ProgressFn, solve_model
 from lynx.solvers.budget import budget_error, check_time_limit
 from lynx.solvers.stage_model import expand_solution, model_from_problem
-from lynx.solvers.problem import SolveResult, StageProblem, exposed_recompute_s
+from lynx.solvers.exposed import exposed_recompute_s
+from lynx.solvers.problem import SolveResult, StageProblem
 
 __all__ = ["solve_checkmate", "without_windows"]
 

@@ -17,7 +17,8 @@
   the next stage (``sent``) is never worth dropping (it stays held) and is fixed as kept.
 * window capacity is soft: ``o[c, k] ≥ load − capacity`` counts as exposed.
 * objective: ``Σ_c |c| · (Σ_i cost_i · od[c, i] + Σ_k o[c, k])`` (or the peak, for
-  ``minimise="memory"``).
+  ``minimise="memory"``); on demand, ``cost_i`` is what the backward re-runs (zero bubble: once
+  per part that may re-run the item, ``ModelItem.on_demand_s``).
 * offload (a stage with copy lanes): ``f[i]`` beside ``r[i]``, its memory, host-budget, time
   and validity terms in :mod:`lynx.solvers.cpsat_offload`.
 
@@ -254,7 +255,9 @@ def _exposed(m: cp_model.CpModel, model: StageModel, free: list[bool], x, od, co
     load beyond its capacity, per microbatch class times its count."""
     exposed_terms = []
     for c, cls in enumerate(model.classes):
-        terms = [cost[i] * od[c][i] for i in range(len(model.items)) if free[i] and cost[i]]
+        # on demand, an item costs what the backward re-runs (zero bubble: in each part that may)
+        terms = [round(cost[i] * _parts(model.items[i])) * od[c][i] for i in range(len(model.items))
+                 if free[i] and cost[i]]
         for k, cap in enumerate(cls.capacities):
             load = [cost[i] * v for (i, q), v in x[c].items() if q == k and cost[i]]
             if load:
@@ -264,6 +267,14 @@ def _exposed(m: cp_model.CpModel, model: StageModel, free: list[bool], x, od, co
         if terms:
             exposed_terms.append(cls.count * sum(terms))
     return sum(exposed_terms) if exposed_terms else 0
+
+
+def _parts(item) -> float:
+    """How many times over an item's on-demand regeneration costs its recompute seconds (1 but
+    under a split backward: :attr:`~lynx.solvers.stage_model.ModelItem.on_demand_s`)."""
+    if item.on_demand_s is None or item.recompute_s <= 0:
+        return 1.0
+    return item.on_demand_s / item.recompute_s
 
 
 def _add_hint(m: cp_model.CpModel, hint, free: list[bool], r, x) -> None:

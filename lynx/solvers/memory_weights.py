@@ -37,8 +37,8 @@ from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, consume
                                   is_sent)
 
 __all__ = ["weight_held_bytes", "weight_peak_bytes", "input_peak_bytes", "weight_read_bytes", "split_backward_bytes",
-           "handed_bytes", "regenerating_parts", "starts_input_regeneration", "part_rise_bytes",
-           "split_backward_bound_bytes"]
+           "handed_bytes", "regenerating_parts", "regenerated_nodes", "rerun_counts", "starts_input_regeneration",
+           "part_rise_bytes", "split_backward_bound_bytes"]
 
 _BOTH = (True, True)
 _NEVER = 1 << 60   # a step no backward reaches
@@ -56,6 +56,30 @@ def _per_nodes(kind: str, problem: StageProblem, build: Callable[[StageProblem],
             _CACHE.clear()
         found = _CACHE[key] = (problem.nodes, build(problem))
     return found[1]
+
+
+def regenerated_nodes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
+                      ) -> tuple[frozenset[str], frozenset[str]]:
+    """The dropped nodes ``I`` re-runs for one microbatch, and those ``W`` re-runs (``prefetched``:
+    those recomputed in windows for it), as :func:`part_rise_bytes` walks the generated graphs: what
+    each part's on-demand recomputation costs (:func:`lynx.planner.problems.loads_from_assignments`).
+    A node can be in both — ``W`` re-runs what it needs that ``I`` re-ran but did not hand over:
+    a value ``I`` needed only to re-run a consumer whose output ``W`` reads (a GELU's input, say,
+    re-run for the GELU ``W`` reads), or a node ``I`` re-ran for its statistics alone — so it
+    costs twice. In a chunk whose ``I`` reads nothing ``W`` is the whole backward and re-runs
+    all of it — in the first chunk whatever the reads say (nothing before it waits for an input
+    gradient: the timeline's ``weight_s``).
+
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> p = make_uniform_problem(layers=1, microbatches=2, in_flight=1)
+    >>> regenerated_nodes(p, Assignment(recompute=frozenset()), frozenset())
+    (frozenset(), frozenset())
+    """
+    on_demand = assignment.recompute - prefetched
+    _, _, _, in_i, in_w = _walk_parts(problem, assignment, prefetched)
+    if not any(_reads_input(n) for n in problem.nodes) or all(n.chunk == 0 for n in problem.nodes):
+        return frozenset(), (in_i | in_w) & on_demand
+    return in_i & on_demand, in_w & on_demand
 
 
 def _regenerated(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
@@ -156,6 +180,37 @@ def _regenerating_parts(problem: StageProblem) -> dict[str, tuple[bool, bool]]:
     return out
 
 
+def rerun_counts(problem: StageProblem) -> dict[str, int]:
+    """Per node, how many parts of a split backward may re-run it when it is dropped on demand,
+    whatever else is dropped (at least one: what HEU and OPT price an on-demand item at,
+    :attr:`~lynx.solvers.stage_model.ModelItem.on_demand_s`). ``I`` as
+    :func:`regenerating_parts` says; ``W`` where it reads a piece ``I`` does not (``I`` re-runs a
+    node for its statistics alone and hands no output over), or re-runs a consumer of it whose
+    input ``I`` may not have handed (``W`` does not read the output itself) — more than
+    :func:`regenerated_nodes` finds for a given plan, never less. The first chunk's ``W`` is the
+    whole backward: once. Cached per node tuple: callers must not change the answer."""
+    return _per_nodes("reruns", problem, _rerun_counts)
+
+
+def _rerun_counts(problem: StageProblem) -> dict[str, int]:
+    parts = regenerating_parts(problem)
+    consumers = consumers_of(problem)
+    chunk_of = {n.name: n.chunk for n in problem.nodes}
+    in_w: dict[str, bool] = {}
+    out: dict[str, int] = {}
+    for n in reversed(problem.nodes):   # consumers before producers
+        reads, rest = n.output_reads or _BOTH, n.rest_reads or _BOTH
+        if n.chunk == 0 or not parts[n.name][0]:   # I never re-runs it: W at most, once
+            in_w[n.name] = True
+            out[n.name] = 1
+            continue
+        by_consumer = any(in_w[c] for c in consumers[n.name] if chunk_of[c] == n.chunk)
+        in_w[n.name] = ((reads[1] and not reads[0]) or (rest[1] and not rest[0])
+                        or (by_consumer and not (reads[0] and reads[1])))
+        out[n.name] = 1 + in_w[n.name]
+    return out
+
+
 def _reads_input(n: ProblemNode) -> bool:
     return (n.output_reads or _BOTH)[0] or (n.rest_reads or _BOTH)[0]
 
@@ -211,6 +266,12 @@ def part_rise_bytes(problem: StageProblem, assignment: Assignment, prefetched: f
     once where it does not read them), of ``W`` those it reads — except a value sent to the
     next stage (the stage holds it whatever the graphs do). A view is its storage's producer's
     output: a part needing it needs that output, whether the plan drops the view."""
+    return _walk_parts(problem, assignment, prefetched)[:3]
+
+
+def _walk_parts(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
+                ) -> tuple[int, int, int, frozenset[str], frozenset[str]]:
+    """:func:`part_rise_bytes`, and the nodes each part re-runs (:func:`regenerated_nodes`)."""
     last, rows = backward_rows(problem)
     nodes = problem.nodes
     index = {n.name: i for i, n in enumerate(nodes)}
@@ -222,6 +283,7 @@ def part_rise_bytes(problem: StageProblem, assignment: Assignment, prefetched: f
     handed_out: set[str] = set()
     handed_rest: set[str] = set()
     rises = []
+    reruns: list[frozenset[str]] = []
     cross = 0
     for part in (0, 1):
         events: dict[int, int] = {}
@@ -289,7 +351,8 @@ def part_rise_bytes(problem: StageProblem, assignment: Assignment, prefetched: f
             live += events[t]
             best = max(best, live)
         rises.append(best - initial)
-    return rises[0], cross, rises[1]
+        reruns.append(frozenset(regen))
+    return rises[0], cross, rises[1], reruns[0], reruns[1]
 
 
 def split_backward_bound_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lynx.errors import LynxPlanError
+from lynx.planner.schedule import Op
 from lynx.planner.windows import WindowId, as_window_id
 from lynx.solvers.copies import StageCopies
 
@@ -53,6 +54,7 @@ __all__ = [
     "Assignment",
     "SolveResult",
     "exposed_recompute_s",
+    "defers_weights",
     "group_key",
     "group_ranks",
     "MicrobatchClass",
@@ -279,8 +281,16 @@ def _same_capacity(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b)) + 1e-15
 
 
-def exposed_recompute_s(problem: StageProblem, assignment: Assignment) -> float:
-    """Σ on-demand recompute over microbatches + Σ window overflow beyond capacity."""
+def defers_weights(problem: StageProblem) -> bool:
+    """Whether the device's backwards are split (zero bubble): an input-gradient part ``I`` and
+    a deferred weight-gradient part ``W``, each regenerating what it reads on demand."""
+    return any(a.op is Op.BACKWARD_WEIGHT for a in problem.actions)
+
+
+def exposed_recompute_s(problem: StageProblem, assignment: Assignment, *, on_demand: bool = True) -> float:
+    """Σ on-demand recompute over microbatches + Σ window overflow beyond capacity; each
+    on-demand node once (a split backward's parts, each re-running what it needs:
+    :func:`lynx.solvers.exposed.exposed_recompute_s`). ``on_demand=False``: the overflow alone."""
     cost = {n.name: n.recompute_s for n in problem.nodes}
     exposed = 0.0
     load = {w.id: 0.0 for w in problem.windows}
@@ -291,7 +301,7 @@ def exposed_recompute_s(problem: StageProblem, assignment: Assignment) -> float:
         for mb in microbatches:
             window = placed((name, mb))
             if window is None:
-                exposed += seconds
+                exposed += seconds if on_demand else 0.0
             else:
                 load[window] = load.get(window, 0.0) + seconds
     capacity = {w.id: w.capacity_s for w in problem.windows}

@@ -25,9 +25,10 @@ from lynx.planner.windows import WindowId
 from lynx.solvers.copies import StageCopies
 from lynx.solvers.memory import is_sent, savers_of
 from lynx.solvers.memory_replay import bound_counts
-from lynx.solvers.memory_weights import handed_bytes
+from lynx.solvers.memory_weights import handed_bytes, rerun_counts
 from lynx.solvers.offload import offloadable, read_groups
-from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks, microbatch_classes
+from lynx.solvers.problem import (Assignment, StageProblem, defers_weights, group_key, group_ranks,
+                                  microbatch_classes)
 from lynx.solvers.validate import required_recompute_closure
 
 __all__ = [
@@ -61,6 +62,10 @@ class ModelItem:
     # input-gradient part hands over when it regenerated them: lynx.solvers.memory_weights)
     weight_bytes: int = 0
     chunk: int = 0   # the model chunk its nodes run in
+    # zero bubble: seconds its regeneration costs per replica when on demand — each node once per
+    # part that may re-run it (``W`` re-runs what it reads that ``I`` does not hand over, though
+    # ``I`` re-ran it: lynx.solvers.memory_weights.rerun_counts); None: recompute_s
+    on_demand_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,7 @@ def model_from_problem(problem: StageProblem) -> StageModel:
         return {head[src]}
 
     may_hand = handed_bytes(problem)
+    reruns = rerun_counts(problem) if defers_weights(problem) else None
     items = []
     for h in heads:
         nodes = members[h]
@@ -215,6 +221,7 @@ def model_from_problem(problem: StageProblem) -> StageModel:
                 sent=is_sent(by_name[h]),
                 weight_bytes=sum(may_hand[x] for x in nodes),
                 chunk=by_name[h].chunk,
+                on_demand_s=None if reruns is None else sum(by_name[x].recompute_s * reruns[x] for x in nodes),
             )
         )
     layer_of = [by_name[h].layer for h in heads]

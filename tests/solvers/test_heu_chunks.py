@@ -21,7 +21,8 @@ from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.memory_replay import replay_peak_bytes
 from lynx.solvers.memory_weights import (handed_bytes, regenerating_parts, split_backward_bound_bytes,
                                          split_backward_bytes, weight_read_bytes)
-from lynx.solvers.problem import Assignment, exposed_recompute_s
+from lynx.solvers.exposed import exposed_recompute_s
+from lynx.solvers.problem import Assignment
 from lynx.solvers.stage_model import hint_from_assignment
 from lynx.solvers.synthetic import make_uniform_problem
 from lynx.solvers.validate import validate

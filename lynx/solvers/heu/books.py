@@ -52,6 +52,8 @@ class Layout:
         self.wbytes = [it.mult * it.saved_bytes for it in items]  # kept or prefetched: every replica
         self.tbytes = [it.saved_bytes for it in items]  # on-demand transient: one replica at a time
         self.wcost = [it.mult * it.recompute_s for it in items]
+        # on demand: what the backward re-runs (zero bubble: in each part that may: ModelItem.on_demand_s)
+        self.odcost = [it.mult * (it.recompute_s if it.on_demand_s is None else it.on_demand_s) for it in items]
         self.group = [it.group for it in items]
         self.out_saved = [it.output_saved for it in items]
         self.inputs = [it.inputs for it in items]  # ((producer, crosses groups), ...)
@@ -94,6 +96,10 @@ class Layout:
     def cost(self, unit: list[int]) -> float:
         """Window seconds of a unit (summed in the unit's order, so results are reproducible)."""
         return sum(map(self.wcost.__getitem__, unit))
+
+    def on_demand_cost(self, unit: list[int]) -> float:
+        """Seconds a unit exposes per microbatch on demand (zero bubble: each part's re-runs)."""
+        return sum(map(self.odcost.__getitem__, unit))
 
     def nbytes(self, unit: list[int]) -> int:
         return sum(map(self.wbytes.__getitem__, unit))
@@ -231,10 +237,10 @@ class Books:
         """Exposed seconds in item terms: on-demand recompute plus window overflow."""
         total = 0.0
         lay = self.lay
-        wcost, rec, n = lay.wcost, self.rec, lay.n
+        odcost, rec, n = lay.odcost, self.rec, lay.n
         for c, cls in enumerate(lay.classes):
             where = self.where[c]
-            on_demand = sum([wcost[i] for i in range(n) if rec[i] and where[i] is None])
+            on_demand = sum([odcost[i] for i in range(n) if rec[i] and where[i] is None])
             over = sum(max(0.0, load - cap) for load, cap in zip(self.load[c], cls.capacities))
             total += cls.count * (on_demand + over)
         return total

@@ -83,7 +83,7 @@ def greedy(lay: Layout, budget: int) -> Books | None:
 def _best_keep(lay: Layout, books: Books, budget: int, now: int) -> tuple[tuple | None, tuple[float, float]]:
     """The best "keep this recomputed item (and the consumers that need it)" move."""
     rec, wheres = books.rec, books.where
-    counts, wcost, out_saved, classes = lay.counts, lay.wcost, lay.out_saved, range(len(lay.classes))
+    counts, odcost, out_saved, classes = lay.counts, lay.odcost, lay.out_saved, range(len(lay.classes))
     wbytes, tbytes, group = lay.wbytes, lay.tbytes, lay.group
     best, best_key = None, (0.0, 0.0)
     kept_base = lay.in_flight * books.kept
@@ -97,7 +97,7 @@ def _best_keep(lay: Layout, books: Books, budget: int, now: int) -> tuple[tuple 
             unit = [i]
             gain = 0  # Σ_c |c| · (cost if on demand for c), summed as below for a longer unit
             for c in classes:
-                gain += counts[c] * (wcost[i] if wheres[c][i] is None else 0)
+                gain += counts[c] * (odcost[i] if wheres[c][i] is None else 0)
             if gain <= 0:
                 continue
             # peak_if_kept for one item, from the per-class top groups
@@ -116,7 +116,7 @@ def _best_keep(lay: Layout, books: Books, budget: int, now: int) -> tuple[tuple 
             after = kept_base + lay.in_flight * wb + pmax + tall
         else:
             unit = _keep_unit(lay, rec, i) if not out_saved[i] else [i]
-            gain = sum(counts[c] * sum(wcost[j] for j in unit if wheres[c][j] is None) for c in classes)
+            gain = sum(counts[c] * sum(odcost[j] for j in unit if wheres[c][j] is None) for c in classes)
             if gain <= 0:
                 continue
             after = peak_if_kept(lay, books, unit)

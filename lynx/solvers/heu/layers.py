@@ -64,7 +64,8 @@ def families(problem: StageProblem, model: StageModel) -> Family:
                     outs.append(("prev", pos[u]))
                 else:
                     outs.append(("ext", by_name[model.items[u].nodes[-1]].layer_class))
-            head = (it.saved_bytes, round(it.recompute_s, 15), it.output_saved, tuple(sorted(ins)))
+            head = (it.saved_bytes, round(it.recompute_s, 15), it.output_saved, tuple(sorted(ins)),
+                    None if it.on_demand_s is None else round(it.on_demand_s, 15))
             sig_in.append(head)
             sig_full.append((head, tuple(sorted(outs))))
         inner[layer], full[layer] = tuple(sig_in), tuple(sig_full)
@@ -99,7 +100,7 @@ def reduced(model: StageModel, fam: Family) -> tuple[StageModel, list[int]]:
             ins[ru] = ins.get(ru, False) or cross_red
         mult = len(fam.layers) if (n_rep and i in fam.rep_of) else 1
         items.append(ModelItem(it.nodes, mult, it.saved_bytes, it.recompute_s, tuple(sorted(ins.items())),
-                               it.output_saved, rep_group if mult > 1 else it.group))
+                               it.output_saved, rep_group if mult > 1 else it.group, on_demand_s=it.on_demand_s))
     to_red_list = [to_red[i] for i in range(len(model.items))]
     classes = reduced_classes(model, to_red_list)
     return StageModel(tuple(items), classes, model.in_flight, model.budget_bytes), to_red_list

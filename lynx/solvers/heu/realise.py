@@ -209,7 +209,7 @@ def keep_more(lay: Layout, books: Books, clusters: list[list[int]], budget: int)
     for cl in clusters:
         if any(i in consumers_outside for i in cl):
             continue
-        saving = sum(lay.counts[c] * lay.cost(cl) for c in classes if books.where[c][cl[0]] is None)
+        saving = sum(lay.counts[c] * lay.on_demand_cost(cl) for c in classes if books.where[c][cl[0]] is None)
         if saving > 0:
             scored.append((-saving / max(lay.nbytes(cl), 1), cl))
     scored.sort(key=lambda t: (t[0], t[1][0]))

@@ -73,7 +73,8 @@ from lynx.solvers.heu.trade import trade
 from lynx.solvers.stage_model import ModelClass, ModelSolution, StageModel, expand_solution, model_from_problem
 from lynx.solvers.budget import budget_error
 from lynx.solvers.stage_model import hint_from_assignment
-from lynx.solvers.problem import Assignment, SolveResult, StageProblem, exposed_recompute_s, microbatch_classes
+from lynx.solvers.exposed import exposed_recompute_s
+from lynx.solvers.problem import Assignment, SolveResult, StageProblem, microbatch_classes
 from lynx.solvers.setup import cpsat
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.memory_replay import replayed_beyond_bound
