@@ -9,7 +9,9 @@ cores shared among the busy ranks while a stage waits, ``lynx.planner.core_shari
 the load average before and after, the predicted step, the measured median and fastest step (the
 first step left out) and their ratios to the prediction. The bar: 0.8-1.25 — the median where
 the load is within the summary's margin of the calibration's, else the fastest step
-(docs/hardware.md). Each training runs in a session of its own whose niceness is ``--nice`` (root: -10, as
+(docs/hardware.md). Each row keeps every step's time (``step_times_s``, the first one the
+warm-up the median leaves out): 60 steps, ~7 s a run, as 30 let a few seconds' burst move the
+median. Each training runs in a session of its own whose niceness is ``--nice`` (root: -10, as
 ``main_job_prediction.py``), so other sessions' jobs disturb it less.
 
     flock /tmp/notes/bench.lock python benchmarks/tp_prediction.py --runs 2 --json benchmarks/results/tp_prediction.json
@@ -61,7 +63,8 @@ def one_run(case: tuple, steps: int, folder: Path, index: int, nice: int) -> dic
                   "--hardware", "auto"]
     load_before = os.getloadavg()[0]
     out = _run(train, nice)
-    summary = json.loads(log.read_text())["summary"]
+    record = json.loads(log.read_text())
+    summary = record["summary"]
     predicted = summary["predicted_step_s"]
     return {
         "mesh": name, "planned_by": planner, "run": index, "load_before": load_before,
@@ -74,13 +77,14 @@ def one_run(case: tuple, steps: int, folder: Path, index: int, nice: int) -> dic
         "cpu_ratio": (summary.get("load") or {}).get("cpu_ratio"),
         "hardware": next((line for line in out.splitlines() if line.startswith("hardware ")), ""),
         "nice": nice,
+        "step_times_s": record.get("step_times_s"),   # every step's, the slowest rank's (train_gpt.py)
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--calibrate", action="store_true", help="run `lynx calibrate` first (refreshes auto)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--nice", type=int, default=-10, help="niceness of each run's session (root)")

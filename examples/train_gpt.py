@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-json", default=None, help="write per-step losses and the summary here (rank 0)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--no-pin-cores", dest="pin_cores", action="store_false",
+                    help="leave the ranks' threads to the scheduler (default on CPU with tp: a core per rank where the "
+                         "job fills the cores evenly, lynx.runtime.core_pin)")
     ap.add_argument("--compile", action="store_true",
                     help="pass each stage's generated graphs through torch.compile (Inductor; on CPU needs gcc)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="how long a rank waits for a peer")
@@ -426,7 +429,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         compiled = lynx.compile(model, inputs, plan=run.plan, compile=use_compile, **settings)
     # the pipe seeds each rank's own dropout stream from --seed (lynx.runtime.rank_rng)
     pipe = lynx.runtime.Pipeline(compiled, timeout_s=args.timeout_s, seed=args.seed,
-                                 skip_nonfinite=args.skip_nonfinite)
+                                 skip_nonfinite=args.skip_nonfinite, pin_cores=args.pin_cores)
     topo = pipe.topology
     optimizer = make_optimizer(run.settings["optimizer"], run.lr, list(pipe.parameters()), pipe.dp_group)
     if run.settings["optimizer"] != "adamw":
@@ -577,6 +580,8 @@ def _finish(
     hardware = log.get("hardware") or "the hardware the plan records"
     print(f"predicted with {hardware}", flush=True)
     log["summary"] = dataclasses.asdict(summary)
+    # every step's pipeline time (the slowest rank's, as the summary's median and fastest take it)
+    log["step_times_s"] = [max(s.step_s for s in ranks) for ranks in per_step]
     log["per_rank"] = _per_rank_medians(per_step)
     for row, c, t in zip(log["per_rank"], cpu, threads):
         row["cpu_s"], row["threads_cpu_s"] = c, t

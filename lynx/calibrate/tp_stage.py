@@ -19,11 +19,15 @@ work threads: six threads on a 2-vCPU VM) and how those hand-offs meet the two r
 differs run to run with nothing else running — with no other load at all, a pp 1 × tp 2 training's
 median step was 1.2× its fastest (benchmarks/results/tp_prediction_quiet_2026-12-05c.json), and the
 stage's runs here spread as much (fastest of 7 81.7 ms, median 100.4 ms). Every step pays that
-typical cost, so the fastest run priced the collectives at a lucky run's. :func:`per_collective_s` takes what
-the cost model prices that run at — the arithmetic and per-op cost of the rank's nodes
-(:func:`lynx.planner.tp_costs.rank_seconds`) and every all-reduce on the fitted link — from it,
-and divides what is left by the collectives the run issued: the per-collective term the tp
-link's α carries (:mod:`lynx.calibrate.host`).
+typical cost, so the fastest run priced the collectives at a lucky run's. The ranks' threads stay on
+a core each, as :class:`lynx.runtime.Pipeline` keeps a TP training job's that fills the cores
+(:mod:`lynx.runtime.core_pin`): left to the scheduler, where they sat moved from second to
+second and the repeats' per-collective figure with it (quiet calibrations read 532-814 µs for the
+tp link's α; pinned, under other sessions' load, 437-548 µs in six calibrations' TP stages).
+:func:`per_collective_s` takes what the cost model prices that run at — the arithmetic and
+per-op cost of the rank's nodes (:func:`lynx.planner.tp_costs.rank_seconds`) and every
+all-reduce on the fitted link — from it, and divides what is left by the collectives the run
+issued: the per-collective term the tp link's α carries (:mod:`lynx.calibrate.host`).
 
 Example (forks two processes; a few seconds)::
 
@@ -50,10 +54,11 @@ from lynx.errors import LynxRuntimeError
 __all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "TPMeasured", "priced_stage_s", "per_collective_s",
            "TP_REPEATS", "TP_RUNS"]
 
-# repeats of the stage in a calibration: a run takes ~0.1 s on 2 cores; 3 repeats of 5 runs,
-# each repeat the median of its runs and the figure the median over the repeats (~1.5 s)
+# repeats of the stage in a calibration: a run takes ~0.08 s on 2 cores; 3 repeats of 9 runs,
+# each repeat the median of its runs and the figure the median over the repeats (~2 s): with 5
+# runs a repeat's median still moved 15-20% between repeats of one calibration, with 9 ~10%
 TP_REPEATS = 3
-TP_RUNS = 5
+TP_RUNS = 9
 
 
 class TPMeasured(NamedTuple):

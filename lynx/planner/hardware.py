@@ -44,7 +44,9 @@ __all__ = ["LinkSpec", "Calibration", "CoreShare", "HardwareSpec", "HARDWARE_PRE
 # (lynx.runtime.sched_slice): the links and the TP stage's collectives timed as they then run;
 # 8: the TP stage's run the median of 5 per repeat, not the fastest of 3 (its collectives' thread
 # hand-offs spread its runs with nothing else running; every step pays the typical run's).
-CALIBRATION_METHOD = 8
+# 9: the TP stage's ranks on a core each, as lynx.runtime.Pipeline now keeps a TP CPU job's ranks that
+# fill the cores (lynx.runtime.core_pin), and the median of 9 runs per repeat.
+CALIBRATION_METHOD = 9
 
 # A measured figure is repeatable when every repeat is within ±10% of the repeats' median (for a
 # best-of-repeats figure: its two best repeats within 10%); `lynx calibrate` flags the others.

@@ -105,12 +105,16 @@ class Pipeline:
         short_slices: on a CPU rank, ask the scheduler for 0.1 ms slices for every thread of
             this process (:mod:`lynx.runtime.sched_slice`: gloo's hand-offs then wait 0.1 ms,
             not a whole slice); False leaves the process as it is.
+        pin_cores: on a CPU rank of a tensor-parallel job that fills this host's cores
+            evenly, keep the rank's threads on a core of its own (:mod:`lynx.runtime.core_pin`:
+            where they sat changed step times by a third from second to second); False
+            leaves placement to the scheduler.
     """
 
     def __init__(self, compiled: Any, loss_fn: Callable[..., Any] | None = None, *, timeout_s: float = 60.0,
                  prefetch: bool = True, exit_on_error: bool = True, trace: bool = False,
                  bucket_bytes: int = 1 << 20, stage: torch.nn.Module | None = None, seed: int = 0,
-                 skip_nonfinite: bool = False, short_slices: bool = True) -> None:
+                 skip_nonfinite: bool = False, short_slices: bool = True, pin_cores: bool = True) -> None:
         from lynx.rewrite.build import build_chunk_modules, chunk_node_lists, split_cached
         from lynx.runtime.loss import LossSpec
 
@@ -172,6 +176,10 @@ class Pipeline:
             from lynx.runtime.sched_slice import request_short_slices
 
             request_short_slices()
+        if pin_cores and self.device.type == "cpu":   # every thread there is now (gloo's, the runner's)
+            from lynx.runtime.core_pin import pin_rank
+
+            pin_rank(tp)
         self._hook = None
         if exit_on_error:
             from lynx.runtime.failure_exit import install_failure_exit
