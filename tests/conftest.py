@@ -88,6 +88,21 @@ def _file_rank(rel: str) -> int:
     return len(LONGEST_FIRST) + (0 if starts_processes else 1)
 
 
+# What the ranks of the suite's worlds import besides torch and Lynx: a transformers Llama (the
+# user-loop, TP and guide worlds: ~2 CPU-s a rank, ~10 ranks). The fork server each worker starts
+# (lynx.testing.world, tests/prestarted.py) imports it once instead; skipped without transformers.
+RANKS_IMPORT = ("transformers", "transformers.models.llama.modeling_llama")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ranks_preload() -> None:
+    """Before the worker's first world (a fixture, not at import: the xdist controller, which
+    loads this file too, starts no world and need not import torch)."""
+    from lynx.testing import preload
+
+    preload(*RANKS_IMPORT)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_hardware_cache(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lynx-cache")

@@ -24,6 +24,7 @@ from typing import Any
 _LAZY = {
     "spawn_world": "lynx.testing.world",
     "InjectedFailure": "lynx.testing.world",
+    "preload": "lynx.testing.world",
     "TokenBatches": "lynx.testing.data",
     "with_stages": "lynx.testing.plans",
     "captured_with_plan": "lynx.testing.plans",

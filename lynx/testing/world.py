@@ -35,14 +35,15 @@ import torch.distributed as dist
 
 from lynx.errors import LynxRuntimeError
 
-__all__ = ["spawn_world", "InjectedFailure"]
+__all__ = ["spawn_world", "preload", "InjectedFailure"]
 
 # what every rank imports first: the fork server imports it once, each rank starts from a copy.
 # Besides torch, what a rank that compiles and runs a Pipeline imports on its first capture
 # (torch.export's tracer: ~2 CPU-s per fresh interpreter) and Lynx's compiler and runtime; none
-# of them starts a thread, so forking after importing them is safe
+# of them starts a thread, so forking after importing them is safe. lynx.solvers.cpsat: a rank
+# that plans imports it (ortools and pandas, ~0.4 CPU-s a rank). :func:`preload` adds more
 _PRELOAD = ["torch", "torch.distributed", "torch.export._trace", "lynx.compiler", "lynx.frontend.analyze",
-            "lynx.rewrite", "lynx.runtime", "lynx.testing.world"]
+            "lynx.rewrite", "lynx.runtime", "lynx.solvers.cpsat", "lynx.testing.world"]
 
 
 class InjectedFailure(RuntimeError):
@@ -65,6 +66,18 @@ def _rank_context() -> Any:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)   # takes effect when the server starts (once per process)
     return ctx
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server import ``modules`` as well, so that no rank pays for them: a package
+    the ranks of this process's worlds import besides torch and Lynx (``transformers`` and a
+    model's module: ~2 CPU-s a rank). In force for the fork server this process starts, i.e. when
+    called before its first world; a module that does not import is skipped (as the fork server
+    skips it). The modules must start no thread on import (a fork copies only the forking one).
+
+    >>> preload("json")
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _apply_environment(environ: dict[str, str]) -> None:
