@@ -89,17 +89,7 @@ def test_offload_baselines() -> None:
 
 
 def test_plans_with_offload_end_to_end_on_a_synthetic_pipeline() -> None:
-    g = synthetic_graph(layers=8)
-    from lynx.planner.hardware import get_hardware
-
-    hw = get_hardware("a100-80g")
-    base = CompileConfig(pp=2, microbatches=8, hardware=hw, solver="none", memory_budget=2**40)
-    comm = CommModel.from_hardware(hw, tp=1, dp=1, optimizer="adamw")
-    none = plan_graph_outcome(g, base, comm=comm, check_budget=False)
-    full = plan_graph_outcome(g, base.replace(solver="full"), comm=comm, check_budget=False)
-    budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes)
-                                                            - max(full.sim.peak_memory_bytes)))
-    cfg = base.replace(memory_budget=budget, offload=True, solver="heu")
+    g, cfg, comm, full = _synthetic_pipeline_at_level_03()
     heu = plan_graph_outcome(g, cfg, comm=comm)
     recompute_only = plan_graph_outcome(g, cfg.replace(offload=False), comm=comm)
     assert heu.plan.predicted.fits_budget and heu.sim.step_time_s <= recompute_only.sim.step_time_s * (1 + 1e-9)
@@ -153,17 +143,7 @@ def test_heu_hands_back_its_plan_without_offload_and_the_loop_scores_it() -> Non
     validate(p, res.without_offload.assignment)
     assert peak_activation_bytes(p, res.without_offload.assignment) <= p.activation_budget_bytes
 
-    g = synthetic_graph(layers=8)
-    from lynx.planner.hardware import get_hardware
-
-    hw = get_hardware("a100-80g")
-    base = CompileConfig(pp=2, microbatches=8, hardware=hw, solver="none", memory_budget=2**40)
-    comm = CommModel.from_hardware(hw, tp=1, dp=1, optimizer="adamw")
-    none = plan_graph_outcome(g, base, comm=comm, check_budget=False)
-    full = plan_graph_outcome(g, base.replace(solver="full"), comm=comm, check_budget=False)
-    budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes)
-                                                            - max(full.sim.peak_memory_bytes)))
-    cfg = base.replace(memory_budget=budget, offload=True, solver="heu")
+    g, cfg, comm, full = _synthetic_pipeline_at_level_03()
     with_copies_asked: list[bool] = []
 
     def worse_with_offload(name, problem, **kw):   # the offload plan made the slowest there is
@@ -177,3 +157,20 @@ def test_heu_hands_back_its_plan_without_offload_and_the_loop_scores_it() -> Non
     assert out.sim.step_time_s < full.sim.step_time_s * (1 - 1e-3)
     assert not any(r.assignment.offload for r in out.results)
     assert with_copies_asked[0] and not with_copies_asked[-1]
+
+
+def _synthetic_pipeline_at_level_03():
+    """An 8-layer synthetic graph on pp 2 × 8 microbatches (a100-80g), HEU with offload at a budget
+    0.3 of the way from ``full``'s peak to ``none``'s: the graph, the config, the comm model, and
+    ``full``'s outcome."""
+    from lynx.planner.hardware import get_hardware
+
+    g = synthetic_graph(layers=8)
+    hw = get_hardware("a100-80g")
+    base = CompileConfig(pp=2, microbatches=8, hardware=hw, solver="none", memory_budget=2**40)
+    comm = CommModel.from_hardware(hw, tp=1, dp=1, optimizer="adamw")
+    none = plan_graph_outcome(g, base, comm=comm, check_budget=False)
+    full = plan_graph_outcome(g, base.replace(solver="full"), comm=comm, check_budget=False)
+    budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes)
+                                                            - max(full.sim.peak_memory_bytes)))
+    return g, base.replace(memory_budget=budget, offload=True, solver="heu"), comm, full
