@@ -304,23 +304,16 @@ def _split_on_demand(graph: nx.DiGraph, problem: StageProblem, assignment: Assig
     ``I`` re-runs for the microbatch into ``on_demand``, each ``W`` re-runs into
     ``on_demand_weight`` — a node in both costs twice (:func:`~lynx.solvers.memory_weights.regenerated_nodes`:
     what the generated graphs re-run, given what was prefetched for the microbatch)."""
-    from lynx.solvers.memory_replay import chunk_problems
-    from lynx.solvers.memory_weights import regenerated_nodes
+    from lynx.solvers.exposed import split_reruns
 
     seconds = {n.name: n.recompute_s for n in problem.nodes}
-    for sub in chunk_problems(problem).values():
-        names = {n.name for n in sub.nodes}
-        found: dict[frozenset[str], tuple[frozenset[str], frozenset[str]]] = {}
-        for j in range(problem.microbatches):
-            prefetched = frozenset(n for n in assignment.recompute & names if (n, j) in assignment.window_of)
-            if prefetched not in found:
-                found[prefetched] = regenerated_nodes(sub, assignment, prefetched)
-            for part, into in zip(found[prefetched], (on_demand, on_demand_weight)):
-                for name in part:
-                    if seconds[name] > 0:
-                        block = graph.nodes[name]["block"]
-                        key = (chunk_of_block[block], j, block)
-                        into[key] = into.get(key, 0.0) + seconds[name]
+    for j, in_i, in_w in split_reruns(problem, assignment):
+        for part, into in ((in_i, on_demand), (in_w, on_demand_weight)):
+            for name in part:
+                if seconds[name] > 0:
+                    block = graph.nodes[name]["block"]
+                    key = (chunk_of_block[block], j, block)
+                    into[key] = into.get(key, 0.0) + seconds[name]
 
 
 def decisions_from_assignment(problem: StageProblem, assignment: Assignment) -> list[Decision]:

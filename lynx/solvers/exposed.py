@@ -21,12 +21,14 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from lynx.solvers.memory_replay import chunk_problems
 from lynx.solvers.memory_weights import regenerated_nodes
 from lynx.solvers.problem import Assignment, StageProblem, defers_weights
 from lynx.solvers.problem import exposed_recompute_s as _once
 
-__all__ = ["exposed_recompute_s", "split_on_demand_s"]
+__all__ = ["exposed_recompute_s", "split_on_demand_s", "split_reruns"]
 
 
 def exposed_recompute_s(problem: StageProblem, assignment: Assignment) -> float:
@@ -41,14 +43,20 @@ def split_on_demand_s(problem: StageProblem, assignment: Assignment) -> float:
     """A split backward's on-demand seconds over microbatches: what each part re-runs, chunk by
     chunk, given what was prefetched in windows for each microbatch."""
     cost = {n.name: n.recompute_s for n in problem.nodes}
-    total = 0.0
+    return sum(sum(cost[n] for n in in_i) + sum(cost[n] for n in in_w)
+               for _, in_i, in_w in split_reruns(problem, assignment))
+
+
+def split_reruns(problem: StageProblem,
+                 assignment: Assignment) -> Iterator[tuple[int, frozenset[str], frozenset[str]]]:
+    """``(microbatch, what I re-runs, what W re-runs)`` for each chunk of a split backward and each
+    microbatch, given what was prefetched in windows for it (:func:`regenerated_nodes`, computed
+    once per distinct prefetched set)."""
     for sub in chunk_problems(problem).values():
         names = {n.name for n in sub.nodes} & assignment.recompute
-        seen: dict[frozenset[str], float] = {}
+        found: dict[frozenset[str], tuple[frozenset[str], frozenset[str]]] = {}
         for mb in range(problem.microbatches):
             prefetched = frozenset(n for n in names if (n, mb) in assignment.window_of)
-            if prefetched not in seen:
-                in_i, in_w = regenerated_nodes(sub, assignment, prefetched)
-                seen[prefetched] = sum(cost[n] for n in in_i) + sum(cost[n] for n in in_w)
-            total += seen[prefetched]
-    return total
+            if prefetched not in found:
+                found[prefetched] = regenerated_nodes(sub, assignment, prefetched)
+            yield (mb, *found[prefetched])
