@@ -175,9 +175,9 @@ def worker(spec_path: str) -> None:
         idx, tgt = step_batch(rep)
         for key in keys[rep % len(keys):] + keys[:rep % len(keys)]:
             dist.barrier()
-            cpu0 = cpu_sample()
+            cpu0 = cpu_sample() if spec["trace"] else None   # /proc read only where a trace keeps it
             pipes[key].step(idx, tgt)
-            cpu1 = cpu_sample()
+            cpu1 = cpu_sample() if spec["trace"] else None
             t0 = time.perf_counter()
             opt.step()
             opt.zero_grad()
@@ -191,6 +191,7 @@ def worker(spec_path: str) -> None:
                              "exposed_s": s.exposed_recompute_s})
                 if spec["trace"]:   # each action's (what, microbatch, start, end) from the step's start
                     rows[-1]["events"] = [(w, j, a - s.events[0][2], b - s.events[0][2]) for w, j, a, b in s.events]
+                    assert cpu0 is not None and cpu1 is not None
                     rows[-1]["cpu"] = cpu_delta(cpu0, cpu1)   # the core's time: gloo's threads, softirqs
     print_rows(rows)
     for pipe in pipes.values():
