@@ -81,3 +81,27 @@ def test_window_ids_are_typed_and_round_trip():
     with pytest.raises(LynxConfigError, match="unknown schedule"):
         rank_actions("zbv", 2, 4)
     assert set(SCHEDULES) == {"1f1b", "gpipe", "interleaved1f1b", "zbh1"}
+
+
+@pytest.mark.parametrize("schedule,virtual", CASES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_receives_are_posted_before_the_sends_beside_them(schedule, virtual, pp):
+    """gloo writes a message once the receiver's ready notice is in, and the notice queues behind
+    the receiver's own outgoing bytes: no receive follows a send of its gap, an activation receive
+    goes out before the compute action ahead of the previous receiving forward (a backward sends
+    its input gradients inside it), and no more than two activation receives await their forward."""
+    sends, recvs = (Op.SEND_ACT, Op.SEND_GRAD), (Op.RECV_ACT, Op.RECV_GRAD)
+    for acts in rank_actions(schedule, pp, 8, virtual):
+        gap, awaited = [], 0
+        for a in acts:
+            if a.is_compute:
+                gap = []
+                awaited -= a.op is Op.FORWARD and any(b.op is Op.RECV_ACT and (b.chunk, b.microbatch)
+                                                      == (a.chunk, a.microbatch) for b in acts)
+                continue
+            assert not (a.op in recvs and any(b.op in sends for b in gap)), acts
+            gap.append(a)
+            awaited += a.op is Op.RECV_ACT
+            assert awaited <= 2
+    stage1 = [str(a) for a in rank_actions("1f1b", 2, 4)[1]]
+    assert stage1.index("RECV_F2") < stage1.index("B0") and stage1.index("RECV_F3") < stage1.index("B1")

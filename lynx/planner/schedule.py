@@ -15,10 +15,14 @@ executes it. Adding a schedule is adding a generator of its compute order.
   device). These are the orders of the library's ``Schedule1F1B``, ``ScheduleGPipe``,
   ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble``.
 * :func:`rank_actions`: the same order with everything a device does around it — each
-  receive posted as early as the schedule allows (``RECV_F`` one forward ahead, ``RECV_B`` as
-  soon as the activation is sent), the plan's window recompute ``R`` right before the action
-  that waits on a receive, sends, ``DP`` (this chunk's gradients become final in the next
-  action: launch their data-parallel buckets as they do) and the closing ``OPT``.
+  receive posted before the sends of its gap (``RECV_B`` as the activation is sent, ``RECV_F``
+  ahead of the compute action before the previous receiving forward, so never more than two
+  activation receives await their forward), the plan's window recompute ``R`` right before the
+  action that waits on a receive, sends, ``DP`` (this chunk's gradients become final in the
+  next action: launch their data-parallel buckets as they do) and the closing ``OPT``. gloo
+  writes a message only once the receiver's readiness notice is in, and that notice queues
+  behind the receiver's own outgoing bytes on the connection: a receive posted after a send
+  would hold the peer's message back by up to a whole transfer.
 
 Messages carry a tag per kind, boundary and microbatch (:func:`message_tag`), so a receive
 posted early can never take another message's place.
@@ -30,7 +34,7 @@ Example::
     >>> [str(a) for a in compute_order("zbh1", pp=2, microbatches=3)[1]]
     ['F0', 'I0', 'F1', 'I1', 'W0', 'F2', 'I2', 'W1', 'W2']
     >>> print(" ".join(str(a) for a in rank_actions("1f1b", pp=2, microbatches=2)[0]))
-    F0 SEND_F0 RECV_B0 F1 SEND_F1 RECV_B1 R[s0.recv_grad.mb0] B0 R[s0.recv_grad.mb1] DP B1 OPT
+    F0 RECV_B0 SEND_F0 F1 RECV_B1 SEND_F1 R[s0.recv_grad.mb0] B0 R[s0.recv_grad.mb1] DP B1 OPT
     >>> max_in_flight("gpipe", stage=0, stages=2, microbatches=3)
     3
 """
@@ -182,44 +186,53 @@ def compute_order(schedule: str, pp: int, microbatches: int, virtual: int = 1) -
 def rank_actions(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """Per device the whole action list of one training step (see module docstring)."""
     virtual = _check(schedule, pp, microbatches, virtual)
-    last_chunk = pp * virtual - 1
-    interleaved = virtual > 1
-    out = []
-    for s, order in enumerate(compute_order(schedule, pp, microbatches, virtual)):
-        grads_final = {}   # chunk -> index of the action that makes its weight gradients final
-        for i, a in enumerate(order):
-            if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
-                grads_final[a.chunk] = i
-        receiving = [a for a in order if a.op is Op.FORWARD and a.chunk > 0]
-        posted = 0
-        acts: list[Action] = []
-        if receiving:
-            acts.append(Action(Op.RECV_ACT, receiving[0].chunk, receiving[0].microbatch))
-            posted = 1
-        for i, a in enumerate(order):
-            chunk, j = a.chunk, a.microbatch
-            window_chunk = chunk if interleaved else None
-            if a.op is Op.FORWARD:
-                if chunk > 0:
-                    acts.append(Action(Op.RECOMPUTE, chunk, j, WindowId.recv(s, "recv_act", j, window_chunk)))
-                    if posted < len(receiving):   # one receive ahead: posted before this one is waited on
-                        nxt = receiving[posted]
-                        acts.append(Action(Op.RECV_ACT, nxt.chunk, nxt.microbatch))
-                        posted += 1
-                acts.append(a)
-                if chunk < last_chunk:
-                    acts += [Action(Op.SEND_ACT, chunk, j), Action(Op.RECV_GRAD, chunk, j)]
-                continue
-            if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-                acts.append(Action(Op.RECOMPUTE, chunk, j, WindowId.recv(s, "recv_grad", j, window_chunk)))
-            if grads_final.get(chunk) == i:
-                acts.append(Action(Op.DP_LAUNCH, chunk))
-            acts.append(a)
-            if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and chunk > 0:
-                acts.append(Action(Op.SEND_GRAD, chunk, j))
-        acts.append(Action(Op.OPTIMIZER))
-        out.append(acts)
-    return out
+    return [_device_actions(s, order, pp * virtual - 1, virtual > 1)
+            for s, order in enumerate(compute_order(schedule, pp, microbatches, virtual))]
+
+
+def _device_actions(s: int, order: list[Action], last_chunk: int, interleaved: bool) -> list[Action]:
+    """One device's list: around each compute action of ``order`` its window, sends and receives.
+
+    A receive's readiness notice travels to the sender on the same connection as this device's
+    own outgoing data (gloo writes a message only once the receiver has posted its receive), so
+    a receive posted after a send waits for that send's bytes to cross first. Receives are
+    therefore posted before the sends of the same gap, and a forward's activation receive in the
+    gap before the compute action preceding the previous receiving forward — ahead of that
+    action's sends (a backward sends its input gradients inside it) — so its notice crosses
+    while the link is still free."""
+    grads_final = {}   # chunk -> index of the action that makes its weight gradients final
+    for i, a in enumerate(order):
+        if a.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            grads_final[a.chunk] = i
+    # recvs[i]: the receives posted right before compute action i (after action i - 1, before its sends)
+    recvs: list[list[Action]] = [[] for _ in range(len(order) + 1)]
+    receiving = [i for i, a in enumerate(order) if a.op is Op.FORWARD and a.chunk > 0]
+    for n, i in enumerate(receiving):
+        at = receiving[n - 1] - 1 if n else 0
+        if at < 0 or (n > 1 and at == receiving[n - 2]):   # no more than two activation buffers awaited
+            at += 1
+        recvs[at].append(Action(Op.RECV_ACT, order[i].chunk, order[i].microbatch))
+    for i, a in enumerate(order):
+        if a.op is Op.FORWARD and a.chunk < last_chunk:   # its gradient: posted as the activation is sent
+            recvs[i + 1].insert(0, Action(Op.RECV_GRAD, a.chunk, a.microbatch))
+    acts: list[Action] = list(recvs[0])
+    for i, a in enumerate(order):
+        chunk, j = a.chunk, a.microbatch
+        window_chunk = chunk if interleaved else None
+        if a.op is Op.FORWARD and chunk > 0:
+            acts.append(Action(Op.RECOMPUTE, chunk, j, WindowId.recv(s, "recv_act", j, window_chunk)))
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            acts.append(Action(Op.RECOMPUTE, chunk, j, WindowId.recv(s, "recv_grad", j, window_chunk)))
+        if grads_final.get(chunk) == i:
+            acts.append(Action(Op.DP_LAUNCH, chunk))
+        acts.append(a)
+        acts += recvs[i + 1]
+        if a.op is Op.FORWARD and chunk < last_chunk:
+            acts.append(Action(Op.SEND_ACT, chunk, j))
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and chunk > 0:
+            acts.append(Action(Op.SEND_GRAD, chunk, j))
+    acts.append(Action(Op.OPTIMIZER))
+    return acts
 
 
 def list_actions(schedule: str, pp: int, microbatches: int, device: int, virtual: int = 1) -> int:

@@ -44,6 +44,9 @@ class StepState:
     act_sends: dict[tuple[int, int], tuple[list, list]] = field(default_factory=dict)
     flag_recv: dict[int, Any] = field(default_factory=dict)   # chunk -> (buffer, works) of its flags
     sent_first: set[tuple[int, int]] = field(default_factory=set)   # (chunk, mb): input gradients sent inside B
+    # chunk -> gradient receives listed before the chunk's first activation send of the runner's
+    # first step, which tells which values get a gradient back: posted right after it learns that
+    unflagged: dict[int, list[Action]] = field(default_factory=dict)
     armed: bool = False
 
 
@@ -59,6 +62,16 @@ class RankMessages:
     send_flags: dict[int, list[bool]]          # chunk -> which sent values need a gradient back
     recv_flags: dict[int, list[bool]]
     _watched: set[tuple[Op, int, int]]         # the receives a window polls
+
+    config: Any                                # the runner's RuntimeConfig (trace, virtual)
+
+    def _what(self, op: str, chunk: int) -> str:
+        return op if self.config.virtual == 1 else f"{op}.c{chunk}"
+
+    def _mark(self, stats: StepStats, what: str, j: int, t0: float) -> None:
+        if self.config.trace:
+            # absolute perf_counter (CLOCK_MONOTONIC on Linux): comparable across the ranks of a machine
+            stats.events.append((what, j, t0, time.perf_counter()))
 
     def _rank_of(self, chunk: int) -> int:
         return self.topo.rank_of(chunk % self.topo.pp, self.topo.dp_rank)
@@ -96,14 +109,21 @@ class RankMessages:
 
             state.flag_recv[c] = (buf, [Pollable(dist.irecv(buf, peer, tag=flags_tag(c - 1)), watch=False)])
         key = (Op.RECV_ACT, c, a.microbatch)
+        t0 = time.perf_counter()
         state.recv[key] = post_recv(self.recv_meta[c], peer, message_tag(Op.RECV_ACT, c - 1, a.microbatch),
                                     self.device, watch=key in self._watched)
+        self._mark(state.stats, self._what("post_act", c), a.microbatch, t0)
 
     def _post_recv_grad(self, state: StepState, a: Action) -> None:
         c = a.chunk
+        if c not in self.send_flags:   # the first step: known once the first activation is sent
+            state.unflagged.setdefault(c, []).append(a)
+            return
         key = (Op.RECV_GRAD, c, a.microbatch)
+        t0 = time.perf_counter()
         state.recv[key] = post_recv(self.send_meta[c], self._rank_of(c + 1), message_tag(Op.RECV_GRAD, c, a.microbatch),
                                     self.device, only=self.send_flags[c], watch=key in self._watched)
+        self._mark(state.stats, self._what("post_grad", c), a.microbatch, t0)
 
     def _send_act(self, state: StepState, a: Action) -> None:
         c, j = a.chunk, a.microbatch
@@ -113,7 +133,11 @@ class RankMessages:
             self.send_flags[c] = [needs_grad(o) for o in output]
             flags = torch.tensor(self.send_flags[c], dtype=torch.uint8, device=self.device)
             state.sends.append(post_send([flags], peer, flags_tag(c)))
+            for waiting in state.unflagged.pop(c, ()):
+                self._post_recv_grad(state, waiting)
+        t0 = time.perf_counter()
         state.act_sends[(c, j)] = post_send(list(output), peer, message_tag(Op.SEND_ACT, c, j))
+        self._mark(state.stats, self._what("send_act", c), j, t0)
 
     def _send_grad(self, state: StepState, a: Action) -> None:
         c, j = a.chunk, a.microbatch
@@ -123,4 +147,6 @@ class RankMessages:
         payload = [(g if g is not None else torch.zeros(meta.shape, dtype=meta.dtype, device=self.device))
                    if flag else None
                    for g, flag, meta in zip(in_grads, self.recv_flags.get(c, []), self.recv_meta[c])]
+        t0 = time.perf_counter()
         state.sends.append(post_send(payload, self._rank_of(c - 1), message_tag(Op.SEND_GRAD, c - 1, j)))
+        self._mark(state.stats, self._what("send_grad", c), j, t0)

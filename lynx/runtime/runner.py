@@ -135,10 +135,6 @@ class StageRunner(RankMessages):
                     # so buckets launch while the rest of the backward graph still runs
                     st.on_param_grad = self.launcher.param_ready
 
-    # ------------------------------------------------------------------ places
-    def _what(self, op: str, chunk: int) -> str:
-        return op if self.config.virtual == 1 else f"{op}.c{chunk}"
-
     # ------------------------------------------------------------------ windows
     def _index_windows(self, schedule: Any) -> dict[WindowId, list[tuple[int, int, list[str], bool]]]:
         """window id -> [(chunk, microbatch served, nodes, offloaded)] for windows this rank's list
@@ -168,11 +164,6 @@ class StageRunner(RankMessages):
                 windows.setdefault(where, []).append(
                     (c, int(j), sorted(members, key=lambda n: position.get(n, -1)), offloaded))
         return windows
-
-    def _mark(self, stats: StepStats, what: str, j: int, t0: float) -> None:
-        if self.config.trace:
-            # absolute perf_counter (CLOCK_MONOTONIC on Linux): comparable across the ranks of a machine
-            stats.events.append((what, j, t0, time.perf_counter()))
 
     def _recompute(self, state: StepState, a: Action) -> None:
         """``R``: the recompute graph of each microbatch the window serves (one generated call per
