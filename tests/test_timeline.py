@@ -233,3 +233,29 @@ def test_messages_one_way_queue_on_their_link() -> None:
     assert (f1.arrival, f1.start) == (pytest.approx(7.0), pytest.approx(7.0))
     sends = sorted((g.start, g.end) for g in t.segments if g.kind == "send" and g.device == 0)
     assert sends[:2] == [(pytest.approx(1.0), pytest.approx(4.0)), (pytest.approx(4.0), pytest.approx(7.0))]
+
+
+def test_a_token_bucket_link_slows_only_messages_sent_back_to_back() -> None:
+    """GPipe, pp 2, forwards of 1 s and 2 s messages: activation 0 leaves at 1 on a rested link,
+    activation 1 is sent at 2 but leaves at 3, right behind it, on an empty bucket (+burst); with
+    forwards of 5 s the link rests 3 s between them, the bucket refills and nothing changes."""
+    def arrivals(forward_s: float, burst_s: float) -> list[float]:
+        pipe = PipelineCosts.uniform(pp=2, microbatches=2, forward_s=forward_s, backward_s=1.0, schedule="gpipe",
+                                     p2p_s=2.0)
+        t = run_timeline(dataclasses.replace(pipe, link_burst_s=burst_s))
+        return [a.start for a in t.actions[1] if a.kind == "F"]
+
+    assert arrivals(1.0, 0.0) == [3.0, 5.0]
+    assert arrivals(1.0, 0.5) == [3.0, 5.5]
+    assert arrivals(5.0, 0.5) == arrivals(5.0, 0.0) == [7.0, 12.0]
+    from lynx.planner.hardware import LinkSpec
+    from lynx.planner.problems import build_pipeline
+
+    link = LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9, burst_s=0.25)
+    assert "burst_s" not in LinkSpec(alpha_s=0.0, beta_bytes_per_s=1e9).model_dump()   # as before
+    assert LinkSpec.model_validate(link.model_dump()) == link
+    from lynx.planner.hardware import get_hardware
+
+    hw = get_hardware("cpu-local")
+    hw = hw.model_copy(update={"links": {**hw.links, "pp": link}})
+    assert build_pipeline(synthetic_graph(layers=4), pp=2, microbatches=2, hardware=hw).link_burst_s == 0.25

@@ -68,6 +68,7 @@ PHYSICAL_RANGES: dict[str, tuple[float, float, str]] = {
     "optimizer_s_per_param": (0.0, 1e-3, "s"),
     "runtime_action_s": (0.0, 1.0, "s"),
     "host_s_per_byte": (0.0, 1e-6, "s/B"),
+    "burst_s": (0.0, 60.0, "s"),
 }
 
 
@@ -94,12 +95,18 @@ class LinkSpec(BaseModel):
     # software-shaped link's kernel work on the ranks' own cores: lynx.testbed.host_probe); the
     # timeline charges it to the compute the message overlaps (lynx.planner.link_host)
     host_s_per_byte: _physical("host_s_per_byte") = 0.0  # type: ignore[valid-type]
+    # a rate-shaped link's token bucket (tc tbf; a cloud VM's burst credit): the seconds of transfer
+    # a message skips when its direction has rested at least that long (alpha and beta measured on
+    # such rested messages). A message starting t < burst_s after the one before it on the same
+    # direction ended finds the bucket partly empty and takes burst_s - t longer (lynx.planner.timeline)
+    burst_s: _physical("burst_s") = 0.0  # type: ignore[valid-type]
 
     @model_serializer(mode="wrap")
     def _omit_unmeasured(self, handler: Any) -> Any:
-        data = handler(self)   # a link without a host cost records as before the field existed
-        if isinstance(data, dict) and data.get("host_s_per_byte") == 0.0:
-            del data["host_s_per_byte"]
+        data = handler(self)   # a link without a host cost or a bucket records as before the fields existed
+        for name in ("host_s_per_byte", "burst_s"):
+            if isinstance(data, dict) and data.get(name) == 0.0:
+                del data[name]
         return data
 
 

@@ -91,6 +91,7 @@ def build_pipeline(graph: nx.DiGraph, *, pp: int, microbatches: int, schedule: s
                          host=host, action_s=action_s, grads_first=tp == 1,   # as the runtime: TP runs B whole
                          link_host_s_per_byte=hardware.links["pp"].host_s_per_byte if hardware is not None else 0.0,
                          boundary_bytes=tuple(boundary_bytes),
+                         link_burst_s=hardware.links["pp"].burst_s if hardware is not None else 0.0,
                          cores=CoreSharing.from_hardware(hardware, pp=pp, tp=tp, dp=dp))
 
 

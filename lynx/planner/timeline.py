@@ -8,7 +8,8 @@ with recomputation placed in windows or on demand, and records every interval a 
 ``recv_grad`` before a backward (a ``B`` that sends its input gradients before its weight
 part — ``PipelineCosts.grads_first``, as the runtime does — hands them over that much earlier),
 ``recv_act`` before a forward (a device's messages to one peer go one after another, in order,
-each ``boundary_s`` long) (it serves the next backward whose
+each ``boundary_s`` long, plus what a token-bucket link's bucket had not refilled:
+``PipelineCosts.link_burst_s``) (it serves the next backward whose
 forward is done) — each named by the ``R`` action the list puts before the wait —, the
 ``tp_allreduce`` of each layer's backward (serving layers not yet backpropagated) and the
 ``dp_collective`` tail after a device's last backward. A ``W`` runs where the list puts it, so
@@ -379,11 +380,17 @@ class _Replay(ReplayCopies):
     def send(self, a: TimedAction, boundary: int, sent: float, label: str) -> None:
         """``a``'s message over ``boundary`` posted at ``sent``: it leaves once the messages the
         device sent the same way before it are through (one connection per pair, in order: a
-        link's direction carries one message at a time) and arrives ``boundary_s`` later."""
+        link's direction carries one message at a time) and arrives ``boundary_s`` later — on a
+        link with a token bucket (``PipelineCosts.link_burst_s``) up to that much later again, when
+        it leaves less than that long after the message before it arrived (the bucket not yet
+        full again)."""
         src = self.chunk_of[a.chunk].device
         dst = self.chunk_of[boundary + 1 if a.kind == "F" else boundary].device
         seconds = self.pipe.boundary_s[boundary]
         start = max(sent, self.link_free.get((src, dst), 0.0)) if src != dst else sent
+        burst = self.pipe.link_burst_s
+        if burst > 0 and seconds > 0 and (src, dst) in self.link_free:
+            seconds += burst - min(burst, start - self.link_free[(src, dst)])
         end = self.arrive[(a.kind, a.chunk, a.microbatch)] = start + seconds
         if seconds > 0 and src != dst:
             self.link_free[(src, dst)] = end

@@ -52,6 +52,8 @@ class PipelineCosts:
     # bytes of each boundary's message (activation one way, gradient the other)
     link_host_s_per_byte: float = 0.0
     boundary_bytes: tuple[int, ...] = ()
+    # the pp link's token bucket (LinkSpec.burst_s): a message sent back to back takes this much longer
+    link_burst_s: float = 0.0
     # more ranks than cores: the step re-timed with the cores shared among the busy ranks
     # (lynx.planner.core_sharing); None: a core or device per rank, the costs as they are
     cores: Optional["CoreSharing"] = None
