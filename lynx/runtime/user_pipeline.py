@@ -43,6 +43,9 @@ Conventions (see ``docs/train_your_model.md``):
   :func:`lynx.runtime.checkpoint.save_state` (nothing unpickled on load).
 - **Failures**: an uncaught exception on any rank ends every rank with exit status 1 and a
   message naming the failed rank (:mod:`lynx.runtime.failure_exit`).
+- **Tracing**: every rank traces and partitions its stage's graphs when the pipeline is built,
+  the ranks side by side (:mod:`lynx.runtime.prelower`), not each after the previous stage's
+  first forward.
 
 What the pipeline hands its runner in place of your objects (the last stage with its loss, an
 optimizer whose ``step()`` your loop calls): :mod:`lynx.runtime.pipeline_adapters`.
@@ -70,6 +73,7 @@ from lynx.runtime.batching import (
 from lynx.runtime.executable import check_executable
 from lynx.runtime.job import check_runnable, check_same_everywhere, join_job
 from lynx.runtime.p2p import Pollable
+from lynx.runtime.prelower import lower_chunks
 from lynx.runtime.pipeline_adapters import LossStage, StepByUser
 from lynx.runtime.data_parallel import syncs_own_buckets
 from lynx.runtime.runner import RuntimeConfig, StageRunner
@@ -193,6 +197,8 @@ class Pipeline:
         self.last_step_skipped = False
         self.skipped_steps: list[int] = []   # steps with a non-finite loss or gradient (skip_nonfinite)
         self.last_nonfinite: str | None = None
+        if stage is None:   # traced now, every rank at once, not rank after rank in the first step
+            lower_chunks(self.chunks, parts, self._examples, self.device)
 
     # ------------------------------------------------------------------ parts
     def _holder(self) -> torch.nn.Module:

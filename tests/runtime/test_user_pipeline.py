@@ -113,6 +113,9 @@ def check_cases(out: Path, cases, *, nproc: int, pp: int) -> None:
                 assert torch.equal(grad, grads[name]), f"{where}: gradient of {name} differs"
             for name, value in got["params"].items():
                 assert torch.equal(value, params[name]), f"{where}: parameter {name} differs"
+            # each chunk lowered when the Pipeline was built (lynx.runtime.prelower), for what the steps brought
+            once = [1] * len(got["chunks"])
+            assert got["lowered"] == (once, once), f"{where}: lowered for (built, after) {got['lowered']} signatures"
             seen |= set(got["params"])
             _check_trace(got, schedule, pp)
             _check_peak(got, kind, where)

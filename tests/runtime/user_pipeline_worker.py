@@ -70,6 +70,7 @@ def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
         recomputed = sum(d.action == "recompute" for s in compiled.plan.stages for d in s.decisions)
         offloaded = sum(d.action == "offload" for s in compiled.plan.stages for d in s.decisions)
         pipe = lynx.runtime.Pipeline(compiled, timeout_s=60, trace=True, **pipe_options)
+        built = [len(chunk._lowered) for chunk in pipe.chunks.values()]   # lowered as the pipe was built
         opt = um.optimizer(pipe.parameters())
         losses, grads, stats = [], {}, []
         read = {n for chunk in pipe.chunks.values() for n in chunk.spec.inputs}
@@ -96,6 +97,8 @@ def run_cases(out_dir: str, pp: int, cases: list[str], **pipe_options) -> None:
                 "form": compiled.loss.form,
                 "stats": stats,
                 "predicted_activation_bytes": compiled.plan.stage(pipe.stage_index).activation_bytes,
+                # the signatures each chunk lowered for, when built and after the steps (lynx.runtime.prelower)
+                "lowered": (built, [len(chunk._lowered) for chunk in pipe.chunks.values()]),
             },
             os.path.join(out_dir, f"{kind}.{schedule}.rank{pipe.rank}.pt"),
         )
