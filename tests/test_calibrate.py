@@ -63,6 +63,11 @@ def test_unreliable_figures_name_the_spread_and_why() -> None:
     lone = Repeated("links.beta_bytes_per_s", [3.3e9, 7.0e9, 3.4e9], best="max")
     assert lone.value == 7.0e9 and "share a cache" in unreliable_figures([lone], 4.0, 2)["links.beta_bytes_per_s"]
     assert unreliable_figures([Repeated("links.beta_bytes_per_s", [3.3e9, 7.0e9, 6.8e9], best="max")], 0.5, 2) == {}
+    # the TP stage's figure, however steady its blocks, is the moment's where other processes took the cores
+    crowded = Repeated("links.tp.alpha_s", [5.0e-4, 5.1e-4, 5.0e-4], others_cpus=0.8)
+    assert "other processes took 0.80 cpus" in unreliable_figures([crowded], 7.0, 2)["links.tp.alpha_s"]
+    crowded.others_cpus = 0.05
+    assert unreliable_figures([crowded], 1.0, 2) == {}
 
 
 @pytest.fixture(scope="module")
@@ -207,9 +212,11 @@ def test_the_tp_link_is_fitted_to_all_reduce_times() -> None:
     assert per_collective_s(0.005, 0.006, 64) == 0.0 and per_collective_s(0.01, 0.0, 0) == 0.0
 
 
-def _staged_rank(rank, gate, fail):
-    """A Staged rank: prepares (or fails to), waits to be let go, reports its CPU."""
+def _staged_rank(rank, gate, fail, blocks=0):
+    """A Staged rank: prepares (or fails to), waits to be let go, reports its CPU (and when
+    each of ``blocks`` blocks was let go)."""
     import os
+    import time
 
     from lynx.calibrate.forked import pin_to_core
 
@@ -219,7 +226,12 @@ def _staged_rank(rank, gate, fail):
 
     cpu = pin_to_core(rank)
     gate.prepared(30.0)
-    return cpu, sorted(os.sched_getaffinity(0)), thread_slice_s()
+    starts = []
+    for _ in range(blocks):
+        gate.next_block(rank, 30.0)
+        starts.append(time.monotonic())
+        gate.block_done()
+    return cpu, sorted(os.sched_getaffinity(0)), thread_slice_s(), starts
 
 
 def test_staged_ranks_prepare_then_measure_once_let_go_each_on_a_core() -> None:
@@ -228,16 +240,23 @@ def test_staged_ranks_prepare_then_measure_once_let_go_each_on_a_core() -> None:
     scheduler slices a training rank's threads get; a rank that fails preparing says so too
     (nothing waits on it); cancel() ends ranks never let go."""
     import os
+    import time
 
     from lynx.calibrate.forked import Staged
     from lynx.runtime.sched_slice import SHORT_SLICE_S, custom_slices, thread_slice_s
 
     allowed = sorted(os.sched_getaffinity(0))
-    with Staged(_staged_rank, 2, (False,), timeout_s=30.0) as staged:
+    with Staged(_staged_rank, 2, (False, 2), timeout_s=30.0) as staged:
         assert staged.wait_prepared()
+        # blocks of runs, each let go by run_block once the one before is done (the calibration's
+        # TP stage, one block after each of its repeats)
+        assert staged.run_block()
+        between = time.monotonic()
+        assert staged.run_block()
         items, missing = staged.results()
     got = dict(items)
     assert missing is None and set(got) == {0, 1}
+    assert all(got[r][3][0] < between < got[r][3][1] for r in (0, 1))
     if len(allowed) >= 2:
         assert [got[r][:2] for r in (0, 1)] == [(allowed[0], [allowed[0]]), (allowed[1], [allowed[1]])]
     if custom_slices() and thread_slice_s() is not None:

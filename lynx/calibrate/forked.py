@@ -8,7 +8,9 @@ each), then joins every process, killing one that lingers.
 A measurement whose ranks first build and trace a pipeline stage (seconds of CPU, nothing timed)
 is started early as a :class:`Staged` one: its ranks prepare while this process captures the
 references on the other core, then wait for :meth:`Staged.results`, which lets them measure on
-cores no preparation shares any more.
+cores no preparation shares any more — or for :meth:`Staged.run_block`, which lets them time one
+block of runs while this process idles, so that a measurement's blocks can sit between this
+process's own repeats and span the calibration, not a few seconds of it.
 
 :func:`pin_to_core` puts a rank on a core of its own, as a training job's busy ranks run: left to
 the scheduler, two ranks of a 2-core host sometimes shared a core for a whole measurement, and a
@@ -29,6 +31,8 @@ __all__ = ["collect", "pin_to_core", "Staged", "Gate", "GO_WAIT_S", "staged_rank
 
 # how long a prepared rank waits to be let measure: the calibration's CPU repeats come between
 GO_WAIT_S = 900.0
+# more blocks of runs than a measurement lets go (Gate.abandon_blocks)
+_MAX_BLOCKS = 64
 
 
 def collect(procs: list[Any], queue: Any, expected: int, timeout_s: float,
@@ -54,10 +58,13 @@ def collect(procs: list[Any], queue: Any, expected: int, timeout_s: float,
 
 class Gate:
     """Between a :class:`Staged` rank and this process: the rank says it is prepared (or failed
-    preparing), then waits to be let measure."""
+    preparing), then waits to be let measure — at once, or (:meth:`next_block`) one block of
+    runs at a time, each when this process lets it (:meth:`Staged.run_block`)."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, ranks: int = 1) -> None:
         self._prepared, self._go, self._said = ctx.Semaphore(0), ctx.Event(), False
+        # a block's go per rank (a shared one would let a quick rank take another's), done shared
+        self._blocks, self._block_done = [ctx.Semaphore(0) for _ in range(ranks)], ctx.Semaphore(0)
 
     def prepared(self, wait_s: float) -> None:
         """In the rank: prepared; returns once let measure (raises after ``wait_s`` without)."""
@@ -66,6 +73,23 @@ class Gate:
             from lynx.errors import LynxRuntimeError
 
             raise LynxRuntimeError(f"prepared, but not let measure within {wait_s:.0f} s")
+
+    def next_block(self, rank: int, wait_s: float) -> None:
+        """In rank ``rank``: wait until this process lets its next block of runs go (raises
+        after ``wait_s`` without)."""
+        if not self._blocks[rank].acquire(timeout=wait_s):
+            from lynx.errors import LynxRuntimeError
+
+            raise LynxRuntimeError(f"prepared, but no block of runs let go within {wait_s:.0f} s")
+
+    def block_done(self) -> None:
+        """In the rank: its block of runs is done."""
+        self._block_done.release()
+
+    def abandon_blocks(self) -> None:
+        """In a rank that failed: no block waits on it any more (:meth:`Staged.run_block`)."""
+        for _ in range(_MAX_BLOCKS):
+            self._block_done.release()
 
     def failed(self) -> None:
         """In the rank: done preparing, one way or the other (said once per rank)."""
@@ -91,6 +115,7 @@ def staged_rank(target: Any, rank: int, gate: Gate | None, queue: Any, *args: An
     except Exception as err:  # noqa: BLE001 - reported to the parent, which raises a LynxRuntimeError
         if gate is not None:
             gate.failed()
+            gate.abandon_blocks()
         queue.put((rank, f"rank {rank}: {type(err).__name__}: {err}"))
     finally:
         queue.close()
@@ -127,7 +152,7 @@ class Staged:
         import multiprocessing as mp
 
         ctx = mp.get_context("fork")
-        self.queue, self.gate, self.timeout_s = ctx.Queue(), Gate(ctx), timeout_s
+        self.queue, self.gate, self.timeout_s = ctx.Queue(), Gate(ctx, ranks), timeout_s
         self.procs = [ctx.Process(target=staged_rank, args=(target, rank, self.gate, self.queue, *args),
                                   daemon=True) for rank in range(ranks)]
         for p in self.procs:
@@ -142,6 +167,15 @@ class Staged:
                 return False
             self._waiting -= 1
         return True
+
+    def run_block(self) -> bool:
+        """Let every rank time one block of runs (:meth:`Gate.next_block`) and wait until all
+        have (at most ``timeout_s`` each); False if one had not by then. This process idles
+        meanwhile, so the block has the cores to itself."""
+        self.gate._go.set()
+        for go in self.gate._blocks:
+            go.release()
+        return all(self.gate._block_done.acquire(timeout=self.timeout_s) for _ in self.procs)
 
     def results(self) -> tuple[list[Any], str | None]:
         """Let the ranks measure; what they put on the queue, as :func:`collect`."""

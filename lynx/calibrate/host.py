@@ -55,7 +55,7 @@ from lynx.units import format_size
 from lynx.errors import LynxRuntimeError
 from lynx.planner.hardware import RELIABLE_SPREAD, Calibration, HardwareSpec, LinkSpec
 
-__all__ = ["calibrate_host", "unreliable_figures", "STARVED_SHARE", "LINK_REPEATS_PER_REPEAT"]
+__all__ = ["calibrate_host", "unreliable_figures", "STARVED_SHARE", "LINK_REPEATS_PER_REPEAT", "OTHERS_CPUS"]
 
 
 def calibrate_host(progress: bool = True, repeats: int = 5, device: str | None = None) -> HardwareSpec:
@@ -98,12 +98,27 @@ LINK_REPEATS_PER_REPEAT = 2
 STARVED_SHARE = 0.25
 
 
+# Above this many cpus taken by other processes while the TP stage's runs went on, its figure is
+# that moment's: the stage idles between hand-offs and the others' work there delays them (~4.5
+# ms a run per 10 ms of theirs; ten calibrations a minute apart read 447-704 µs for the tp link's
+# α as other sessions' jobs took 0.6-0.9 cpus), however steady its blocks
+OTHERS_CPUS = 0.25
+
+
 def unreliable_figures(measured: list[Repeated], load: float, cpus: int) -> dict[str, str]:
     """Each figure with a repeat more than ``RELIABLE_SPREAD`` from the repeats' median, or
-    whose every repeat got less than ``STARVED_SHARE`` of a core, with why."""
+    whose every repeat got less than ``STARVED_SHARE`` of a core, or measured while other
+    processes took more than ``OTHERS_CPUS`` cpus, with why."""
     out = {}
     busy = f"load {load:.1f} on {cpus} cpus"
     for m in measured:
+        if m.others_cpus is not None and m.others_cpus > OTHERS_CPUS:
+            out[m.name] = (f"other processes took {m.others_cpus:.2f} cpus while it was measured (more than "
+                           f"{OTHERS_CPUS:.2f} of a core; {busy}): "
+                           "between its hand-offs the stage leaves the cores idle, and other jobs' work there "
+                           "delays them, so the figure is that moment's load's, not the host's (it moved by "
+                           "1.5× as their share did). Measure again on a quieter machine: lynx calibrate")
+            continue
         if m.cpu_shares and max(m.cpu_shares) < STARVED_SHARE:
             out[m.name] = (f"no repeat's runs got more than {max(m.cpu_shares):.0%} of a core ({busy}): starved that "
                            "long, even CPU time is inflated (other jobs keep the caches and memory busy), however "
@@ -138,7 +153,7 @@ def _measure_cpu(repeats: int, say: "CalibrationProgress") -> tuple[dict[str, An
     from lynx.calibrate.cpu import ReferenceModel, start_generated_graphs_s
     from lynx.calibrate.runtime import start_runtime_action_s
     from lynx.calibrate.standalone import start_standalone
-    from lynx.calibrate.tp_stage import TP_REPEATS, TP_RUNS, start_tp_stage_s
+    from lynx.calibrate.tp_stage import block_runs, start_tp_stage_s
 
     say.total(3 + repeats)
     torch.set_num_threads(1)
@@ -156,8 +171,9 @@ def _measure_cpu(repeats: int, say: "CalibrationProgress") -> tuple[dict[str, An
         # the tp link's all-reduce ladder the TP stage's (no pair of processes forked for them)
         runtime_ranks = ranks.enter_context(start_runtime_action_s(small, repeats=repeats,
                                                                    link_repeats=LINK_REPEATS_PER_REPEAT * repeats))
-        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=min(repeats, TP_REPEATS), runs=TP_RUNS,
-                                                        ladder_repeats=repeats))
+        # the TP stage's runs: a block after each repeat (run_block), spread over the calibration
+        tp_ranks = ranks.enter_context(start_tp_stage_s(sharded, repeats=repeats, runs=block_runs(repeats),
+                                                        ladder_repeats=repeats, blocks=True))
         reference = ReferenceModel()
         # the check's timing of the reference's generated graphs: traced in a process of its own
         check = ranks.enter_context(start_generated_graphs_s(reference, runs=3))
@@ -176,7 +192,7 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
     from lynx.calibrate.cpu import priced_graphs_s
     from lynx.calibrate.runtime import runtime_action_results
     from lynx.calibrate.standalone import standalone_results
-    from lynx.calibrate.tp_stage import TP_RUNS, per_collective_s, priced_stage_s, tp_stage_results
+    from lynx.calibrate.tp_stage import block_runs, per_collective_s, priced_stage_s, tp_stage_results
 
     from lynx.calibrate.allreduce import allreduce_link
 
@@ -192,7 +208,8 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
     small_s = Repeated("small")
     beside = standalone_results(standalone)   # timed while the first capture ran (lynx.calibrate.standalone)
     for r in range(repeats):
-        say.step(f"repeat {r + 1} of {repeats}: gpt-tiny's nodes and generated graphs, optimizer steps")
+        say.step(f"repeat {r + 1} of {repeats}: gpt-tiny's nodes and generated graphs, optimizer steps; a "
+                 f"block of {block_runs(repeats)} runs of the tensor-parallel stage on 2 processes")
         eager, ratios = beside[r].eager, beside[r].ratios
         rates = node_rates(reference, eager.seconds)
         steps = optimizer_s_per_param(reference)
@@ -207,6 +224,10 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
             m[f"optimizer_s_per_param.{name}"].add(steps[name].seconds, steps[name].cpu_share)
         for name, value in beside[r].host_link.items():
             m[f"host_link.{name}"].add(value)
+        # this repeat's block of the TP stage's runs, while this process waits (nothing else runs)
+        if not tp_ranks.run_block():
+            raise LynxRuntimeError("the tensor-parallel stage's ranks did not finish a block of runs within "
+                                   f"{tp_ranks.timeout_s:.0f} s")
     # generated code's per-op cost on the median rates: its spread is the timing's alone
     rates = {"matmul_flops": m["peak_flops.float32"].median, "memory_bandwidth": m["memory_bandwidth"].median,
              "rng_s_per_element": m["rng_s_per_element"].median}
@@ -247,9 +268,9 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
         "host_memory_bytes": physical_memory() // 2,
         "runtime_action_s": m["runtime_action_s"].value,
     }
-    say.step("a tensor-parallel stage on 2 processes: what its collectives cost beyond the all-reduces alone; "
-             f"then the tp link between them (all-reduces of {ladder})")
-    stage_walls, tp_ladder = tp_stage_results(sharded, tp_ranks)
+    say.step("the tensor-parallel stage's 2 processes: the tp link between them (all-reduces of "
+             f"{ladder}); what the stage's collectives cost beyond the all-reduces alone")
+    stage_walls, tp_ladder, tp_others = tp_stage_results(sharded, tp_ranks)
     assert tp_ladder is not None   # asked for (start_tp_stage_s's ladder_repeats)
     tp_link, tp_fits = allreduce_link(tp_ladder)
     fields["links"] = {"pp": link, "tp": tp_link, "dp": link}
@@ -260,6 +281,7 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
     tp_alpha = Repeated("links.tp.alpha_s", [f.alpha_s + e / 2 for f, e in zip(tp_fits, extra)])
     fields["links"] = {**fields["links"], "tp": LinkSpec(alpha_s=tp_link.alpha_s + statistics.median(extra) / 2,
                                                          beta_bytes_per_s=tp_link.beta_bytes_per_s)}
+    tp_alpha.others_cpus = max(tp_others) if tp_others else None   # unreliable_figures: OTHERS_CPUS
     measured = [*m.values(), alpha, beta, tp_alpha,
                 Repeated("links.tp.beta_bytes_per_s", [f.beta_bytes_per_s for f in tp_fits])]
     modelled = priced_graphs_s(reference, rates, fields["op_overhead_s"])
@@ -289,8 +311,11 @@ def _measure_cpu_figures(repeats: int, say: "CalibrationProgress", reference: An
              f"{tp_link.alpha_s * 1e6:.1f} µs, a 32 KiB all-reduce {allreduce_time(32768, 2, tp_link) * 1e6:.0f} µs), "
              f"and α raised by half of what each collective costs inside a TP stage beyond that: gpt-tiny at seq "
              f"4 × 1 in pp 1 × tp 2 on 2 processes ran its generated graphs in {min(stage_walls) * 1e3:.1f}-"
-             f"{max(stage_walls) * 1e3:.1f} ms (the median of {TP_RUNS} runs in each of {len(stage_walls)} repeats: "
-             f"every step pays the typical run's hand-offs), priced at {priced * 1e3:.1f} ms without it: "
+             f"{max(stage_walls) * 1e3:.1f} ms (the median of {block_runs(repeats)} runs in each of "
+             f"{len(stage_walls)} blocks, one after each repeat: every step pays the typical run's hand-offs, "
+             "and what they cost moves with the moment; other processes took "
+             + (f"{min(tp_others):.2f}-{max(tp_others):.2f} cpus meanwhile" if tp_others else "an unknown share")
+             + f"), priced at {priced * 1e3:.1f} ms without it: "
              f"{statistics.median(extra) * 1e6:.0f} µs more per collective "
              f"({collectives} per run), a 32 KiB all-reduce "
              f"{allreduce_time(32768, 2, fields['links']['tp']) * 1e6:.0f} µs in all",

@@ -42,6 +42,9 @@ class Repeated:
     values: list[float] = field(default_factory=list)
     cpu_shares: list[float] = field(default_factory=list)
     best: str | None = None
+    # the most cpus other processes took while a repeat was timed, where that was counted (a
+    # figure timed in wall time across processes that idle between hand-offs: the TP stage)
+    others_cpus: float | None = None
 
     def add(self, value: float, cpu_share: float | None = None) -> None:
         self.values.append(value)

@@ -29,6 +29,16 @@ per-op cost of the rank's nodes (:func:`lynx.planner.tp_costs.rank_seconds`) and
 all-reduce on the fitted link — from it, and divides what is left by the collectives the run
 issued: the per-collective term the tp link's α carries (:mod:`lynx.calibrate.host`).
 
+What that costs moves with the moment, not with the processes: the stage idles between its
+hand-offs (its ranks used ~55 ms of CPU per 80 ms run) and whatever else the host runs then
+delays them. In one pair of ranks, four blocks of 27 runs 5 s apart read medians of 60-71, 62-89
+and 78-97 ms, as far apart as separate calibrations; under other sessions' nice-19 jobs each
+10 ms of CPU they took during a run lengthened it by ~4.5 ms, and ten calibrations a minute
+apart read 447-704 µs as those jobs' share rose. So ``lynx calibrate`` times the runs in blocks
+spread over its repeats (:data:`TP_STAGE_RUNS`, ``blocks``), the figure the median over them and
+their spread how much the moment moved it, and reports the cpus other processes took meanwhile
+(:func:`others_cpus`), with which the figure is not the host's alone.
+
 Example (forks two processes; a few seconds)::
 
     >>> from lynx.calibrate.cpu import ReferenceModel
@@ -52,22 +62,38 @@ from lynx.calibrate.cpu import ReferenceModel
 from lynx.errors import LynxRuntimeError
 
 __all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "TPMeasured", "priced_stage_s", "per_collective_s",
-           "TP_REPEATS", "TP_RUNS"]
+           "others_cpus", "TP_STAGE_RUNS", "block_runs"]
 
-# repeats of the stage in a calibration: a run takes ~0.08 s on 2 cores; 3 repeats of 9 runs,
-# each repeat the median of its runs and the figure the median over the repeats (~2 s): with 5
-# runs a repeat's median still moved 15-20% between repeats of one calibration, with 9 ~10%
-TP_REPEATS = 3
-TP_RUNS = 9
+# runs of the stage in a calibration, all blocks together: a run takes ~0.08 s on 2 cores, so
+# ~2.5 s in all. ``lynx calibrate`` times them in one block after each of its repeats
+# (Staged.run_block), not back to back: what a collective costs here moved with the moment
+# (the other load in the stage's idle gaps, the host), and 27 runs in one stretch of ~2.3 s read
+# 80, 92 and 120 ms median in three quiet calibrations minutes apart, each stretch's 3 repeats
+# within 4%. Blocks spread over the calibration's repeats see more of those moments, and their
+# spread says how much the figure moved while it was measured.
+TP_STAGE_RUNS = 30
+
+
+def block_runs(blocks: int) -> int:
+    """Runs per block when the calibration's :data:`TP_STAGE_RUNS` are timed in ``blocks``
+    blocks (at least 3, so a block's median is a run's, not an outlier's).
+
+        >>> block_runs(5), block_runs(1), block_runs(20)
+        (6, 30, 3)
+    """
+    return max(3, -(-TP_STAGE_RUNS // max(1, blocks)))
 
 
 class TPMeasured(NamedTuple):
-    """What rank 0 of :func:`start_tp_stage_s` measured: per repeat, the median run's seconds;
-    and the all-reduce ladder per repeat and size (:func:`lynx.calibrate.allreduce.ladder_trips`),
-    or None when not asked for."""
+    """What :func:`start_tp_stage_s`'s ranks measured: per repeat (block), rank 0's median run's
+    seconds; the all-reduce ladder per repeat and size
+    (:func:`lynx.calibrate.allreduce.ladder_trips`), or None when not asked for; and per repeat
+    the cpus other processes took while it ran (:func:`others_cpus`; None where ``/proc/stat``
+    is not there to say)."""
 
     walls: list[float]
     ladder: list[list[float]] | None
+    others: list[float] | None = None
 
 
 def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0) -> list[float]:
@@ -78,12 +104,14 @@ def tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeo
 
 
 def start_tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5, timeout_s: float = 120.0,
-                     ladder_repeats: int = 0) -> Any:
+                     ladder_repeats: int = 0, blocks: bool = False) -> Any:
     """Fork the two ranks: they build the TP stage and trace it (the first run, ~3 s of CPU
     each), then wait for :func:`tp_stage_results` to let them time it
-    (:class:`lynx.calibrate.forked.Staged`); with ``ladder_repeats``, they time the all-reduce
-    ladder on their group after the stage (:mod:`lynx.calibrate.allreduce`), without forking
-    and joining a group for it."""
+    (:class:`lynx.calibrate.forked.Staged`) — or, with ``blocks``, time each repeat when
+    :meth:`~lynx.calibrate.forked.Staged.run_block` lets it (every repeat must be let go before
+    :func:`tp_stage_results`); with ``ladder_repeats``, they time the all-reduce ladder on their
+    group after the stage (:mod:`lynx.calibrate.allreduce`), without forking and joining a group
+    for it."""
     if not hasattr(os, "fork"):
         raise LynxRuntimeError("measuring a tensor-parallel stage forks two ranks of this process; this platform "
                                "has no fork")
@@ -91,8 +119,8 @@ def start_tp_stage_s(reference: ReferenceModel, repeats: int = 5, runs: int = 5,
     from lynx.runtime.topology import free_port
 
     tp = reference.compiled.config.tp
-    return Staged(_worker, tp, (tp, free_port(), reference.compiled, repeats, runs, timeout_s, ladder_repeats),
-                  timeout_s)
+    return Staged(_worker, tp, (tp, free_port(), reference.compiled, repeats, runs, timeout_s, ladder_repeats,
+                                blocks), timeout_s)
 
 
 def tp_stage_results(reference: ReferenceModel, started: Any) -> TPMeasured:
@@ -105,7 +133,33 @@ def tp_stage_results(reference: ReferenceModel, started: Any) -> TPMeasured:
     if errors or 0 not in results:
         raise LynxRuntimeError(f"could not run a tensor-parallel stage on {reference.compiled.config.tp} processes "
                                f"to time its collectives: {errors or 'rank 0 sent no result'}")
-    return TPMeasured(*results[0])
+    walls, ladder, host_busy = results[0][:3]
+    own = [sum(parts) for parts in zip(*(results[r][3] for r in sorted(results)))]
+    spans = results[0][4]
+    others = None if host_busy is None else [others_cpus(b, o, t) for b, o, t in zip(host_busy, own, spans)]
+    return TPMeasured(walls, ladder, others)
+
+
+def others_cpus(host_busy_s: float, own_cpu_s: float, span_s: float) -> float:
+    """The cpus other processes took while the stage's runs went on: the host's busy CPU time
+    over ``span_s`` less the ranks' own (never negative; ``/proc/stat`` counts in ticks).
+
+        >>> others_cpus(1.5, 1.1, 0.5)
+        0.8
+    """
+    return round(max(0.0, host_busy_s - own_cpu_s) / span_s, 3) if span_s > 0 else 0.0
+
+
+def _host_busy_s() -> float | None:
+    """CPU seconds the host has been busy (user, nice, system, irq, softirq: not idle, iowait
+    or steal) since boot, from ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = ticks
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def priced_stage_s(reference: ReferenceModel, spec: Any) -> tuple[float, int]:
@@ -142,11 +196,14 @@ def per_collective_s(measured_s: float, priced_s: float, collectives: int) -> fl
 
 
 def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats: int, runs: int,
-            timeout_s: float, ladder_repeats: int = 0) -> tuple[list[float], Any]:
+            timeout_s: float, ladder_repeats: int = 0, blocks: bool = False) -> tuple:
     """One rank (:func:`lynx.calibrate.forked.staged_rank` runs it): its stage, traced; then,
-    once let go, per repeat the median wall seconds of its stage's graphs alone; then (with
-    ``ladder_repeats``) the all-reduce ladder on the ranks' gloo group
-    (:func:`lynx.calibrate.allreduce.ladder_trips`; rank 0 returns it)."""
+    once let go, per repeat the median wall seconds of its stage's graphs alone (with
+    ``blocks``, each repeat when let go: :meth:`~lynx.calibrate.forked.Gate.next_block`); then
+    (with ``ladder_repeats``) the all-reduce ladder on the ranks' gloo group
+    (:func:`lynx.calibrate.allreduce.ladder_trips`; rank 0 returns it). Per repeat too, this
+    rank's CPU seconds (every thread's) and, on rank 0, the host's busy seconds and the
+    repeat's wall span, for :func:`others_cpus`."""
     import torch.distributed as dist
 
     import lynx
@@ -161,16 +218,27 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
                           compiled.config.microbatches)
     graphs()   # the joint graphs' traces, gloo's connections
     gate.prepared(GO_WAIT_S)
-    graphs()   # warm-up: the caches, after the wait (the code is warm: it ran before it)
-    out = []
-    for _ in range(repeats):
+    out, cpu, busy, spans = [], [], [], []
+    for r in range(repeats):
+        if blocks:
+            gate.next_block(rank, GO_WAIT_S)
+        if blocks or not r:
+            graphs()   # warm-up: the caches, after the wait (the code is warm: it ran before it)
         walls = []
+        dist.barrier()
+        host0, cpu0, start0 = _host_busy_s(), time.process_time(), time.perf_counter()
         for _ in range(runs):
             dist.barrier()
             start = time.perf_counter()
             graphs()
             walls.append(time.perf_counter() - start)
+        spans.append(time.perf_counter() - start0)
+        cpu.append(time.process_time() - cpu0)
+        host1 = _host_busy_s()
+        busy.append(None if host0 is None or host1 is None else host1 - host0)
         out.append(statistics.median(walls))   # the typical run: see the module docstring
+        if blocks:
+            gate.block_done()
     ladder = None
     if ladder_repeats:
         from lynx.calibrate.allreduce import ladder_trips
@@ -179,4 +247,5 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
         assert world_group is not None   # the pipeline's default group
         ladder = ladder_trips(world_group.group_name, ladder_repeats)
     pipe.close()
-    return out, (ladder if rank == 0 else None)
+    host = None if None in busy else busy
+    return (out, ladder, host, cpu, spans) if rank == 0 else (None, None, None, cpu, spans)

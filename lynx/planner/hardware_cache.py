@@ -168,7 +168,7 @@ def stale_reason(calibration: Calibration | None, load: float | None, cpus: int,
         >>> stale_reason(cal, load=4.5, cpus=2, now=now + datetime.timedelta(days=8))
         'the cached measurement is 9 days old (measured again after 7)'
         >>> stale_reason(cal.model_copy(update={"method": 1}), load=4.5, cpus=2, now=now)
-        'the cached measurement was made by an older `lynx calibrate` (method 1; this Lynx measures by method 9)'
+        'the cached measurement was made by an older `lynx calibrate` (method 1; this Lynx measures by method 10)'
     """
     if calibration is None:
         return None  # a file written by hand into the cache: used as it is
