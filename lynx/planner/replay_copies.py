@@ -3,7 +3,8 @@
 :class:`ReplayCopies` is the base of the replay in :mod:`lynx.planner.timeline`: the drawing
 segments it records, the prefetches a plan names in a window (issued when the window opens),
 those a backward streams as its blocks start, and the wait until what a block reads is back on
-the device (exposed copy time). The lanes' bookkeeping itself: :class:`~lynx.planner.copy_lanes.CopyReplay`.
+the device (exposed copy time) — or what a tensor-parallel window's recomputation reads. The
+lanes' bookkeeping itself: :class:`~lynx.planner.copy_lanes.CopyReplay`.
 """
 
 from __future__ import annotations
@@ -70,3 +71,16 @@ class ReplayCopies:
             self.exposed_copy[s] += arrival - t
             return arrival
         return t
+
+    def tp_window_wait(self, s: int, a: TimedAction, below: Optional[int], t: float, load: float,
+                       allreduce: float) -> float:
+        """Seconds a TP window's recomputation starting at ``t`` waits for the prefetches of
+        block ``below`` (issued as this block started); a wait past the all-reduce is exposed
+        copy time."""
+        if load <= 0 or below is None or self.copies is None or a.kind not in ("B", "I"):
+            return 0.0
+        late = max(0.0, self.copies.arrival(a.chunk, a.microbatch, below) - t)
+        if late > allreduce:
+            self.exposed_copy[s] += late - allreduce
+            self.segment(s, "wait", t + allreduce, t + late, f"h2d {a.kind}{a.microbatch}")
+        return late

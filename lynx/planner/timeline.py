@@ -305,7 +305,7 @@ class _Replay(ReplayCopies):
             return self.backward_grads_first(s, a, blocks, t)
         if copies is not None and a.kind in ("B", "I"):
             t = self.copy_wait(s, a, None, self.issue_streamed(s, a, None, t))
-        for b in reversed(self.chunk_of[a.chunk].blocks):
+        for i, b in enumerate(blocks):
             cost = self.pipe.costs[b]
             compute = cost.backward_s - (self.weight_s(a.chunk, cost) if a.kind == "I" else 0.0)
             if copies is not None and a.kind in ("B", "I"):
@@ -328,10 +328,14 @@ class _Replay(ReplayCopies):
                 tload = self.window_load(tid)
                 self.windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
                                            self.eligible(s, a.chunk, below_block=b), tload))
-                self.account(s, t, tload, cost.tp_backward_s, str(tid))
-                if cost.tp_backward_s > tload:
-                    self.segment(s, "tp", t + tload, t + cost.tp_backward_s, str(tid))
-                t += max(cost.tp_backward_s, tload)
+                # its recomputation may read what the backward prefetched at this block's start
+                # for the block below (lynx.solvers.offload.streamed_before): it waits for that
+                late = self.tp_window_wait(s, a, blocks[i + 1] if i + 1 < len(blocks) else None, t, tload,
+                                           cost.tp_backward_s)
+                self.account(s, t + late, tload, max(0.0, cost.tp_backward_s - late), str(tid))
+                if cost.tp_backward_s > tload + late:
+                    self.segment(s, "tp", t + late + tload, t + cost.tp_backward_s, str(tid))
+                t += max(cost.tp_backward_s, tload + late)
             if a.kind == "B" and a.microbatch == self.last_bwd_mb[a.chunk]:
                 self.block_done[(s, b)] = t
         if copies is not None and a.kind in ("B", "I"):

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lynx.planner.windows import WindowId
 from lynx.solvers.problem import (Assignment, StageProblem, exposed_recompute_s, group_key, group_ranks, is_sent,
                                   savers_of)
 
-__all__ = ["GroupLayout", "group_layout", "read_groups", "issue_group", "issue_steps", "offloadable",
-           "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes", "prefetch_bytes_by_issue",
-           "offload_overhead", "total_exposed_s"]
+__all__ = ["GroupLayout", "group_layout", "read_groups", "issue_group", "issue_steps", "streamed_before",
+           "offloadable", "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes",
+           "prefetch_bytes_by_issue", "offload_overhead", "total_exposed_s"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,19 @@ def issue_steps(problem: StageProblem, offload: frozenset[str] | set[str]) -> di
         g = issue_group(reads[name], layout)
         out[name] = layout.first_step[g] if g >= 0 else 0
     return out
+
+
+def streamed_before(problem: StageProblem, name: str, window: WindowId) -> bool:
+    """Whether offloaded ``name``'s streamed prefetch is issued before ``window`` runs: a
+    tensor-parallel window of layer ``L`` runs inside ``L``'s backward, after its all-reduces,
+    so what the backward issues at that group's start or earlier (a value read in the group
+    below ``L`` or later) is on its way; the window's recomputation waits for it (the
+    timeline's ``tp_allreduce`` window waits for the prefetches of the block below)."""
+    if window.kind != "tp_allreduce" or window.layer is None:
+        return False
+    rank = group_ranks(problem).get(f"layer{window.layer}")
+    issued = issue_group(read_groups(problem)[name], group_layout(problem))
+    return rank is not None and issued >= rank
 
 
 def offloadable(problem: StageProblem) -> list[str]:

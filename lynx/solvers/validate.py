@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 from lynx.errors import LynxPlanError
+from lynx.solvers.offload import streamed_before
 from lynx.solvers.problem import (Assignment, ProblemNode, ProblemWindow, StageProblem, group_key, group_ranks,
                                   is_sent)
 
@@ -153,7 +154,8 @@ def _validate_offload(problem: StageProblem, assignment: Assignment, by_name: di
 
 def _prefetched_in_time(problem: StageProblem, assignment: Assignment, name: str, src: str, windows: dict) -> None:
     """A node recomputed in a window that reads an offloaded value needs that value prefetched
-    in the same window or an earlier one (streamed prefetches come during the backward)."""
+    in the same window or an earlier one, or streamed in the backward before a tensor-parallel
+    window that runs inside it (:func:`lynx.solvers.offload.streamed_before`)."""
     copies = problem.copies
     for mb in range(problem.microbatches):
         wid = assignment.window_of.get((name, mb))
@@ -163,6 +165,7 @@ def _prefetched_in_time(problem: StageProblem, assignment: Assignment, name: str
         slot = copies.slots[mb] if copies is not None and mb < len(copies.slots) else None
         ok = pre is not None and ((slot is not None and pre == slot.window) or
                                   (pre in windows and wid in windows and windows[pre][0] <= windows[wid][0]))
+        ok = ok or (pre is None and streamed_before(problem, src, wid))   # (a TP window after its issue)
         if not ok:
             raise LynxPlanError(
                 f"stage {problem.stage}: for microbatch {mb}, {name!r} is recomputed in {wid} but reads {src!r}, which "

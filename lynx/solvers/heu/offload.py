@@ -56,8 +56,9 @@ from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.solvers.baselines import layer_recompute_set
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import (copy_exposed_s, group_layout, host_bytes, issue_group, offload_overhead, offloadable,
-                                  read_groups, total_exposed_s)
+                                  read_groups, streamed_before, total_exposed_s)
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
+from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.validate import validate
 
 __all__ = ["solve_heu_offload", "choose_offload", "boundaries", "forget_winners", "FRACTIONS"]
@@ -246,25 +247,37 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
     if best is None:   # (nothing fits with offload either: the recompute plan, or its budget error)
         return solve_plain(plain, time_limit_s=time_limit_s)
     alternative = base if base is not None and best[1] != base.assignment else None
+    if alternative is not None:
+        filled = fill_tp_windows(problem, alternative.assignment)
+        if filled is not alternative.assignment:
+            alternative = dataclasses.replace(alternative, assignment=filled,
+                                              objective_s=total_exposed_s(problem, filled))
+    filled = fill_tp_windows(problem, best[1])
+    if filled is not best[1]:
+        best = (total_exposed_s(problem, filled), filled)
     return SolveResult(best[1], "HEURISTIC", best[0], None, time.perf_counter() - start, alternative)
 
 
 def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_of: dict, streamed: set[str]
                        ) -> dict:
-    """``window_of`` without the placements that read a streamed value, or (transitively) a
-    value of the same microbatch recomputed on demand."""
+    """``window_of`` without the placements that read a streamed value issued after their
+    window (all but tensor-parallel windows after the issue: :func:`streamed_before`), or
+    (transitively) a value of the same microbatch recomputed on demand."""
     inputs = {n.name: n.inputs for n in problem.nodes}
     watch: dict[str, tuple[str, ...]] = {}   # per placed node, the inputs that can unplace it
     for name, _mb in window_of:
         if name not in watch:
             watch[name] = tuple(src for src in inputs[name] if src in streamed or src in recompute)
     placed = [key for key in window_of if watch[key[0]]]
+    late = {(src, window_of[key]) for key in placed for src in watch[key[0]] if src in streamed}
+    late = {pair for pair in late if not streamed_before(problem, *pair)}   # (issued after the window)
     changed = True
     while changed:
         changed = False
         for key in placed:
             name, mb = key
-            if key in window_of and any(src in streamed or (src in recompute and (src, mb) not in window_of)
+            if key in window_of and any((src in streamed and (src, window_of[key]) in late)
+                                        or (src in recompute and (src, mb) not in window_of)
                                         for src in watch[name]):
                 del window_of[key]
                 changed = True
@@ -328,8 +341,8 @@ def _with_offload(problem: StageProblem, chosen: frozenset[str], rest: StageProb
     assert copies is not None
     prefetch = {(n, j): slot.window for n in offload if issue_group(reads[n], layout) < 0
                 for j, slot in enumerate(copies.slots) if slot is not None}
-    # a window may not recompute from a value that comes back only during the backward: there,
-    # recompute on demand instead — and so what reads that, in the same microbatch
+    # a window may not recompute from a value that comes back only during the backward (but a
+    # TP window after its issue): there, recompute on demand instead — and so what reads that
     streamed = {n for n in offload if issue_group(reads[n], layout) >= 0}
     window_of = _on_demand_readers(problem, recompute, dict(res.assignment.window_of), streamed)
     assignment = Assignment(recompute, window_of, offload, prefetch)

@@ -1,0 +1,58 @@
+"""At the tightest budgets HEU's books place nothing in tensor-parallel windows; the exact peak
+has room there (lynx.solvers.heu.tp_fill), and a TP window may recompute from a value the
+backward prefetched before it (lynx.solvers.offload.streamed_before)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lynx.errors import LynxPlanError
+from lynx.planner.windows import WindowId
+from lynx.solvers.baselines import layer_recompute_set
+from lynx.solvers.cpsat_offload import with_copies
+from lynx.solvers.heu.tp_fill import fill_tp_windows
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.offload import streamed_before, total_exposed_s
+from lynx.solvers.problem import Assignment
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.validate import validate
+
+
+def _tp_stage(offload: bool = False):
+    """A last stage (one microbatch in flight) with TP windows after qkv's and fc1's all-reduces,
+    its budget Megatron-full's peak (the grid's level 0.0)."""
+    p = make_uniform_problem(layers=4, microbatches=2, in_flight=1, tp_capacity_s=2e-4)
+    nodes = tuple(dataclasses.replace(n, tp_collective=n.name.endswith((".qkv", ".fc1"))) for n in p.nodes)
+    p = dataclasses.replace(p, nodes=nodes)
+    if offload:
+        p = with_copies(p)
+    full = Assignment(layer_recompute_set(p))
+    return dataclasses.replace(p, activation_budget_bytes=peak_activation_bytes(p, full)), full
+
+
+def test_fill_moves_on_demand_recompute_into_tp_windows_within_the_budget() -> None:
+    p, full = _tp_stage()
+    filled = fill_tp_windows(p, full)
+    assert filled is not full and filled.recompute == full.recompute
+    validate(p, filled)
+    assert peak_activation_bytes(p, filled) <= p.activation_budget_bytes
+    assert total_exposed_s(p, filled) < total_exposed_s(p, full)
+    assert {w.kind for w in filled.window_of.values()} == {"tp_allreduce"}
+    for (name, mb), wid in filled.window_of.items():   # the layer right below the window's
+        assert name.startswith(f"l{wid.layer - 1}.") and wid.microbatch == mb
+
+
+def test_a_tp_window_may_read_what_the_backward_prefetched_before_it() -> None:
+    p, _ = _tp_stage(offload=True)
+    boundary = "l0.add2"   # layer 1's input, read in layer 1: streamed in as layer 2's backward starts
+    assert streamed_before(p, boundary, WindowId.tp(0, 2, 0))
+    assert not streamed_before(p, boundary, WindowId.tp(0, 3, 0))     # (issued after that window)
+    assert not streamed_before(p, boundary, WindowId.recv(0, "recv_grad", 0))
+    recompute = frozenset({"l1.ln1"})
+    ok = Assignment(recompute, {("l1.ln1", 0): WindowId.tp(0, 2, 0)}, offload=frozenset({boundary}))
+    validate(p, ok)
+    late = Assignment(recompute, {("l1.ln1", 0): WindowId.tp(0, 3, 0)}, offload=frozenset({boundary}))
+    with pytest.raises(LynxPlanError, match="prefetched only during the backward"):
+        validate(p, late)
