@@ -246,3 +246,21 @@ def test_a_backward_without_copies_still_sends_its_input_gradients_first() -> No
                      streamed={**copies.streamed, **{(1, j): [(None, 1, 100_000)] for j in range(4)}})
     assert run_timeline(split, Loads(copies=both)).step_time_s == pytest.approx(
         run_timeline(pipe, Loads(copies=both)).step_time_s)
+
+
+def test_a_tp_window_recomputing_waits_for_the_prefetch_of_the_block_below() -> None:
+    """One device, two blocks of 1 s each way, block 1's backward all-reduce 0.5 s. Block 0's
+    values go out after its forward (1–2 s) and stream back as block 1's backward starts (2 s,
+    2.5 s: back at 4.5 s). Block 1's TP window, at 3 s, recomputes for block 0 from them
+    (lynx.solvers.offload.streamed_before): it runs once they are back, 4.5–4.7 s."""
+    from lynx.planner.partition import BlockCost, Chunk
+    from lynx.planner.windows import WindowId
+    costs = tuple(BlockCost(block=b, name=f"layer{b}", layer=b, forward_s=1.0, backward_s=1.0, tp_forward_s=0.0,
+                            tp_backward_s=0.5 * b, param_bytes=0, dp_s=0.0) for b in range(2))
+    pipe = PipelineCosts(pp=1, microbatches=1, schedule="1f1b", chunks=(Chunk(0, 0, (0, 1), (0, 1)),), costs=costs,
+                         boundary_s=(), host=HostCopies(link=_LINK, lane_of_device=(0,), share=1))
+    copies = CopyLoads(offload={(0, 0, 0): 1_000_000}, streamed={(0, 0): [(1, 0, 2_500_000)]})
+    idle = run_timeline(pipe, Loads(copies=copies))
+    busy = run_timeline(pipe, Loads(window={WindowId.tp(0, 1, 0): 0.2}, copies=copies))
+    assert idle.step_time_s == pytest.approx(5.5) and idle.exposed_copy_s[0] == pytest.approx(1.0)
+    assert busy.step_time_s == pytest.approx(5.7) and busy.exposed_copy_s[0] == pytest.approx(1.0)
