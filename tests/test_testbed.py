@@ -16,6 +16,7 @@ import pytest
 from lynx.errors import LynxConfigError
 from lynx.testbed import LynxTestbedError, NetBed, cleanup_stale, measure_link
 from lynx.testbed.netns import NamespaceError
+from test_doctests import TESTBED, run_docstring_examples  # pytest puts tests/ on sys.path (no package)
 
 _CAN_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 needs_netns = pytest.mark.skipif(
@@ -237,3 +238,9 @@ def test_link_host_probe_sends_as_a_pipeline_unless_streamed() -> None:
     measure_link_host(bed, message_bytes=4096, streamed=True)
     assert "--streamed" not in bed.commands[0] and bed.commands[1][-1] == "--streamed"
     assert paced.host_s_per_byte == pytest.approx((1e-9 + 2e-9) / 2)   # 0.1 s and 0.2 s over 1e8 B
+
+
+@pytest.mark.parametrize("name", TESTBED)
+def test_docstring_examples_run(name: str) -> None:
+    """lynx.testbed's docstring examples (tests/test_doctests.py leaves them here: see TESTBED)."""
+    run_docstring_examples(name)
