@@ -57,10 +57,11 @@ def _model(name: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _analysis(name: str, pp: int, m: int):
+def _analysis(name: str):
+    """The model analysed once for every pp and microbatch count (an analysis depends on neither)."""
     model, inputs = _model(name)
     model.train()
-    hardware = lynx.CompileConfig(pp=pp, microbatches=m, hardware="cpu-local", target="cpu").hardware_spec()
+    hardware = lynx.CompileConfig(hardware="cpu-local", target="cpu").hardware_spec()
     return model, inputs, lynx.analyze(model, inputs, target="cpu", hardware=hardware)
 
 
@@ -102,7 +103,7 @@ def test_offloading_plans_give_bitwise_gradients(name: str, pp: int) -> None:
     from lynx.planner.loop import plan_graph
 
     m = 2
-    model, inputs, analysis = _analysis(name, pp, m)
+    model, inputs, analysis = _analysis(name)
     config = lynx.CompileConfig(pp=pp, microbatches=m, hardware="cpu-local", target="cpu", solver="selective")
     plan = _with_offload(plan_graph(analysis.graph, config, check_budget=False))
     assert all(any(d.action == "offload" for d in sp.decisions) for sp in plan.stages)
@@ -142,7 +143,7 @@ def _budget(pp: int, m: int) -> int:
     recomputes and offloads)."""
     from lynx.planner.loop import plan_graph
 
-    graph = _analysis("gpt-tiny", pp, m)[2].graph
+    graph = _analysis("gpt-tiny")[2].graph
     peaks = [max(sp.static_bytes + sp.activation_bytes for sp in plan_graph(graph, lynx.CompileConfig(
         pp=pp, microbatches=m, hardware="cpu-local", target="cpu", solver=s), check_budget=False).stages)
         for s in ("full", "none")]
@@ -155,7 +156,7 @@ def test_measured_peak_is_the_plans(solver: str) -> None:
     from lynx.planner.loop import plan_graph
 
     pp, m = 2, 4
-    _model_, inputs, analysis = _analysis("gpt-tiny", pp, m)
+    _model_, inputs, analysis = _analysis("gpt-tiny")
     budget = _budget(pp, m) if solver == "opt" else "1GiB"
     config = lynx.CompileConfig(pp=pp, microbatches=m, target="cpu", solver=solver, offload=True, time_limit_s=5,
                                 hardware=_fast_link_hardware(pp, m), memory_budget=budget)

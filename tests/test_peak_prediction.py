@@ -38,11 +38,12 @@ CONFIGS = {  # name: (pp, schedule, memory budget) — each below `none`'s peak
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _analysis(pp: int):
+@functools.lru_cache(maxsize=1)
+def _analysis():
+    """gpt-tiny analysed once for every configuration (an analysis does not depend on pp)."""
     torch.manual_seed(0)
     model, inputs = lynx.models.build_preset("gpt-tiny", device="cpu", dropout=0.1)
-    hardware = lynx.CompileConfig(pp=pp, microbatches=M, hardware="cpu-local", target="cpu").hardware_spec()
+    hardware = lynx.CompileConfig(microbatches=M, hardware="cpu-local", target="cpu").hardware_spec()
     return model, inputs, lynx.analyze(model, inputs, target="cpu", hardware=hardware)
 
 
@@ -51,7 +52,7 @@ def _compiled(config_name: str, solver: str):
     from lynx.planner.loop import plan_graph
 
     pp, schedule, budget = CONFIGS[config_name]
-    model, inputs, analysis = _analysis(pp)
+    model, inputs, analysis = _analysis()
     config = lynx.CompileConfig(pp=pp, microbatches=M, schedule=schedule, memory_budget=budget, hardware="cpu-local",
                                 target="cpu", time_limit_s=5, solver=solver)
     return inputs, Compiled(plan=plan_graph(analysis.graph, config, check_budget=False), config=config,

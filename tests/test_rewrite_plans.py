@@ -22,12 +22,13 @@ M = 2
 
 
 @functools.lru_cache(maxsize=None)
-def _analysis(name: str, pp: int):
+def _analysis(name: str):
+    """The model analysed once for both pipeline depths (an analysis does not depend on pp)."""
     from test_rewrite import _model  # pytest puts tests/ on sys.path (no package)
 
     model, inputs = _model(name)
     model.train()
-    hardware = lynx.CompileConfig(pp=pp, microbatches=M, hardware="cpu-local", target="cpu").hardware_spec()
+    hardware = lynx.CompileConfig(microbatches=M, hardware="cpu-local", target="cpu").hardware_spec()
     return model, inputs, lynx.analyze(model, inputs, target="cpu", hardware=hardware)
 
 
@@ -35,7 +36,7 @@ def _plan(name: str, pp: int, solver: str):
     from lynx.compiler import Compiled
     from lynx.planner.loop import plan_graph
 
-    model, inputs, analysis = _analysis(name, pp)
+    model, inputs, analysis = _analysis(name)
 
     def config(s: str, budget: int | None = None):
         return lynx.CompileConfig(pp=pp, microbatches=M, hardware="cpu-local", target="cpu", time_limit_s=2,
