@@ -48,7 +48,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import fx
 
 from lynx.frontend.graph_runner import GraphRunner
 from lynx.frontend.joint import fetch_attr
