@@ -12,7 +12,7 @@ import lynx
 
 ALL = sorted(m.name for m in pkgutil.walk_packages(lynx.__path__, "lynx."))
 # lynx.testbed's examples run ranks over rate-limited links, mostly waiting on them: they run in
-# tests/test_testbed.py, which the suite schedules beside a multi-process file (tests/conftest.py)
+# tests/test_testbed.py with the other tests that do (one file to schedule: tests/conftest.py)
 TESTBED = [name for name in ALL if name.startswith("lynx.testbed")]
 MODULES = [name for name in ALL if name not in TESTBED]
 
