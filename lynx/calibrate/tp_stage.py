@@ -65,13 +65,14 @@ __all__ = ["tp_stage_s", "start_tp_stage_s", "tp_stage_results", "TPMeasured", "
            "others_cpus", "TP_STAGE_RUNS", "block_runs"]
 
 # runs of the stage in a calibration, all blocks together: a run takes ~0.08 s on 2 cores, so
-# ~2.5 s in all. ``lynx calibrate`` times them in one block after each of its repeats
-# (Staged.run_block), not back to back: what a collective costs here moved with the moment
+# ~2 s in all (with a warm-up run per block, 30 runs against method 9's 3 × 9 and one warm-up,
+# 28). ``lynx calibrate`` times them in one block after each of its repeats (Staged.run_block),
+# not back to back: what a collective costs here moved with the moment
 # (the other load in the stage's idle gaps, the host), and 27 runs in one stretch of ~2.3 s read
 # 80, 92 and 120 ms median in three quiet calibrations minutes apart, each stretch's 3 repeats
 # within 4%. Blocks spread over the calibration's repeats see more of those moments, and their
 # spread says how much the figure moved while it was measured.
-TP_STAGE_RUNS = 30
+TP_STAGE_RUNS = 25
 
 
 def block_runs(blocks: int) -> int:
@@ -79,7 +80,7 @@ def block_runs(blocks: int) -> int:
     blocks (at least 3, so a block's median is a run's, not an outlier's).
 
         >>> block_runs(5), block_runs(1), block_runs(20)
-        (6, 30, 3)
+        (5, 25, 3)
     """
     return max(3, -(-TP_STAGE_RUNS // max(1, blocks)))
 

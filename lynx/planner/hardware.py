@@ -46,7 +46,7 @@ __all__ = ["LinkSpec", "Calibration", "CoreShare", "HardwareSpec", "HARDWARE_PRE
 # hand-offs spread its runs with nothing else running; every step pays the typical run's).
 # 9: the TP stage's ranks on a core each, as lynx.runtime.Pipeline now keeps a TP CPU job's ranks that
 # fill the cores (lynx.runtime.core_pin), and the median of 9 runs per repeat.
-# 10: the TP stage's runs in a block of 6 after each of the 5 repeats (was 3 × 9 back to back at
+# 10: the TP stage's runs in a block of 5 after each of the 5 repeats (was 3 × 9 back to back at
 # the end: what a collective costs moves with the moment), and the cpus other processes took.
 CALIBRATION_METHOD = 10
 
