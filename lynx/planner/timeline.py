@@ -26,7 +26,9 @@ and a plan made on one replay can be scored on another.
 
 What the replay reads off the action lists before it runs (each device's compute actions with
 their windows and posts, the microbatches in flight): :mod:`lynx.planner.timed_actions`; its
-host copies (prefetches issued and waited for): :mod:`lynx.planner.replay_copies`; its inputs
+backward actions (``B``, ``I``, ``W`` and the TP windows between blocks):
+:mod:`lynx.planner.replay_backward`; its host copies (prefetches issued and waited for):
+:mod:`lynx.planner.replay_copies`; its inputs
 and result: :mod:`lynx.planner.timeline_types`.
 
 Example::
@@ -42,15 +44,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Optional
 
 from lynx.errors import LynxConfigError, LynxPlanError
 from lynx.planner.copy_lanes import CopyReplay
 from lynx.planner.core_sharing import share_replay
 from lynx.planner.link_host import link_host_charges
-from lynx.planner.partition import BlockCost
-from lynx.planner.replay_copies import EPS, ReplayCopies
+from lynx.planner.replay_backward import ReplayBackward
+from lynx.planner.replay_copies import EPS
 from lynx.planner.schedule import rank_actions
 from lynx.planner.timed_actions import chunk_of_block, eligible_layers, in_flight, timed_actions, trailing_posts
 from lynx.planner.timeline_types import Loads, PipelineCosts, Segment, TimedAction, Timeline, Window
@@ -88,7 +89,7 @@ def run_timeline(pipe: PipelineCosts, loads: Optional[Loads] = None, *, record: 
                                 for s in range(pipe.pp)])
 
 
-class _Replay(ReplayCopies):
+class _Replay(ReplayBackward):
     """The state of one replay: each device runs its actions in order as soon as their input
     (activation or gradient) has arrived; every wait before an action is a window."""
 
@@ -265,112 +266,6 @@ class _Replay(ReplayCopies):
             if cost.tp_forward_s > 0:
                 self.segment(s, "tp", t, t + cost.tp_forward_s, f"tp F{a.microbatch}")
                 t += cost.tp_forward_s
-        return t
-
-    def weight_s(self, chunk: int, cost: BlockCost) -> float:
-        """A block's weight-gradient part; the first chunk's is its whole backward (nothing
-        before it waits for an input gradient)."""
-        return cost.backward_s if chunk == 0 else cost.backward_weight_s
-
-    def weight(self, s: int, a: TimedAction) -> float:
-        """A deferred weight-gradient ``W``: each block's weight part of its backward."""
-        t = self.host(s, a, self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime"))
-        return self.weight_parts(s, a, reversed(self.chunk_of[a.chunk].blocks), t)
-
-    def weight_parts(self, s: int, a: TimedAction, blocks: Iterable[int], t: float) -> float:
-        """Each of ``blocks``' weight part in turn from ``t`` (a ``W``, or a split ``B``'s tail)."""
-        for b in blocks:
-            cost = self.pipe.costs[b]
-            od = self.loads.on_demand_weight.get((a.chunk, a.microbatch, b), 0.0) if a.kind == "W" else 0.0
-            if od > 0:   # what W re-runs on demand before the block's weight part (I's own re-runs: not handed)
-                self.segment(s, "recompute", t, t + od, f"on demand {cost.name} (W)")
-                t += od
-                self.busy[s] += od
-                self.exposed[s] += od
-            w = self.weight_s(a.chunk, cost)
-            self.segment(s, "weight", t, t + w, f"{self.tag(a)} {cost.name}")
-            t += w
-            self.busy[s] += w
-            if a.microbatch == self.last_bwd_mb[a.chunk]:
-                self.block_done[(s, b)] = t
-        return t
-
-    def backward(self, s: int, a: TimedAction) -> float:
-        """Per block in reverse: on-demand recomputation, the backward (its input-gradient part
-        for ``I``), its tp all-reduces (a window)."""
-        t = self.host(s, a, self.runtime(s, a.start, 1, f"{a.kind}{a.microbatch} runtime"))
-        copies = self.copies
-        blocks = list(reversed(self.chunk_of[a.chunk].blocks))
-        if self.grads_first(a, blocks):
-            return self.backward_grads_first(s, a, blocks, t)
-        if copies is not None and a.kind in ("B", "I"):
-            t = self.copy_wait(s, a, None, self.issue_streamed(s, a, None, t))
-        for i, b in enumerate(blocks):
-            cost = self.pipe.costs[b]
-            compute = cost.backward_s - (self.weight_s(a.chunk, cost) if a.kind == "I" else 0.0)
-            if copies is not None and a.kind in ("B", "I"):
-                t = self.issue_streamed(s, a, b, t)
-                t = self.copy_wait(s, a, b, t)
-                held = copies.pending(s, t)
-                if held > self.pending[s].get(b, 0):
-                    self.pending[s][b] = held
-            od = self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0)
-            if od > 0:
-                self.segment(s, "recompute", t, t + od, f"on demand {cost.name}")
-                t += od
-                self.busy[s] += od
-                self.exposed[s] += od
-            self.segment(s, "backward", t, t + compute, f"{self.tag(a)} {cost.name}")
-            t += compute
-            self.busy[s] += compute
-            if cost.tp_backward_s > 0 and cost.layer is not None:
-                tid = WindowId.tp(s, cost.layer, a.microbatch)
-                tload = self.window_load(tid)
-                self.windows.append(Window(tid, s, "tp_allreduce", a.microbatch, t, cost.tp_backward_s,
-                                           self.eligible(s, a.chunk, below_block=b), tload))
-                # its recomputation may read what the backward prefetched at this block's start
-                # for the block below (lynx.solvers.offload.streamed_before): it waits for that
-                late = self.tp_window_wait(s, a, blocks[i + 1] if i + 1 < len(blocks) else None, t, tload,
-                                           cost.tp_backward_s)
-                self.account(s, t + late, tload, max(0.0, cost.tp_backward_s - late), str(tid))
-                if cost.tp_backward_s > tload + late:
-                    self.segment(s, "tp", t + late + tload, t + cost.tp_backward_s, str(tid))
-                t += max(cost.tp_backward_s, tload + late)
-            if a.kind == "B" and a.microbatch == self.last_bwd_mb[a.chunk]:
-                self.block_done[(s, b)] = t
-        if copies is not None and a.kind in ("B", "I"):
-            copies.release(s)
-        return t
-
-    def grads_first(self, a: TimedAction, blocks: list[int]) -> bool:
-        """Whether the runtime splits ``a``, a ``B``: its input gradients sent before its weight
-        part (``PipelineCosts.grads_first``; a B that recomputes on demand or brings values back
-        from the host runs whole: the runtime's ``offload_groups`` check)."""
-        return (self.pipe.grads_first and a.kind == "B" and a.chunk > 0
-                and not any(self.pipe.costs[b].tp_backward_s > 0 for b in blocks)
-                and not any(self.loads.on_demand.get((a.chunk, a.microbatch, b), 0.0) > 0 for b in blocks)
-                and not (self.copies is not None and self.copies.loads is not None
-                         and any(self.copies.loads.offload.get((a.chunk, a.microbatch, b), 0) for b in blocks)))
-
-    def backward_grads_first(self, s: int, a: TimedAction, blocks: list[int], t: float) -> float:
-        """A ``B`` split as the runtime runs it: every block's input-gradient part, the input
-        gradients sent (``done[("Bi", ...)]``: what the previous chunk's backward waits for), then
-        every block's weight part. Other microbatches' copies still pending count, as in a whole B."""
-        copies = self.copies
-        for b in blocks:
-            cost = self.pipe.costs[b]
-            if copies is not None:
-                held = copies.pending(s, t)
-                if held > self.pending[s].get(b, 0):
-                    self.pending[s][b] = held
-            compute = cost.backward_s - self.weight_s(a.chunk, cost)
-            self.segment(s, "backward", t, t + compute, f"{self.tag(a)} {cost.name}")
-            t += compute
-            self.busy[s] += compute
-        self.done[("Bi", a.chunk, a.microbatch)] = t
-        t = self.weight_parts(s, a, blocks, t)
-        if copies is not None:
-            copies.release(s)
         return t
 
     def finish(self, s: int, a: TimedAction, end: float) -> None:
