@@ -6,7 +6,8 @@ first (warm-up: allocator, first collectives) of the slowest rank's step — the
 step; peak activation bytes are the maximum over steps and replicas of what the stage's nodes
 had saved for backward (what plans predict; :attr:`StepStats.peak_saved_bytes`).
 :func:`format_summary` prints both beside the plan's predictions with their ratios and the
-bars they are held to: step time within 25% (:data:`STEP_TIME_TOLERANCE`), peak activation
+bars they are held to: step time within a factor 1.25 either way, 0.8–1.25× (:data:`STEP_TIME_TOLERANCE`,
+:func:`step_time_within`), peak activation
 bytes within 5% of the prediction (:data:`MEMORY_TOLERANCE`) and never above the budget.
 
 A measured hardware file (``lynx calibrate``, ``--hardware auto``) times each figure in CPU
@@ -43,10 +44,11 @@ from typing import Any
 
 from lynx.runtime.stats import StepStats
 
-__all__ = ["RunLoad", "RunSummary", "run_summary", "format_summary", "host_busy_s", "STEP_TIME_TOLERANCE",
+__all__ = ["RunLoad", "RunSummary", "run_summary", "format_summary", "host_busy_s", "step_time_within",
+           "STEP_TIME_TOLERANCE",
            "MEMORY_TOLERANCE"]
 
-STEP_TIME_TOLERANCE = 0.25   # measured step time within 25% of the predicted one
+STEP_TIME_TOLERANCE = 0.25   # measured step time within a factor 1.25 of the predicted one (0.8–1.25×)
 MEMORY_TOLERANCE = 0.05      # measured peak activation bytes within 5% of the predicted ones
 
 
@@ -84,7 +86,7 @@ class RunLoad:
     def speed_differs(self) -> bool:
         """The run's own CPU time per step is off the prediction by more than the step-time
         tolerance with the machine otherwise within the margin: the cores ran at another speed."""
-        return (self.cpu_ratio is not None and abs(self.cpu_ratio - 1.0) > STEP_TIME_TOLERANCE
+        return (self.cpu_ratio is not None and not step_time_within(self.cpu_ratio)
                 and self.others_run <= self.margin)
 
     @property
@@ -203,6 +205,21 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f} MiB"
 
 
+def step_time_within(ratio: float) -> bool:
+    """Whether measured / predicted step time meets the bar: within a factor
+    ``1 + STEP_TIME_TOLERANCE`` either way (0.8–1.25×: slower and faster count alike).
+
+    >>> step_time_within(0.8), step_time_within(0.75), step_time_within(1.25)
+    (True, False, True)
+    """
+    return 1.0 / (1.0 + STEP_TIME_TOLERANCE) - 1e-9 <= ratio <= 1.0 + STEP_TIME_TOLERANCE + 1e-9
+
+
+def _step_bar(ratio: float) -> str:
+    low, high = 1.0 / (1.0 + STEP_TIME_TOLERANCE), 1.0 + STEP_TIME_TOLERANCE
+    return ("" if step_time_within(ratio) else "NOT ") + f"within {low:.1f}–{high:.2f}×"
+
+
 def _bar(ratio: float, tolerance: float) -> str:
     return f"within {tolerance:.0%}" if abs(ratio - 1.0) <= tolerance else f"NOT within {tolerance:.0%}"
 
@@ -234,7 +251,7 @@ def _load_lines(summary: RunSummary) -> list[str]:
             f"the prediction is for the calibrated state, a core per rank with nothing else running (calibration "
             f"times CPU time), and this run's load differs from it by more than the margin of {margin}: {what}; "
             f"the fastest step, the least "
-            f"disturbed, is {fastest:.2f}× the prediction ({_bar(fastest, STEP_TIME_TOLERANCE)}), the median "
+            f"disturbed, is {fastest:.2f}× the prediction ({_step_bar(fastest)}), the median "
             f"{ratio:.2f}×")
     if load.speed_differs and summary.predicted_step_s:
         cpu_ratio = load.cpu_ratio
@@ -266,7 +283,7 @@ def format_summary(summary: RunSummary, plan: Any = None) -> str:
         assert ratio is not None   # there is a prediction
         lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps}), predicted "
                      f"{summary.predicted_step_s * 1e3:.1f} ms: measured/predicted {ratio:.2f} "
-                     f"({_bar(ratio, STEP_TIME_TOLERANCE)}; fastest step "
+                     f"({_step_bar(ratio)}; fastest step "
                      f"{summary.fastest_step_s / summary.predicted_step_s:.2f})")
     else:
         lines.append(f"step time: measured {summary.step_s * 1e3:.1f} ms ({steps})")
