@@ -151,18 +151,6 @@ def others_cpus(host_busy_s: float, own_cpu_s: float, span_s: float) -> float:
     return round(max(0.0, host_busy_s - own_cpu_s) / span_s, 3) if span_s > 0 else 0.0
 
 
-def _host_busy_s() -> float | None:
-    """CPU seconds the host has been busy (user, nice, system, irq, softirq: not idle, iowait
-    or steal) since boot, from ``/proc/stat``; None where there is none."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:8]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, _idle, _iowait, irq, softirq = ticks
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-
-
 def priced_stage_s(reference: ReferenceModel, spec: Any) -> tuple[float, int]:
     """What the cost model prices one run of :func:`tp_stage_s` at on ``spec`` (a rank's
     nodes, forward and backward, and every all-reduce on ``spec``'s tp link), and the
@@ -210,6 +198,7 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
     import lynx
     from lynx.calibrate.forked import GO_WAIT_S, rank_env
     from lynx.calibrate.runtime import graphs_alone
+    from lynx.runtime.report import host_busy_s   # the host's busy CPU, as a run's summary reads it
 
     torch.set_num_threads(1)
     rank_env(rank, world, port)
@@ -227,7 +216,7 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
             graphs()   # warm-up: the caches, after the wait (the code is warm: it ran before it)
         walls = []
         dist.barrier()
-        host0, cpu0, start0 = _host_busy_s(), time.process_time(), time.perf_counter()
+        host0, cpu0, start0 = host_busy_s(), time.process_time(), time.perf_counter()
         for _ in range(runs):
             dist.barrier()
             start = time.perf_counter()
@@ -235,7 +224,7 @@ def _worker(rank: int, gate: Any, world: int, port: int, compiled: Any, repeats:
             walls.append(time.perf_counter() - start)
         spans.append(time.perf_counter() - start0)
         cpu.append(time.process_time() - cpu0)
-        host1 = _host_busy_s()
+        host1 = host_busy_s()
         busy.append(None if host0 is None or host1 is None else host1 - host0)
         out.append(statistics.median(walls))   # the typical run: see the module docstring
         if blocks:
