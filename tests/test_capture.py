@@ -66,3 +66,25 @@ def test_deep_meta_models_are_folded():
     captured = capture(model, inputs)
     assert captured.folded is not None and captured.folded.total == 24
     assert len(model.layers) == 24  # the model itself is restored
+
+
+class KeyValueCache:   # a result type torch.export cannot flatten (as transformers' DynamicCache)
+    def __init__(self, value):
+        self.value = value
+
+
+class ReturnsCache(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y, KeyValueCache(y)
+
+
+def test_an_output_export_cannot_flatten_names_the_type_and_the_cache_fix():
+    with pytest.raises(LynxCaptureError) as err:
+        capture(ReturnsCache(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "KeyValueCache" in text and "cannot flatten" in text and "use_cache = False" in text

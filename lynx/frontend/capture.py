@@ -23,6 +23,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -113,6 +114,13 @@ def _describe(err: BaseException) -> str:
 
 def _advice(export_err: BaseException, trace_err: BaseException) -> str:
     text = f"{export_err}\n{trace_err}".lower()
+    if "in output, which is not a known type" in text:
+        found = re.search(r"Found <class '([^']+)'>", f"{export_err}\n{trace_err}")
+        what = f" ({found.group(1)})" if found else ""
+        cache = ("; a `transformers` model returning its key/value cache: set `model.config.use_cache = False` "
+                 "before compiling (training needs no cache)" if "cache" in what.lower() else "")
+        return (f"The model returns an object{what} that torch.export cannot flatten. Return tensors, tuples, "
+                f"lists, dicts or a registered pytree type (a `transformers` ModelOutput is one){cache}.")
     if "data-dependent" in text or "control flow" in text or "guard" in text or "bool" in text:
         return ("The model branches on tensor values (data-dependent control flow). Make the "
                 "branch depend on shapes or Python config only, or express it with "
