@@ -44,11 +44,11 @@ from torch import fx
 from lynx.errors import LynxError, LynxRuntimeError
 from lynx.frontend.graph_runner import GraphRunner, on_profile_device
 from lynx.torch_private import (aot_export_joint, all_op_names, has_kernel, is_forward_node, is_op_overload, kept_whole,
-                                op_schema, output_aliases_input)
+                                op_schema, output_aliases_input, tree_flatten)
 
 __all__ = ["JointGraph", "JointParts", "GraphRunner", "trace_joint", "signature_of", "is_view_op", "fetch_attr",
            "classify", "owners_of", "storage_root", "storage_nbytes", "saved_by_node", "generated_ops", "profile_saved",
-           "input_saver", "on_profile_device", "keep_whole"]
+           "input_saver", "on_profile_device", "keep_whole", "passed_through"]
 
 
 @dataclass
@@ -125,9 +125,13 @@ def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.
             return aot_export_joint(stage_fn, tuple(flat), num_params_buffers=len(attr_names))
 
     try:
-        gm, meta = export(frozenset())
-        aliased = frozenset(i for i, o in enumerate(meta.output_info) if output_aliases_input(o))
-        if aliased:  # a value sent as well as viewed, or an input passed through: send a copy
+        # a value sent as well as viewed, or an input passed through: send a copy. An input or
+        # attribute returned as it is aliases it whatever the graph does (passed_through): those
+        # are cloned in the first trace; any other aliasing output found costs a second one
+        passed = passed_through(stage_gm, args) if tp is None else frozenset()
+        gm, meta = export(passed)
+        aliased = passed | frozenset(i for i, o in enumerate(meta.output_info) if output_aliases_input(o))
+        if aliased != passed:
             gm, meta = export(aliased)
     except LynxError:
         raise
@@ -147,6 +151,21 @@ def _trace(stage_gm: fx.GraphModule, args: list[Any], override: dict[str, torch.
     return JointGraph(gm=gm, attr_names=attr_names, n_inputs=len(args), n_outputs=len(meta.output_info),
                       out_requires_grad=[bool(o.requires_grad) for o in meta.output_info],
                       cloned_outputs=sorted(aliased), origin=origin)
+
+
+def passed_through(stage_gm: fx.GraphModule, args: list[Any]) -> frozenset[int]:
+    """The flat outputs of ``stage_gm`` that are one of its tensor inputs or attributes itself:
+    AOTAutograd reports each as aliasing an input (``is_input``), so they are cloned in any case.
+
+    Only these are known before tracing; a view of an input, or of another output, is found by
+    the trace (:func:`trace_joint` traces again then)."""
+    placeholders = [n for n in stage_gm.graph.nodes if n.op == "placeholder"]
+    tensors = {n for n, a in zip(placeholders, args) if isinstance(a, torch.Tensor)}
+    tensors |= {n for n in stage_gm.graph.nodes if n.op == "get_attr"
+                and isinstance(fetch_attr(stage_gm, n.target), torch.Tensor)}
+    out = next(n for n in reversed(stage_gm.graph.nodes) if n.op == "output")
+    flat, _ = tree_flatten(out.args[0])
+    return frozenset(i for i, v in enumerate(flat) if isinstance(v, fx.Node) and v in tensors)
 
 
 @dataclass(frozen=True)
