@@ -17,6 +17,9 @@ re-runs for its statistics alone hands no output over.) Which part reads which s
   rises above what it starts from (:func:`part_rise_bytes`, step by step as the generated
   graphs run; :func:`split_backward_bound_bytes`: group by group, what HEU's books count).
 
+Which part may regenerate what whatever the plan (``handed_bytes``, ``regenerating_parts``,
+``rerun_counts``, importable here too): :mod:`lynx.solvers.memory_regen`.
+
 Example::
 
     >>> from lynx.solvers.problem import Assignment
@@ -29,10 +32,9 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from lynx.solvers.memory_microbatch import backward_rows, held_bytes, microbatch_peak_bytes, saved_parts
+from lynx.solvers.memory_regen import (BOTH, handed_bytes, reads_input, regenerating_parts, rerun_counts,
+                                       starts_input_regeneration, weight_read_bytes)
 from lynx.solvers.problem import (Assignment, ProblemNode, StageProblem, consumers_of, group_key, group_ranks,
                                   is_sent)
 
@@ -40,22 +42,7 @@ __all__ = ["weight_held_bytes", "weight_peak_bytes", "input_peak_bytes", "weight
            "handed_bytes", "regenerating_parts", "regenerated_nodes", "rerun_counts", "starts_input_regeneration",
            "part_rise_bytes", "split_backward_bound_bytes"]
 
-_BOTH = (True, True)
 _NEVER = 1 << 60   # a step no backward reaches
-# handed_bytes and regenerating_parts per node tuple (asked by the stage model, the bounds,
-# HEU's layouts and terms, each time the planner solves the stage)
-_CACHE: dict[tuple[str, int], tuple[tuple, Any]] = {}
-
-
-def _per_nodes(kind: str, problem: StageProblem, build: Callable[[StageProblem], Any]) -> Any:
-    """``build(problem)``, remembered per node tuple (callers must not change the answer)."""
-    key = (kind, id(problem.nodes))
-    found = _CACHE.get(key)
-    if found is None or found[0] is not problem.nodes:
-        if len(_CACHE) > 512:
-            _CACHE.clear()
-        found = _CACHE[key] = (problem.nodes, build(problem))
-    return found[1]
 
 
 def regenerated_nodes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]
@@ -77,7 +64,7 @@ def regenerated_nodes(problem: StageProblem, assignment: Assignment, prefetched:
     """
     on_demand = assignment.recompute - prefetched
     _, _, _, in_i, in_w = _walk_parts(problem, assignment, prefetched)
-    if not any(_reads_input(n) for n in problem.nodes) or all(n.chunk == 0 for n in problem.nodes):
+    if not any(reads_input(n) for n in problem.nodes) or all(n.chunk == 0 for n in problem.nodes):
         return frozenset(), (in_i | in_w) & on_demand
     return in_i & on_demand, in_w & on_demand
 
@@ -93,126 +80,13 @@ def _regenerated(problem: StageProblem, assignment: Assignment, prefetched: froz
     for n in reversed(problem.nodes):   # consumers before producers
         if (n.name not in dropped and n.view_of is None) or n.name in prefetched:
             continue
-        out, rest = n.output_reads or _BOTH, n.rest_reads or _BOTH
+        out, rest = n.output_reads or BOTH, n.rest_reads or BOTH
         if out[0] or rest[0] or any(c in in_i for c in consumers[n.name]):
             in_i.add(n.name)
         handed = n.name in in_i and out[1]
         if ((out[1] or rest[1]) and n.name not in in_i) or (not handed and any(c in in_w for c in consumers[n.name])):
             in_w.add(n.name)
     return in_i, in_w
-
-
-def weight_read_bytes(node: ProblemNode) -> int:
-    """Bytes of what ``node`` saves that the weight-gradient part reads (unknown: all)."""
-    out_bytes, rest_bytes = saved_parts(node)
-    out_read, rest_read = (node.output_reads or _BOTH)[1], (node.rest_reads or _BOTH)[1]
-    return (out_bytes if out_read else 0) + (rest_bytes if rest_read else 0)
-
-
-def handed_bytes(problem: StageProblem) -> dict[str, int]:
-    """Per node, what ``I`` may hand ``W`` when the node is dropped, charged to the node whose
-    being dropped makes ``I`` regenerate it: a node ``I`` reads (it *starts* a regeneration:
-    :func:`starts_input_regeneration`) is charged what ``W`` reads of it, and what ``W`` reads
-    of each dropped node ``I`` regenerates only to re-run it — its nearest consumers that start
-    one, through consumers that do not (in its chunk). A node ``I`` regenerates is dropped and
-    reaches a dropped starter through dropped nodes, so summing over the dropped nodes counts
-    every handed value (more where a starter is dropped but the path to it is not); a chunk
-    whose ``I`` reads nothing (the first: its ``W`` is the whole backward) hands nothing over.
-    Cached per node tuple: callers must not change the answer."""
-    return _per_nodes("handed", problem, _handed_bytes)
-
-
-def _handed_bytes(problem: StageProblem) -> dict[str, int]:
-    consumers = consumers_of(problem)
-    by_name = {n.name: n for n in problem.nodes}
-    starts = {n.name: starts_input_regeneration(n) for n in problem.nodes}
-    # per node that starts none: the nearest starters among its consumers (one pass, consumers first)
-    nearest: dict[str, frozenset[str]] = {}
-    for n in reversed(problem.nodes):
-        if not starts[n.name]:
-            found: set[str] = set()
-            for c in consumers[n.name]:
-                if by_name[c].chunk == n.chunk:
-                    found |= {c} if starts[c] else nearest[c]
-            nearest[n.name] = frozenset(found)
-    out = {n.name: 0 for n in problem.nodes}
-    for n in problem.nodes:
-        wrb = weight_read_bytes(n)
-        if wrb:
-            for target in ((n.name,) if starts[n.name] else nearest[n.name]):
-                out[target] += wrb
-    return out
-
-
-def starts_input_regeneration(n: ProblemNode) -> bool:
-    """Whether ``I`` reads a value ``n`` saves (unknown: yes): dropped, ``n`` is regenerated by
-    ``I`` with its dropped inputs (and the node has bytes to read)."""
-    return n.saved_bytes > 0 and _reads_input(n)
-
-
-def regenerating_parts(problem: StageProblem) -> dict[str, tuple[bool, bool]]:
-    """Per node, whether ``I`` and whether ``W`` may regenerate it when it is dropped on demand,
-    whatever else is dropped: a superset of what :func:`split_backward_bytes` finds for any
-    assignment. A part regenerates a node it reads, or one whose re-run needs it for a consumer
-    the part regenerates (within the node's chunk: each chunk's graphs are their own), but
-    ``W`` never a node ``I`` reads whose output ``W`` reads (``I`` regenerated and handed it);
-    in a chunk whose ``I`` reads nothing, ``W`` is the whole backward and ``I`` regenerates
-    nothing. Cached per node tuple: callers must not change the answer."""
-    return _per_nodes("parts", problem, _regenerating_parts)
-
-
-def _regenerating_parts(problem: StageProblem) -> dict[str, tuple[bool, bool]]:
-    reads_i = {n.chunk for n in problem.nodes if _reads_input(n)}
-    consumers = consumers_of(problem)
-    chunk_of = {n.name: n.chunk for n in problem.nodes}
-    out: dict[str, tuple[bool, bool]] = {}
-    for n in reversed(problem.nodes):   # consumers before producers
-        if n.chunk not in reads_i:
-            out[n.name] = (False, True)
-            continue
-        reads, rest = n.output_reads or _BOTH, n.rest_reads or _BOTH
-        mine = [out[c] for c in consumers[n.name] if chunk_of[c] == n.chunk]
-        by_consumer = any(c[1] for c in mine)
-        if reads[0] or rest[0]:   # I regenerates it whenever it is on demand (hands it, if W reads it)
-            out[n.name] = (True, not reads[1] and by_consumer)
-        else:
-            out[n.name] = (any(c[0] for c in mine), reads[1] or rest[1] or by_consumer)
-    return out
-
-
-def rerun_counts(problem: StageProblem) -> dict[str, int]:
-    """Per node, how many parts of a split backward may re-run it when it is dropped on demand,
-    whatever else is dropped (at least one: what HEU and OPT price an on-demand item at,
-    :attr:`~lynx.solvers.stage_model.ModelItem.on_demand_s`). ``I`` as
-    :func:`regenerating_parts` says; ``W`` where it reads a piece ``I`` does not (``I`` re-runs a
-    node for its statistics alone and hands no output over), or re-runs a consumer of it whose
-    input ``I`` may not have handed (``W`` does not read the output itself) — more than
-    :func:`regenerated_nodes` finds for a given plan, never less. The first chunk's ``W`` is the
-    whole backward: once. Cached per node tuple: callers must not change the answer."""
-    return _per_nodes("reruns", problem, _rerun_counts)
-
-
-def _rerun_counts(problem: StageProblem) -> dict[str, int]:
-    parts = regenerating_parts(problem)
-    consumers = consumers_of(problem)
-    chunk_of = {n.name: n.chunk for n in problem.nodes}
-    in_w: dict[str, bool] = {}
-    out: dict[str, int] = {}
-    for n in reversed(problem.nodes):   # consumers before producers
-        reads, rest = n.output_reads or _BOTH, n.rest_reads or _BOTH
-        if n.chunk == 0 or not parts[n.name][0]:   # I never re-runs it: W at most, once
-            in_w[n.name] = True
-            out[n.name] = 1
-            continue
-        by_consumer = any(in_w[c] for c in consumers[n.name] if chunk_of[c] == n.chunk)
-        in_w[n.name] = ((reads[1] and not reads[0]) or (rest[1] and not rest[0])
-                        or (by_consumer and not (reads[0] and reads[1])))
-        out[n.name] = 1 + in_w[n.name]
-    return out
-
-
-def _reads_input(n: ProblemNode) -> bool:
-    return (n.output_reads or _BOTH)[0] or (n.rest_reads or _BOTH)[0]
 
 
 def weight_held_bytes(problem: StageProblem, assignment: Assignment, prefetched: frozenset[str]) -> int:
@@ -240,7 +114,7 @@ def split_backward_bytes(problem: StageProblem, assignment: Assignment, prefetch
     inputs (:func:`lynx.rewrite.liveness.extra_peak_bytes`), with the values ``I`` hands over
     from ``I``'s end to ``W``'s; each rise is :func:`part_rise_bytes`."""
     held = sum(sum(_inputs(n, assignment.dropped, prefetched)) for n in problem.nodes)
-    if not any(_reads_input(n) for n in problem.nodes):
+    if not any(reads_input(n) for n in problem.nodes):
         # the chunk sends no input gradient (the first): I is empty and W the whole backward
         return held, held, microbatch_peak_bytes(problem, assignment, prefetched)
     rise_i, cross, rise_w = part_rise_bytes(problem, assignment, prefetched)
@@ -300,7 +174,7 @@ def _walk_parts(problem: StageProblem, assignment: Assignment, prefetched: froze
 
         for n, (name, own_step, consumers, savers, unknown, maybe, out_bytes, own_bytes, sent, reread) in zip(
                 reversed(nodes), rows):
-            out_read, rest_read = (n.output_reads or _BOTH)[part], (n.rest_reads or _BOTH)[part]
+            out_read, rest_read = (n.output_reads or BOTH)[part], (n.rest_reads or BOTH)[part]
             reads = ([s_ * k + len(nodes) for s_ in savers] if out_read else []) + [
                 regen[c] for c in consumers if c in regen]
             if unknown:
@@ -334,7 +208,7 @@ def _walk_parts(problem: StageProblem, assignment: Assignment, prefetched: froze
             out_until = last_read if need_out else -1
             rest_until = own_end if need_rest else max(at, out_until) if all_rest else -1
             if part == 0:
-                out_w, rest_w = (n.output_reads or _BOTH)[1], (n.rest_reads or _BOTH)[1]
+                out_w, rest_w = (n.output_reads or BOTH)[1], (n.rest_reads or BOTH)[1]
                 if need_out and out_w and out_bytes:
                     handed_out.add(name)
                     cross += out_bytes
@@ -366,7 +240,7 @@ def split_backward_bound_bytes(problem: StageProblem, assignment: Assignment, pr
     which regenerate each value before its first reader and free it after its last. ``I`` hands
     ``W`` all that ``W`` reads of what it regenerated (a superset of the pieces it brings back)."""
     dropped = assignment.dropped
-    if not any(_reads_input(n) for n in problem.nodes):
+    if not any(reads_input(n) for n in problem.nodes):
         # the chunk sends no input gradient (the first): I is empty and W the whole backward
         held = held_bytes(problem, assignment) + sum(n.saved_bytes for n in problem.nodes if n.name in prefetched)
         return held, held, microbatch_peak_bytes(problem, assignment, prefetched)
@@ -385,7 +259,7 @@ def split_backward_bound_bytes(problem: StageProblem, assignment: Assignment, pr
 
     def read(n: ProblemNode, part: int) -> int:   # held bytes of n the part (0: I, 1: W) reads
         out_bytes, rest_bytes = inputs(n)
-        out_read, rest_read = (n.output_reads or _BOTH)[part], (n.rest_reads or _BOTH)[part]
+        out_read, rest_read = (n.output_reads or BOTH)[part], (n.rest_reads or BOTH)[part]
         return (out_bytes if out_read else 0) + (rest_bytes if rest_read else 0)
 
     held = sum(sum(inputs(n)) for n in problem.nodes)

@@ -1,0 +1,167 @@
+"""Zero bubble: which part of a split backward may regenerate what, whatever the plan.
+
+A zero-bubble chunk's backward is two generated graphs: the input-gradient part ``I`` and the
+deferred weight-gradient part ``W`` (:mod:`lynx.solvers.memory_weights` counts what a microbatch
+holds for them under a given plan). What each part reads of a node's saved values is the node's
+``output_reads`` / ``rest_reads`` (:mod:`lynx.frontend.joint_weights`; unknown: both). From those
+alone, per node and for any assignment, this module says
+
+* :func:`starts_input_regeneration`: whether ``I`` reads what the node saves (dropped, ``I``
+  regenerates it); :func:`weight_read_bytes`: the bytes ``W`` reads of it;
+* :func:`handed_bytes`: what ``I`` may hand ``W`` when the node is dropped;
+* :func:`regenerating_parts`: whether ``I`` and whether ``W`` may regenerate it;
+* :func:`rerun_counts`: how many parts may re-run it (what HEU and OPT price an on-demand item at).
+
+The last three are cached per node tuple (the stage model, the bounds and HEU's layouts and
+terms ask each time the planner solves the stage).
+
+Example::
+
+    >>> from lynx.solvers.synthetic import make_uniform_problem
+    >>> p = make_uniform_problem(layers=1, microbatches=2, in_flight=1)   # reads unknown: I reads all
+    >>> regenerating_parts(p)["l0.gelu"], rerun_counts(p)["l0.gelu"], starts_input_regeneration(p.nodes[0])
+    ((True, False), 1, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lynx.solvers.memory_microbatch import saved_parts
+from lynx.solvers.problem import ProblemNode, StageProblem, consumers_of
+
+__all__ = ["weight_read_bytes", "handed_bytes", "starts_input_regeneration", "regenerating_parts", "rerun_counts",
+           "reads_input", "BOTH"]
+
+BOTH = (True, True)   # a node's reads when unknown: both parts read it
+
+# handed_bytes and regenerating_parts per node tuple (asked by the stage model, the bounds,
+# HEU's layouts and terms, each time the planner solves the stage)
+_CACHE: dict[tuple[str, int], tuple[tuple, Any]] = {}
+
+
+def _per_nodes(kind: str, problem: StageProblem, build: Callable[[StageProblem], Any]) -> Any:
+    """``build(problem)``, remembered per node tuple (callers must not change the answer)."""
+    key = (kind, id(problem.nodes))
+    found = _CACHE.get(key)
+    if found is None or found[0] is not problem.nodes:
+        if len(_CACHE) > 512:
+            _CACHE.clear()
+        found = _CACHE[key] = (problem.nodes, build(problem))
+    return found[1]
+
+
+def weight_read_bytes(node: ProblemNode) -> int:
+    """Bytes of what ``node`` saves that the weight-gradient part reads (unknown: all)."""
+    out_bytes, rest_bytes = saved_parts(node)
+    out_read, rest_read = (node.output_reads or BOTH)[1], (node.rest_reads or BOTH)[1]
+    return (out_bytes if out_read else 0) + (rest_bytes if rest_read else 0)
+
+
+def handed_bytes(problem: StageProblem) -> dict[str, int]:
+    """Per node, what ``I`` may hand ``W`` when the node is dropped, charged to the node whose
+    being dropped makes ``I`` regenerate it: a node ``I`` reads (it *starts* a regeneration:
+    :func:`starts_input_regeneration`) is charged what ``W`` reads of it, and what ``W`` reads
+    of each dropped node ``I`` regenerates only to re-run it — its nearest consumers that start
+    one, through consumers that do not (in its chunk). A node ``I`` regenerates is dropped and
+    reaches a dropped starter through dropped nodes, so summing over the dropped nodes counts
+    every handed value (more where a starter is dropped but the path to it is not); a chunk
+    whose ``I`` reads nothing (the first: its ``W`` is the whole backward) hands nothing over.
+    Cached per node tuple: callers must not change the answer."""
+    return _per_nodes("handed", problem, _handed_bytes)
+
+
+def _handed_bytes(problem: StageProblem) -> dict[str, int]:
+    consumers = consumers_of(problem)
+    by_name = {n.name: n for n in problem.nodes}
+    starts = {n.name: starts_input_regeneration(n) for n in problem.nodes}
+    # per node that starts none: the nearest starters among its consumers (one pass, consumers first)
+    nearest: dict[str, frozenset[str]] = {}
+    for n in reversed(problem.nodes):
+        if not starts[n.name]:
+            found: set[str] = set()
+            for c in consumers[n.name]:
+                if by_name[c].chunk == n.chunk:
+                    found |= {c} if starts[c] else nearest[c]
+            nearest[n.name] = frozenset(found)
+    out = {n.name: 0 for n in problem.nodes}
+    for n in problem.nodes:
+        wrb = weight_read_bytes(n)
+        if wrb:
+            for target in ((n.name,) if starts[n.name] else nearest[n.name]):
+                out[target] += wrb
+    return out
+
+
+def starts_input_regeneration(n: ProblemNode) -> bool:
+    """Whether ``I`` reads a value ``n`` saves (unknown: yes): dropped, ``n`` is regenerated by
+    ``I`` with its dropped inputs (and the node has bytes to read)."""
+    return n.saved_bytes > 0 and reads_input(n)
+
+
+def regenerating_parts(problem: StageProblem) -> dict[str, tuple[bool, bool]]:
+    """Per node, whether ``I`` and whether ``W`` may regenerate it when it is dropped on demand,
+    whatever else is dropped: a superset of what
+    :func:`~lynx.solvers.memory_weights.split_backward_bytes` finds for any assignment. A part
+    regenerates a node it reads, or one whose re-run needs it for a consumer the part
+    regenerates (within the node's chunk: each chunk's graphs are their own), but ``W`` never a
+    node ``I`` reads whose output ``W`` reads (``I`` regenerated and handed it); in a chunk whose
+    ``I`` reads nothing, ``W`` is the whole backward and ``I`` regenerates nothing. Cached per
+    node tuple: callers must not change the answer."""
+    return _per_nodes("parts", problem, _regenerating_parts)
+
+
+def _regenerating_parts(problem: StageProblem) -> dict[str, tuple[bool, bool]]:
+    reads_i = {n.chunk for n in problem.nodes if reads_input(n)}
+    consumers = consumers_of(problem)
+    chunk_of = {n.name: n.chunk for n in problem.nodes}
+    out: dict[str, tuple[bool, bool]] = {}
+    for n in reversed(problem.nodes):   # consumers before producers
+        if n.chunk not in reads_i:
+            out[n.name] = (False, True)
+            continue
+        reads, rest = n.output_reads or BOTH, n.rest_reads or BOTH
+        mine = [out[c] for c in consumers[n.name] if chunk_of[c] == n.chunk]
+        by_consumer = any(c[1] for c in mine)
+        if reads[0] or rest[0]:   # I regenerates it whenever it is on demand (hands it, if W reads it)
+            out[n.name] = (True, not reads[1] and by_consumer)
+        else:
+            out[n.name] = (any(c[0] for c in mine), reads[1] or rest[1] or by_consumer)
+    return out
+
+
+def rerun_counts(problem: StageProblem) -> dict[str, int]:
+    """Per node, how many parts of a split backward may re-run it when it is dropped on demand,
+    whatever else is dropped (at least one: what HEU and OPT price an on-demand item at,
+    :attr:`~lynx.solvers.stage_model.ModelItem.on_demand_s`). ``I`` as
+    :func:`regenerating_parts` says; ``W`` where it reads a piece ``I`` does not (``I`` re-runs a
+    node for its statistics alone and hands no output over), or re-runs a consumer of it whose
+    input ``I`` may not have handed (``W`` does not read the output itself) — more than
+    :func:`~lynx.solvers.memory_weights.regenerated_nodes` finds for a given plan, never less. The
+    first chunk's ``W`` is the whole backward: once. Cached per node tuple: callers must not change the answer."""
+    return _per_nodes("reruns", problem, _rerun_counts)
+
+
+def _rerun_counts(problem: StageProblem) -> dict[str, int]:
+    parts = regenerating_parts(problem)
+    consumers = consumers_of(problem)
+    chunk_of = {n.name: n.chunk for n in problem.nodes}
+    in_w: dict[str, bool] = {}
+    out: dict[str, int] = {}
+    for n in reversed(problem.nodes):   # consumers before producers
+        reads, rest = n.output_reads or BOTH, n.rest_reads or BOTH
+        if n.chunk == 0 or not parts[n.name][0]:   # I never re-runs it: W at most, once
+            in_w[n.name] = True
+            out[n.name] = 1
+            continue
+        by_consumer = any(in_w[c] for c in consumers[n.name] if chunk_of[c] == n.chunk)
+        in_w[n.name] = ((reads[1] and not reads[0]) or (rest[1] and not rest[0])
+                        or (by_consumer and not (reads[0] and reads[1])))
+        out[n.name] = 1 + in_w[n.name]
+    return out
+
+
+def reads_input(n: ProblemNode) -> bool:
+    """Whether ``I`` reads a value ``n`` saves (unknown: yes)."""
+    return (n.output_reads or BOTH)[0] or (n.rest_reads or BOTH)[0]
