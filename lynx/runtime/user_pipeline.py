@@ -40,7 +40,8 @@ Conventions (see ``docs/train_your_model.md``):
   instead (``pipe.last_step_skipped``, ``pipe.skipped_steps``) for your loop to skip.
 - **Checkpoints**: :meth:`Pipeline.state_dict` / :meth:`Pipeline.load_state_dict` hold this rank's stage under
   the model's own parameter names, its random stream and its step count; save them with
-  :func:`lynx.runtime.checkpoint.save_state` (nothing unpickled on load).
+  :func:`lynx.runtime.checkpoint.save_state` (nothing unpickled on load); what they hold:
+  :mod:`lynx.runtime.pipe_state`.
 - **Failures**: an uncaught exception on any rank ends every rank with exit status 1 and a
   message naming the failed rank (:mod:`lynx.runtime.failure_exit`).
 - **Tracing**: every rank traces and partitions its stage's graphs when the pipeline is built,
@@ -60,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from lynx.errors import LynxConfigError
-from lynx.runtime import nonfinite
+from lynx.runtime import nonfinite, pipe_state
 from lynx.runtime.batching import (
     bind_inputs,
     check_batch,
@@ -332,57 +333,13 @@ class Pipeline:
     # ------------------------------------------------------------------ state
     def state_dict(self, optimizer: Any = None) -> dict[str, Any]:
         """This stage's tensors by the model's names (and ``optimizer``'s state by the same names),
-        for ``torch.distributed.checkpoint.save`` / ``load`` (see module docstring)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        holder = self._holder()
-        state: dict[str, Any] = {"model": get_model_state_dict(holder), "steps": self.steps_done,
-                                 # per rank: DCP and save_state keep each rank's own stream
-                                 "rng": {self._rng_key: self.rng.state_dict()}}
-        if optimizer is not None:
-            opt = getattr(optimizer, "inner", optimizer)
-            # keyed by parameter name, param groups included (torchtitan's form for pipeline
-            # stages: each stage's entries are its own, nothing collides across stages)
-            options = StateDictOptions(flatten_optimizer_state_dict=True)
-            osd = get_optimizer_state_dict(holder, opt, options=options)
-            # compressed optimizers keep a momentum per replica: one entry each (not de-duplicated)
-            state["optimizer"] = {f"replica{self.topology.dp_rank}": osd} if syncs_own_buckets(opt) else osd
-        return state
+        for ``torch.distributed.checkpoint.save`` / ``load`` (see module docstring and
+        :mod:`lynx.runtime.pipe_state`)."""
+        return pipe_state.state_dict(self, optimizer)
 
     def load_state_dict(self, state: dict[str, Any], optimizer: Any = None) -> None:
         """Put :meth:`state_dict`'s content (e.g. after ``dcp.load``) into the stage and ``optimizer``."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        holder = self._holder()
-        set_model_state_dict(holder, state["model"])
-        if "rng" in state:   # absent in states saved before Pipeline owned the random streams
-            if self._rng_key not in state["rng"]:
-                raise LynxConfigError(f"the state holds the random streams of {sorted(state['rng'])}, not this "
-                                      f"rank's ({self._rng_key}): it was saved by another mesh")
-            self.rng.load_state_dict(state["rng"][self._rng_key])
-        if "steps" in state:
-            self.steps_done = int(state["steps"])
-        if optimizer is not None:
-            if "optimizer" not in state:
-                raise LynxConfigError("load_state_dict got an optimizer but the state holds none: "
-                                      "save with pipe.state_dict(optimizer)")
-            opt = getattr(optimizer, "inner", optimizer)
-            osd = state["optimizer"]
-            osd = osd[f"replica{self.topology.dp_rank}"] if syncs_own_buckets(opt) else osd
-            set_optimizer_state_dict(holder, opt, osd,
-                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
-
-    @property
-    def _rng_key(self) -> str:
-        return f"stage{self.topology.stage}.replica{self.topology.dp_rank}"
+        pipe_state.load_state_dict(self, state, optimizer)
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:
