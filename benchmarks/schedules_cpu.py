@@ -26,6 +26,13 @@ forward, backward, recomputation, optimizer) next to the plan's prediction, and 
 measured peak activation bytes (the runtime's meter) next to the plan's. Results go to
 ``benchmarks/results/schedules_cpu.json``.
 
+Last, ZB-H1 + Lynx against 1F1B + Lynx (:func:`zb_verdict`): the predicted and measured step
+ratios, and whether they agree. A predicted difference within ``TIE_BAND`` (±1%) of the
+predicted 1F1B step is reported as a **tie** (the plan does not say which is faster), and a
+measurement within the same band of 1 agrees with any prediction: a near-tie is not called a
+disagreement on the sign of a difference smaller than the band. Outside the band, the
+measurement agrees when it is on the prediction's side of 1.
+
     .venv/bin/python benchmarks/schedules_cpu.py                 # 100 Mbit/s, 8 repetitions
     .venv/bin/python benchmarks/schedules_cpu.py --rate 0 --reps 3   # loopback, quick
 """
@@ -57,6 +64,20 @@ CFG = {"vocab_size": 512, "seq_len": 128, "hidden": 256, "heads": 4, "layers": 4
 MICROBATCH, MICROBATCHES, PP = 2, 8, 2
 SCHEDULES = ("1f1b", "interleaved1f1b", "zbh1")
 VARIANTS = ("lynx", "on-demand", "none")
+TIE_BAND = 0.01   # ZB vs 1F1B: a predicted difference within 1% of the predicted step is a tie
+
+
+def zb_verdict(predicted: float, measured: float, band: float = TIE_BAND) -> tuple[str, str]:
+    """ZB-H1's step over 1F1B's, predicted and measured: what the prediction says (``"tie"``
+    within ``band`` of 1, else ``"faster"`` or ``"slower"``) and ``"agrees"`` or ``"DISAGREES"``:
+    the measured ratio agrees within ``band`` of 1 or on the prediction's side of 1.
+
+    >>> zb_verdict(1.005, 1.009), zb_verdict(1.005, 1.04), zb_verdict(1.013, 1.053), zb_verdict(0.95, 1.02)
+    (('tie', 'agrees'), ('tie', 'agrees'), ('slower', 'agrees'), ('faster', 'DISAGREES'))
+    """
+    said = "tie" if abs(predicted - 1) <= band else "slower" if predicted > 1 else "faster"
+    agrees = abs(measured - 1) <= band or (measured > 1) == (predicted > 1)
+    return said, "agrees" if agrees else "DISAGREES"
 
 
 def build_model() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -312,16 +333,18 @@ def main() -> None:
                    for f in ("other_threads_s", "softirq_s", "main_waited_s")]
             print(f"{key:>26} " + " | ".join(" · ".join(f"{per[f][q]:5.1f}" for f in range(3)) for q in range(PP)))
     zb, base = res["zbh1/lynx"], res["1f1b/lynx"]
-    predicted_faster = zb["predicted_step_s"] < base["predicted_step_s"]
-    print(f"zero bubble + Lynx vs 1F1B + Lynx: predicted {zb['predicted_step_s'] / base['predicted_step_s']:.3f}×, "
-          f"measured {zb['step_s'] / base['step_s']:.3f}× "
-          f"({'agrees' if (zb['step_s'] < base['step_s']) == predicted_faster else 'DISAGREES'})")
+    ratios = (zb["predicted_step_s"] / base["predicted_step_s"], zb["step_s"] / base["step_s"])
+    said, verdict = zb_verdict(*ratios)
+    print(f"zero bubble + Lynx vs 1F1B + Lynx: predicted {ratios[0]:.3f}× ({said}, band ±{TIE_BAND:.0%}), "
+          f"measured {ratios[1]:.3f}× ({verdict})")
     result = {"when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": CFG, "pp": PP,
               "microbatch": MICROBATCH, "microbatches": MICROBATCHES, "reps": args.reps, "level": args.level,
               "budget_bytes": plans["budget"], "rate_mbit": args.rate, "rate_limited": limited,
               "link": str(link) if link else "loopback, not limited", "planned_link": plans["link"],
               "loadavg_start": load,
-              "loadavg_end": os.getloadavg(), "wall_s": time.perf_counter() - started, "results": res}
+              "loadavg_end": os.getloadavg(), "wall_s": time.perf_counter() - started, "results": res,
+              "zb_vs_1f1b": {"predicted": ratios[0], "measured": ratios[1], "band": TIE_BAND, "predicted_says": said,
+                             "verdict": verdict}}
     path = ROOT / "benchmarks" / "results" / args.out
     path.write_text(json.dumps(result, indent=1))
     print(f"written {os.path.relpath(path, ROOT)}")
