@@ -91,7 +91,8 @@ def trace_joint(stage_gm: fx.GraphModule, args: list[Any], attrs: dict[str, torc
 
     ``attrs`` replaces the graph's parameters and buffers by name (e.g. fake tensors while
     profiling a model that lives on the meta device, or a tensor-parallel rank's local shards);
-    traces with ``attrs`` are cached only with ``tp``. ``tp`` (a
+    traces with ``attrs`` are cached only with ``tp``. A one-stage pipeline's graph takes the
+    profile's trace where it is provably the same (:mod:`lynx.frontend.joint_reuse`). ``tp`` (a
     :class:`lynx.frontend.joint_tp.TPContext`) runs the graph tensor-parallel: the primals are
     this rank's shards and the joint graph holds the TP collectives.
     """
@@ -100,7 +101,10 @@ def trace_joint(stage_gm: fx.GraphModule, args: list[Any], attrs: dict[str, torc
     key = (signature_of(args), None if tp is None else tp.key)
     cache = stage_gm.meta.setdefault("lynx_joint", {})
     if key not in cache:
-        cache[key] = _trace(stage_gm, args, attrs, tp)
+        from lynx.frontend.joint_reuse import reusable
+
+        reused = reusable(stage_gm, args) if tp is None and attrs is None else None
+        cache[key] = reused if reused is not None else _trace(stage_gm, args, attrs, tp)
     return cache[key]
 
 

@@ -269,11 +269,13 @@ def _count_compiled_saves(gm: fx.GraphModule, attrs: dict, inputs: list, interp:
     eager autograd's saves when the joint graph cannot be traced (the stage reports why then).
     """
     from lynx.frontend.joint import generated_ops, saved_by_node, trace_joint
+    from lynx.frontend.joint_reuse import remember
     from lynx.frontend.joint_weights import backward_reach
 
     try:
         with quiet_torch(), mode:
             joint = trace_joint(gm, list(inputs), attrs=attrs)
+            remember(gm, list(inputs), attrs, joint)   # a one-stage pipeline runs this graph (joint_reuse)
             order = {n.name: i for i, n in enumerate(gm.graph.nodes)}
             saved, ops, reach = saved_by_node(joint, order), generated_ops(joint), backward_reach(joint, order)
     except Exception:  # noqa: BLE001 - eager's attribution below stays in force

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch import fx
 
 from lynx.errors import LynxConfigError, LynxPlanError
+from lynx.frontend.joint_reuse import link_whole
 from lynx.rewrite.split import StageGraph, split_graph
 from lynx.rewrite.stage import StageModule
 from lynx.torch_private import out_spec_of
@@ -77,6 +78,8 @@ def split_cached(gm: fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> li
     key = tuple(tuple(names) for names in stage_nodes)
     if key not in cache:
         cache[key] = split_graph(gm, stage_nodes)
+        if len(cache[key]) == 1:   # the whole graph: it may take the profile's joint trace
+            link_whole(cache[key][0].gm, gm)
     return cache[key]
 
 
