@@ -2,7 +2,10 @@
 
 :func:`validate` raises :class:`~lynx.errors.LynxPlanError` naming the first rule an
 assignment breaks (unknown nodes or windows, a window serving another microbatch or not
-eligible for the node's layer, an input regenerated after its consumer);
+eligible for the node's layer, an input regenerated after its consumer — a ``tp_allreduce``
+window of layer ``L`` runs inside ``L``'s backward, after the on-demand regeneration of ``L``
+and the layers above it —, an output no byte count covers, ``output_saved=False``, left
+from one window to a reader recomputed elsewhere);
 :func:`required_recompute_closure` adds the inputs that must be recomputed with a node
 because they do not keep their output. See :mod:`lynx.solvers.problem` for the conventions.
 
@@ -23,7 +26,7 @@ from lynx.solvers.offload import streamed_before
 from lynx.solvers.problem import (Assignment, ProblemNode, ProblemWindow, StageProblem, group_key, group_ranks,
                                   is_sent)
 
-__all__ = ["validate", "required_recompute_closure"]
+__all__ = ["validate", "required_recompute_closure", "uncounted_output"]
 
 
 def required_recompute_closure(problem: StageProblem, recompute: frozenset[str] | set[str]) -> frozenset[str]:
@@ -77,15 +80,18 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
             )
     ranks = group_ranks(problem)
     placed = assignment.window_of
-    order: dict[str, list[tuple[int, int]]] = {}  # node -> per microbatch, when it is regenerated
+    order: dict[str, list[tuple[int, ...]]] = {}  # node -> per microbatch, when it is regenerated
+    at = {wid: _window_time(w, i, ranks) for wid, (i, w) in windows.items()}
+    total = sum(n.recompute_s for n in problem.nodes)
 
-    def when(node: ProblemNode) -> list[tuple[int, int]]:
-        # windows (0, index) precede on-demand (1, -rank): later groups regenerate first
+    def when(node: ProblemNode) -> list[tuple[int, ...]]:
+        # windows (0, 0, 0, index) precede on-demand (1, -rank, 0, 0): later groups regenerate
+        # first; a TP window of layer L (1, -rank(L), 1, index) runs after L's own regeneration
         got = order.get(node.name)
         if got is None:
-            on_demand = (1, -ranks[group_key(node)])
+            on_demand = (1, -ranks[group_key(node)], 0, 0)
             got = order[node.name] = [
-                on_demand if (w := placed.get((node.name, mb))) is None else (0, windows[w][0])
+                on_demand if (w := placed.get((node.name, mb))) is None else at[w]
                 for mb in range(problem.microbatches)
             ]
         return got
@@ -105,6 +111,7 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                 if src in assignment.offload:
                     _prefetched_in_time(problem, assignment, name, src, windows)
                 continue
+            unsaved = uncounted_output(producer, total)
             for mb, (w_src, w_dst) in enumerate(zip(when(producer), when(node))):
                 if w_src > w_dst:
                     src_window = assignment.window_of.get((src, mb))
@@ -113,9 +120,11 @@ def validate(problem: StageProblem, assignment: Assignment) -> None:
                         f"{where}: for microbatch {mb}, {name!r} is recomputed "
                         f"({'on demand, ' + group_key(node) if dst_window is None else f'in {dst_window}'}) before "
                         f"its input {src!r} is "
-                        f"({'on demand, ' + group_key(producer) if src_window is None else str(src_window)}); "
-                        f"keep {src!r} or prefetch it earlier"
+                        f"({'on demand, ' + group_key(producer) if src_window is None else str(src_window)})"
+                        f"{_mid_backward(src_window)}; keep {src!r} or prefetch it earlier"
                     )
+                if unsaved and w_src != w_dst:
+                    _unsaved_apart(problem, assignment, src, name, mb)
 
 
 def _validate_offload(problem: StageProblem, assignment: Assignment, by_name: dict[str, ProblemNode],
@@ -171,6 +180,44 @@ def _prefetched_in_time(problem: StageProblem, assignment: Assignment, name: str
                 f"stage {problem.stage}: for microbatch {mb}, {name!r} is recomputed in {wid} but reads {src!r}, which "
                 f"is offloaded and {'prefetched in ' + str(pre) if pre else 'prefetched only during the backward'}; "
                 f"prefetch {src!r} in the microbatch's first slot, or recompute {name!r} on demand")
+
+
+def _window_time(window: ProblemWindow, index: int, ranks: dict[str, int]) -> tuple[int, ...]:
+    """Where a window runs in its microbatch's backward (see ``when`` in :func:`validate`): a
+    ``tp_allreduce`` window of layer ``L`` after the on-demand regeneration of ``L``'s group
+    (lynx.planner.replay_backward: per block, on demand, backward, its all-reduces), any other
+    before every on-demand group."""
+    layer = window.id.layer if window.kind == "tp_allreduce" else None
+    rank = ranks.get(f"layer{layer}") if layer is not None else None
+    return (0, 0, 0, index) if rank is None else (1, -rank, 1, index)
+
+
+def _mid_backward(window) -> str:
+    if window is None or window.kind != "tp_allreduce":
+        return ""
+    return (f", a tensor-parallel window that runs inside layer {window.layer}'s backward, after the on-demand "
+            f"regeneration of layer {window.layer} and the layers above it")
+
+
+def uncounted_output(node: ProblemNode, total_s: float) -> bool:
+    """Whether no byte count covers ``node``'s output (``output_saved=False``) once recomputed,
+    so it must be recomputed with each recomputed reader (same window, or both on demand);
+    ``total_s``: the stage's summed recompute seconds. A zero-byte view or transpose too cheap
+    to count (as ``lynx.solvers.stage_model._contract`` makes it transparent) is exempt: it
+    may run early in a window and be read later at no cost."""
+    return not node.output_saved and not (node.saved_bytes == 0 and node.recompute_s < 1e-4 * (total_s or 1.0))
+
+
+def _unsaved_apart(problem: StageProblem, assignment: Assignment, src: str, name: str, mb: int) -> None:
+    """``src`` keeps no output (``output_saved=False``), so no byte count covers its output
+    between its regeneration and ``name``'s: they must be regenerated together."""
+    def place(n: str) -> str:
+        w = assignment.window_of.get((n, mb))
+        return "on demand" if w is None else f"in {w}"
+    raise LynxPlanError(
+        f"stage {problem.stage}: for microbatch {mb}, {src!r} is recomputed {place(src)} but its reader {name!r} "
+        f"{place(name)}; {src!r} does not keep its output (output_saved=False), so nothing counts its bytes in "
+        f"between: recompute {src!r} with {name!r} (same window, or both on demand)")
 
 
 def _eligible(node: ProblemNode, window: ProblemWindow) -> bool:
