@@ -59,7 +59,7 @@ from lynx.solvers.offload import (copy_exposed_s, group_layout, host_bytes, issu
                                   read_groups, streamed_before, total_exposed_s)
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
 from lynx.solvers.heu.tp_fill import fill_tp_windows
-from lynx.solvers.validate import validate
+from lynx.solvers.validate import uncounted_output, validate
 
 __all__ = ["solve_heu_offload", "choose_offload", "boundaries", "forget_winners", "FRACTIONS"]
 
@@ -262,13 +262,21 @@ def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_
                        ) -> dict:
     """``window_of`` without the placements that read a streamed value issued after their
     window (all but tensor-parallel windows after the issue: :func:`streamed_before`), or
-    (transitively) a value of the same microbatch recomputed on demand."""
+    (transitively) a value of the same microbatch recomputed on demand, or whose output no
+    byte count covers while a reader of it is recomputed on demand (:func:`uncounted_output`)."""
     inputs = {n.name: n.inputs for n in problem.nodes}
+    total = sum(n.recompute_s for n in problem.nodes)
+    readers: dict[str, list[str]] = {}   # per placed node whose output is uncounted, its recomputed readers
+    for n in problem.nodes:
+        for src in n.inputs:
+            if n.name in recompute:
+                readers.setdefault(src, []).append(n.name)
+    uncounted = {n.name for n in problem.nodes if n.name in recompute and uncounted_output(n, total)}
     watch: dict[str, tuple[str, ...]] = {}   # per placed node, the inputs that can unplace it
     for name, _mb in window_of:
         if name not in watch:
             watch[name] = tuple(src for src in inputs[name] if src in streamed or src in recompute)
-    placed = [key for key in window_of if watch[key[0]]]
+    placed = [key for key in window_of if watch[key[0]] or key[0] in uncounted]
     late = {(src, window_of[key]) for key in placed for src in watch[key[0]] if src in streamed}
     late = {pair for pair in late if not streamed_before(problem, *pair)}   # (issued after the window)
     changed = True
@@ -276,9 +284,11 @@ def _on_demand_readers(problem: StageProblem, recompute: frozenset[str], window_
         changed = False
         for key in placed:
             name, mb = key
-            if key in window_of and any((src in streamed and (src, window_of[key]) in late)
-                                        or (src in recompute and (src, mb) not in window_of)
-                                        for src in watch[name]):
+            if key in window_of and (any((src in streamed and (src, window_of[key]) in late)
+                                         or (src in recompute and (src, mb) not in window_of)
+                                         for src in watch[name])
+                                     or name in uncounted and any((c, mb) not in window_of
+                                                                  for c in readers.get(name, ()))):
                 del window_of[key]
                 changed = True
     return window_of
