@@ -245,8 +245,9 @@ def _dependencies(m: cp_model.CpModel, model: StageModel, free: list[bool], r, x
                     if (i, k) in xc:  # placed in window k: u kept or placed in a window <= k
                         before = [xc[u, q] for q in range(k + 1) if (u, q) in xc]
                         m.add(xc[i, k] <= 1 - r[u] + sum(before))
-                if cross:  # on demand for c: u kept or prefetched for c
-                    upre = [xc[u, q] for q in range(len(cls.capacities)) if (u, q) in xc]
+                if cross:  # on demand for c: u kept or prefetched for c (before i's group regenerates)
+                    upre = [xc[u, q] for q in range(len(cls.capacities))
+                            if (u, q) in xc and cls.before_on_demand(q, item.group)]
                     m.add(od[c][i] <= 1 - r[u] + sum(upre))
 
 

@@ -27,7 +27,7 @@ from lynx.solvers.memory import is_sent, savers_of
 from lynx.solvers.memory_replay import bound_counts
 from lynx.solvers.memory_weights import handed_bytes, rerun_counts
 from lynx.solvers.offload import offloadable, read_groups
-from lynx.solvers.problem import (Assignment, StageProblem, defers_weights, group_key, group_ranks,
+from lynx.solvers.problem import (Assignment, MicrobatchClass, StageProblem, defers_weights, group_key, group_ranks,
                                   microbatch_classes)
 from lynx.solvers.validate import required_recompute_closure
 
@@ -73,6 +73,26 @@ class ModelClass:
     count: int  # microbatches in the class
     capacities: tuple[float, ...]  # per window position, in time order
     eligible: tuple[frozenset[int] | None, ...]  # items allowed in each window (None: all)
+    # per window position, the group a tensor-parallel window runs after: inside that layer's
+    # backward, after the on-demand regeneration of it and every later group; None (or
+    # missing): before every on-demand group
+    after: tuple[int | None, ...] = ()
+
+    def before_on_demand(self, k: int, group: int) -> bool:
+        """Whether window ``k`` runs before ``group``'s on-demand regeneration."""
+        after = self.after[k] if k < len(self.after) else None
+        return after is None or group < after
+
+
+def windows_after(problem: StageProblem, mc: MicrobatchClass) -> tuple[int | None, ...]:
+    """:attr:`ModelClass.after` of a microbatch class (see :func:`lynx.solvers.validate.validate`)."""
+    ranks = group_ranks(problem)
+    kinds = {w.id: w for w in problem.windows}
+    out = []
+    for ids in mc.window_ids:
+        wid = ids[0]
+        out.append(ranks.get(f"layer{wid.layer}") if kinds[wid].kind == "tp_allreduce" else None)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -231,7 +251,7 @@ def model_from_problem(problem: StageProblem) -> StageModel:
             None if layers is None else frozenset(i for i, layer in enumerate(layer_of) if layer in layers)
             for layers in mc.eligible_layers
         )
-        classes.append(ModelClass(len(mc.members), mc.capacities, eligible))
+        classes.append(ModelClass(len(mc.members), mc.capacities, eligible, windows_after(problem, mc)))
     items_t = tuple(items)
     chunk_in_flight, held_over, handing = bound_counts(problem)
     return StageModel(items_t, tuple(classes), problem.in_flight, problem.activation_budget_bytes,

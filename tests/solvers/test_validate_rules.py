@@ -5,10 +5,13 @@ above's) on-demand regeneration — not before every on-demand group as the othe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lynx.errors import LynxPlanError
 from lynx.planner.windows import WindowId
+from lynx.solvers import solve
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.problem import Assignment
 from lynx.solvers.synthetic import make_uniform_problem
@@ -69,3 +72,15 @@ def test_a_tp_window_runs_after_its_layers_on_demand_regeneration() -> None:
     # a TP window may read what an earlier one regenerated
     validate(p, Assignment(layer0 | {"l1.ln1"}, {(n, 0): WindowId.tp(0, 3, 0) for n in layer0}
                            | {("l1.ln1", 0): WindowId.tp(0, 2, 0)}))
+
+
+@pytest.mark.parametrize("solver", ["heu", "opt"])
+def test_solvers_keep_a_tp_windows_value_from_readers_regenerated_before_it(solver: str) -> None:
+    # layers 0..2 with roomy TP windows: both solvers once prefetched l1.add2 in layer 2's window
+    # for l2.ln1 regenerated on demand (lynx.solvers.solve raises on an invalid plan)
+    p = make_uniform_problem(layers=3, microbatches=2, in_flight=2, tp_capacity_s=5e-3, budget_fraction=0.4)
+    p = dataclasses.replace(p, nodes=tuple(dataclasses.replace(n, tp_collective=n.name.endswith((".qkv", ".fc1")))
+                                           for n in p.nodes))
+    result = solve(solver, p, time_limit_s=10.0)
+    assert peak_activation_bytes(p, result.assignment) <= p.activation_budget_bytes
+    assert any(w.kind == "tp_allreduce" for w in result.assignment.window_of.values())

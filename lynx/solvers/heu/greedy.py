@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from lynx.solvers.heu.books import Books, Layout, on_demand_bytes
 from lynx.solvers.heu.clusters import clusters_of, first_fit, first_window, with_prereqs
-from lynx.solvers.heu.moves import apply_keep, drop_items, peak_if_kept, peak_if_placed_all, repair_order, tmax_after
+from lynx.solvers.heu.moves import (apply_keep, drop_items, peak_if_kept, peak_if_placed_all, read_too_early,
+                                    repair_order, tmax_after)
 
 __all__ = ["boundary_kept", "greedy", "reverse_greedy"]
 
@@ -345,7 +346,7 @@ def _needs_repair(lay: Layout, books: Books, unit: list[int]) -> bool:
     touched = set(unit)
     for i in unit:
         touched.update(lay.consumers[i])
-    for where in books.where:
+    for c, where in enumerate(books.where):
         for i in touched:
             k = where[i]
             if k is not None:
@@ -354,7 +355,8 @@ def _needs_repair(lay: Layout, books: Books, unit: list[int]) -> bool:
                         return True
             elif rec[i]:
                 for u in srcs[i]:
-                    if rec[u] and not out_saved[u] and where[u] is not None:
+                    ku = where[u]
+                    if rec[u] and ku is not None and read_too_early(lay, c, ku, u, i):
                         return True
     return False
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 from lynx.solvers.heu import chunked as _ch
 from lynx.solvers.heu.books import Books, Layout, on_demand_bytes
 
-__all__ = ["tmax_after", "peak_if_placed_all", "peak_if_kept", "apply_keep", "unplace", "repair_order", "drop_items"]
+__all__ = ["tmax_after", "peak_if_placed_all", "peak_if_kept", "apply_keep", "unplace", "repair_order", "drop_items",
+           "read_too_early"]
 
 
 def tmax_after(books: Books, c: int, drop: dict[int, int]) -> int:
@@ -149,12 +150,21 @@ def repair_order(lay: Layout, books: Books) -> None:
                         unplace(lay, books, c, i)
                         changed = True
                         break
-            for i in range(lay.n):  # an unsaved output placed while a consumer is not
+            for i in range(lay.n):  # placed, read on demand where it may not be (read_too_early)
                 if rec[i] and where[i] is None:
                     for u in srcs[i]:
-                        if rec[u] and not out_saved[u] and where[u] is not None:
+                        k = where[u]
+                        if rec[u] and k is not None and read_too_early(lay, c, k, u, i):
                             unplace(lay, books, c, u)
                             changed = True
+
+
+def read_too_early(lay: Layout, c: int, k: int, u: int, i: int) -> bool:
+    """Whether item ``u``, placed in window ``k`` of class ``c``, may not feed item ``i``'s
+    on-demand regeneration: ``u``'s output is not saved (nothing counts it in between), or
+    ``k`` is a tensor-parallel window running after ``i``'s group regenerates
+    (:meth:`~lynx.solvers.stage_model.ModelClass.before_on_demand`)."""
+    return not lay.out_saved[u] or not lay.classes[c].before_on_demand(k, lay.group[i])
 
 
 def drop_items(lay: Layout, books: Books, unit: list[int]) -> None:

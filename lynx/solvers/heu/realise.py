@@ -172,15 +172,14 @@ def prefetch_needed(lay: Layout, books: Books, clusters: list[list[int]], budget
             where = books.where[c]
             if where[cl[0]] is not None:
                 continue
-            consumers_on_demand = any(
-                rec[i] and where[i] is None and any(u in members and cross for u, cross in inputs[i])
-                for i in range(lay.n)
-            )
-            if not consumers_on_demand:
+            readers = [lay.group[i] for i in range(lay.n)
+                       if rec[i] and where[i] is None and any(u in members and cross for u, cross in inputs[i])]
+            if not readers:
                 continue
             latest = min((where[j] for j in range(lay.n) if rec[j] and where[j] is not None
                           and any(u in members for u in lay.srcs[j])), default=len(cls.capacities))
-            spots = [k for k, e in enumerate(cls.eligible) if k <= latest and (e is None or all(i in e for i in cl))]
+            spots = [k for k, e in enumerate(cls.eligible) if k <= latest and (e is None or all(i in e for i in cl))
+                     and cls.before_on_demand(k, max(readers))]   # (a TP window: before their regeneration)
             inputs_ok = all(not rec[u] or u in members or where[u] is not None for i in cl for u in lay.srcs[i])
             k = max(spots, key=lambda q: cls.capacities[q] - books.load[c][q]) if spots else None
             if spots and inputs_ok and books.peak_if_placed(c, cl, k) <= budget:

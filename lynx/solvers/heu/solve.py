@@ -70,7 +70,8 @@ from lynx.solvers.heu.layers import Family, families, reduced, reduced_classes
 from lynx.solvers.heu.offload import forget_winners, solve_heu_offload
 from lynx.solvers.heu.realise import realise, reserves
 from lynx.solvers.heu.trade import trade
-from lynx.solvers.stage_model import ModelClass, ModelSolution, StageModel, expand_solution, model_from_problem
+from lynx.solvers.stage_model import (ModelClass, ModelSolution, StageModel, expand_solution, model_from_problem,
+                                     windows_after)
 from lynx.solvers.budget import budget_error
 from lynx.solvers.stage_model import hint_from_assignment
 from lynx.solvers.exposed import exposed_recompute_s
@@ -152,7 +153,7 @@ def _structure(problem: StageProblem) -> tuple[_Structure, StageModel, Layout, S
             None if layers is None else frozenset(i for i, layer in enumerate(cached.layer_of) if layer in layers)
             for layers in mc.eligible_layers
         )
-        classes.append(ModelClass(len(mc.members), mc.capacities, eligible))
+        classes.append(ModelClass(len(mc.members), mc.capacities, eligible, windows_after(problem, mc)))
     model = dataclasses.replace(cached.model, classes=tuple(classes), in_flight=problem.in_flight,
                                 budget_bytes=problem.activation_budget_bytes)
     red = dataclasses.replace(cached.reduced, classes=reduced_classes(model, cached.to_red),
