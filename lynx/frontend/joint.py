@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,13 +87,15 @@ def fetch_attr(gm: fx.GraphModule, target: str) -> Any:
 
 
 def trace_joint(stage_gm: fx.GraphModule, args: list[Any], attrs: dict[str, torch.Tensor] | None = None, *,
-                tp: Any = None) -> JointGraph:
+                tp: Any = None, reuse: Callable[[fx.GraphModule, list[Any]], JointGraph | None] | None = None
+                ) -> JointGraph:
     """The joint graph of ``stage_gm`` on inputs like ``args`` (cached per input signature).
 
     ``attrs`` replaces the graph's parameters and buffers by name (e.g. fake tensors while
     profiling a model that lives on the meta device, or a tensor-parallel rank's local shards);
-    traces with ``attrs`` are cached only with ``tp``. A one-stage pipeline's graph takes the
-    profile's trace where it is provably the same (:mod:`lynx.frontend.joint_reuse`). ``tp`` (a
+    traces with ``attrs`` are cached only with ``tp``. ``reuse`` may give an earlier trace to take
+    instead of tracing (a one-stage pipeline's stage takes the profile's where it is provably the
+    same: :func:`lynx.frontend.joint_reuse.reusable`, passed by the stage). ``tp`` (a
     :class:`lynx.frontend.joint_tp.TPContext`) runs the graph tensor-parallel: the primals are
     this rank's shards and the joint graph holds the TP collectives.
     """
@@ -101,9 +104,7 @@ def trace_joint(stage_gm: fx.GraphModule, args: list[Any], attrs: dict[str, torc
     key = (signature_of(args), None if tp is None else tp.key)
     cache = stage_gm.meta.setdefault("lynx_joint", {})
     if key not in cache:
-        from lynx.frontend.joint_reuse import reusable
-
-        reused = reusable(stage_gm, args) if tp is None and attrs is None else None
+        reused = reuse(stage_gm, args) if reuse is not None and tp is None and attrs is None else None
         cache[key] = reused if reused is not None else _trace(stage_gm, args, attrs, tp)
     return cache[key]
 

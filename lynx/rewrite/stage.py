@@ -47,6 +47,7 @@ from torch import nn
 
 from lynx.errors import LynxConfigError, LynxPlanError, LynxRuntimeError
 from lynx.frontend.joint import classify, signature_of, trace_joint
+from lynx.frontend.joint_reuse import reusable
 from lynx.frontend.joint_tp import check_collectives, issued_collectives
 from lynx.rewrite.lower import LoweredStage, lower
 from lynx.rewrite.microbatch import MicrobatchState, MicrobatchStats, RunStage, count_backward_recompute
@@ -127,7 +128,8 @@ class StageModule(nn.Module):
             check_collectives(issued_collectives(joint, classify(joint).forward, self.layer_of),
                               self.expected_collectives, self.index)
         if found is None:
-            found = self._lowered[key] = lower(trace_joint(self.gm, list(args), tp=self.tp), self.dropped,
+            joint = trace_joint(self.gm, list(args), tp=self.tp, reuse=reusable)
+            found = self._lowered[key] = lower(joint, self.dropped,
                                                compile=self.compile_graphs, model_inputs=len(self.spec.inputs),
                                                offload=self.offload)
         return found
