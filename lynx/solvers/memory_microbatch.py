@@ -60,17 +60,28 @@ def window_steps(problem: StageProblem) -> dict[WindowId, list[int]]:
     """Backward steps at which a tensor-parallel window's recomputation runs: a window of layer
     ``L`` (eligible: the layers below it) runs right after each of layer ``L``'s backward
     all-reduces, its nodes in forward order split in equal shares over them, the first share
-    after the first all-reduce the backward issues (``lynx.rewrite.tp_windows``); every other
-    window runs before step 0."""
+    after the first all-reduce the backward issues (``lynx.rewrite.tp_windows``). A layer whose
+    graph does not mark its all-reduces (a graph analysed without a sharding plan: the simulator
+    times two per layer, ``lynx.planner.tp_costs.layer_allreduce_s``) has them somewhere in its
+    backward: its window's recomputation is counted from the first step of that backward (the
+    earliest they can be). Every other window runs before step 0."""
     last = len(problem.nodes) - 1
     steps: dict[int, list[int]] = {}
+    first: dict[int, int] = {}   # per layer, the first step of its backward
     for i, n in enumerate(problem.nodes):
-        if n.layer is not None and n.tp_collective:
-            steps.setdefault(n.layer, []).append(last - i)
+        if n.layer is not None:
+            first[n.layer] = last - i
+            if n.tp_collective:
+                steps.setdefault(n.layer, []).append(last - i)
     out: dict[WindowId, list[int]] = {}
     for w in problem.windows:
-        if w.kind == "tp_allreduce" and w.eligible_layers and steps.get(max(w.eligible_layers) + 1):
-            out[w.id] = sorted(steps[max(w.eligible_layers) + 1])
+        if w.kind != "tp_allreduce" or not w.eligible_layers:
+            continue
+        layer = max(w.eligible_layers) + 1
+        if steps.get(layer):
+            out[w.id] = sorted(steps[layer])
+        elif layer in first and not steps:   # (unmarked: no layer of the stage marks one)
+            out[w.id] = [first[layer]]
     return out
 
 

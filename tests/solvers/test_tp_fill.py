@@ -14,6 +14,7 @@ from lynx.solvers.baselines import layer_recompute_set
 from lynx.solvers.cpsat_offload import with_copies
 from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.memory_microbatch import window_steps
 from lynx.solvers.offload import streamed_before, total_exposed_s
 from lynx.solvers.problem import Assignment
 from lynx.solvers.synthetic import make_uniform_problem
@@ -56,3 +57,31 @@ def test_a_tp_window_may_read_what_the_backward_prefetched_before_it() -> None:
     late = Assignment(recompute, {("l1.ln1", 0): WindowId.tp(0, 3, 0)}, offload=frozenset({boundary}))
     with pytest.raises(LynxPlanError, match="prefetched only during the backward"):
         validate(p, late)
+
+
+def test_an_unmarked_tp_windows_values_count_from_its_layers_backward() -> None:
+    # a graph analysed without a sharding plan marks no all-reduce (the grid's): layer L's window
+    # is somewhere in L's backward, so what it regenerates counts from L's first backward step,
+    # not from the microbatch's backward's start (step 0: a receive window's)
+    p = make_uniform_problem(layers=4, microbatches=1, in_flight=1, tp_capacity_s=1e-3, recv_grad_capacity_s=1e-3)
+    assert not any(n.tp_collective for n in p.nodes)
+    last = len(p.nodes) - 1
+    index = {n.name: i for i, n in enumerate(p.nodes)}
+    w2 = WindowId.tp(0, 2, 0)
+    assert window_steps(p)[w2] == [last - index["l2.add2"]]
+    layer1 = [n.name for n in p.nodes if n.layer == 1]
+    recompute = frozenset(layer1)
+    in_tp = Assignment(recompute, {(n, 0): w2 for n in layer1})
+    before = Assignment(recompute, {(n, 0): WindowId.recv(0, "recv_grad", 0) for n in layer1})
+    validate(p, in_tp)
+    assert peak_activation_bytes(p, in_tp) < peak_activation_bytes(p, before)
+
+
+def test_fill_uses_unmarked_tp_windows_at_the_tightest_budget() -> None:
+    p = make_uniform_problem(layers=4, microbatches=2, in_flight=1, tp_capacity_s=2e-4)
+    full = Assignment(layer_recompute_set(p))
+    p = dataclasses.replace(p, activation_budget_bytes=peak_activation_bytes(p, full))
+    filled = fill_tp_windows(p, full)
+    validate(p, filled)
+    assert peak_activation_bytes(p, filled) <= p.activation_budget_bytes
+    assert total_exposed_s(p, filled) < total_exposed_s(p, full)
