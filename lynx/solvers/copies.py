@@ -17,7 +17,8 @@ own (one per direction), so offload costs bandwidth and host memory, not compute
   forwards offloaded may still be on the device (``pending``): bounded here, for per-group
   offloaded bytes ``D_g``, by ``max_t (Σ_g c_tg·D_g − drained_t)`` over the terms the
   timeline gives (forwards whose copies can still be queued, the bytes the lane moved since),
-  plus one copy in service. It drains further as the backward runs (``group_backward_s``).
+  plus one copy in service where that is positive (where it is not, the lane is idle: nothing
+  is pending). It drains further as the backward runs (``group_backward_s``).
 * **synchronous** links (a CPU device) copy on the compute thread: nothing is pending, and
   each copy's seconds are compute.
 
@@ -93,7 +94,9 @@ class StageCopies:
             return 0
         worst = max(sum(c * d for c, d in zip(counts, offloaded_by_group)) - drained
                     for counts, drained in self.pending)
-        return int(max(0.0, worst)) + max(offloaded_by_group)
+        if worst <= 0:   # every term drained: the lane is idle, so no copy is in service either
+            return 0
+        return int(worst) + max(offloaded_by_group)
 
     def pending_during(self, pending: int, group: int, groups: int) -> int:
         """``pending`` bytes left when the backward reaches group rank ``group`` of ``groups``

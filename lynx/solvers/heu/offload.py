@@ -18,15 +18,18 @@ masks, norms). :func:`solve_heu_offload`:
    budget left) is skipped before solving; and the same picks with the boundaries taken
    first (``SEEDED`` shares): at the tightest budgets a layer's matmul outputs fit on the host
    only beside its boundary (gpt-1.3b, pp 4, level 0.0: stage 0 exposes 24.2 ms instead of
-   31.1 ms, OPT 21.9 ms);
+   31.1 ms, OPT 21.9 ms); and the boundaries with the values dearer than average per byte, none
+   the first-backpropagated group reads (:func:`~lynx.solvers.heu.offload_exact.dear_set`);
 3. ranks the sets by a quick estimate (:func:`_estimate`: what the rest must recompute at
    least, on demand, plus the copy time), skips those whose rest's leanest plan cannot fit, and
    solves the recompute problem of the rest for the ``SOLVED`` most promising, with every
    policy: the offloaded nodes saved nothing there (they are available, like kept values, to
    what is recomputed from them) and the budget is smaller by what offloading can add to a
-   backward (:func:`lynx.solvers.offload.offload_overhead`); a set that exposes nothing ends
-   the search. A stage solved again under the same budget (the planner's next round) solves
-   only what won before (that offload set, or none);
+   backward (:func:`lynx.solvers.offload.offload_overhead`) — for the dear set, by what it
+   adds to the leanest plan's exact peak instead (:func:`~lynx.solvers.heu.offload_exact.exact_left`;
+   the joined plan is then checked whole); a set that exposes nothing ends the search. A stage solved again
+   under the same budget (the planner's next round) solves only what won before (that
+   offload set, or none);
 4. joins the two, moves on demand what a window would recompute from a value that comes back
    only during the backward, checks the whole plan (validity, the memory model's peak with the
    copies pending, the host budget) and keeps the plan exposing least recompute plus copy time;
@@ -58,6 +61,7 @@ from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import (copy_exposed_s, group_layout, host_bytes, issue_group, offload_overhead, offloadable,
                                   read_groups, streamed_before, total_exposed_s)
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
+from lynx.solvers.heu.offload_exact import dear_set, exact_left
 from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.validate import uncounted_output, validate
 
@@ -162,13 +166,13 @@ class _Drain:
         return self.copies.drains_by_backward(trial)
 
 
-def _offload_sets(problem: StageProblem) -> list[frozenset[str]]:
+def _offload_sets(problem: StageProblem, dear: frozenset[str]) -> list[frozenset[str]]:
     """The offload sets a stage tries: :func:`choose_offload`'s per share of the prefetch lane,
     the layer boundaries, and :func:`choose_offload`'s with the boundaries taken first (at the
     tightest budgets the rest of a layer can fit only with its boundary off the device too)."""
     bounds = boundaries(problem)
     return ([choose_offload(problem, fraction) for fraction in FRACTIONS] + [bounds]
-            + [choose_offload(problem, fraction, bounds) for fraction in SEEDED if bounds])
+            + [choose_offload(problem, fraction, bounds) for fraction in SEEDED if bounds] + [dear])
 
 
 def forget_winners() -> None:
@@ -218,12 +222,11 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
     if best is None or best[0] > 0:
         tried: set[frozenset[str]] = set()
         candidates: list[tuple[frozenset[str], int]] = []   # (set, the budget its rest has)
-        for chosen in [won] if won else [] if again else _offload_sets(problem):
+        dear = dear_set(problem)
+        for chosen in [won] if won else [] if again else _offload_sets(problem, dear):
             if chosen and chosen not in tried:
                 tried.add(chosen)
-                left = problem.activation_budget_bytes - offload_overhead(problem, chosen)
-                if left > 0:
-                    candidates.append((chosen, left))
+                candidates.append((chosen, problem.activation_budget_bytes - offload_overhead(problem, chosen)))
         # solve the SOLVED most promising by a quick estimate (what the rest must recompute at
         # least, on demand, plus the copy time), not every one: each solve costs a base solve
         # (those whose rest cannot fit at all are skipped when their turn comes: the check
@@ -234,11 +237,17 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
         for chosen, left in candidates:
             if solved == SOLVED or best is not None and best[0] <= 1e-12:
                 break   # (nothing exposed: no later set can win, it must expose 1e-12 s less)
-            rest = _rest(problem, chosen, left)
-            if not _lean_fits(problem, chosen, rest):
+            exact = chosen == dear
+            rest = _rest(problem, chosen, max(left, 0))
+            if exact:   # (at the tightest budgets the bound leaves it nothing: measured, offload_exact)
+                measured = exact_left(problem, rest, chosen, _lean(problem))
+                if measured is None:
+                    continue
+                rest = _rest(problem, chosen, measured)
+            elif left <= 0 or not _lean_fits(problem, chosen, rest):
                 continue
             solved += 1
-            found = _with_offload(problem, chosen, rest, solve_plain, time_limit_s)
+            found = _with_offload(problem, chosen, rest, solve_plain, time_limit_s, exact=exact)
             if found is not None and (best is None or found[0] < best[0] - 1e-12):
                 best, winner = found, chosen
         if len(_WINNERS) > 256:
@@ -303,15 +312,20 @@ def _rest(problem: StageProblem, chosen: frozenset[str], budget: int) -> StagePr
     return dataclasses.replace(problem, nodes=nodes, copies=None, activation_budget_bytes=budget)
 
 
-def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> bool:
-    """Whether the leanest plan of ``rest`` (Megatron-full's kept set) fits its budget."""
-    key = id(problem.nodes)   # (Megatron-full's set follows the groups, not the bytes: once per stage)
+def _lean(problem: StageProblem) -> frozenset[str]:
+    """Megatron-full's recomputed set of the stage (it follows the groups, not the bytes: once per stage)."""
+    key = id(problem.nodes)
     found = _LEAN.get(key)
     if found is None or found[0] is not problem.nodes:
         if len(_LEAN) > 256:
             _LEAN.clear()
         found = _LEAN[key] = (problem.nodes, layer_recompute_set(problem))
-    return peak_activation_bytes(rest, Assignment(found[1] - chosen)) <= rest.activation_budget_bytes
+    return found[1]
+
+
+def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> bool:
+    """Whether the leanest plan of ``rest`` (Megatron-full's kept set) fits its budget."""
+    return peak_activation_bytes(rest, Assignment(_lean(problem) - chosen)) <= rest.activation_budget_bytes
 
 
 def _estimate(problem: StageProblem, chosen: frozenset[str], budget: int) -> float:
@@ -338,13 +352,29 @@ def _estimate(problem: StageProblem, chosen: frozenset[str], budget: int) -> flo
 
 def _with_offload(problem: StageProblem, chosen: frozenset[str], rest: StageProblem,
                   solve_plain: Callable[..., SolveResult], time_limit_s: float,
-                  quick: bool = False) -> tuple[float, Assignment] | None:
-    """The recompute plan of ``rest`` with ``chosen`` offloaded, joined and checked (None: no fit)."""
+                  quick: bool = False, exact: bool = False) -> tuple[float, Assignment] | None:
+    """The recompute plan of ``rest`` with ``chosen`` offloaded, joined and checked (None: no fit);
+    ``exact``: ``rest``'s budget is :func:`~lynx.solvers.heu.offload_exact.exact_left`'s, which
+    covers the leanest plan only — the joined plan is checked whole, and the leanest is the fallback."""
     try:   # (no exact model for a candidate)
         res = solve_plain(rest, time_limit_s=time_limit_s, exact=False, quick=quick)
     except LynxBudgetError:
+        res = None
+    if exact:
+        found = _joined(problem, chosen, res.assignment) if res is not None else None
+        if found is None:
+            found = _joined(problem, chosen, Assignment(_lean(problem) - chosen))
+        return found
+    if res is None:
         return None
-    recompute = res.assignment.recompute
+    return _joined(problem, chosen, res.assignment, check=False)
+
+
+def _joined(problem: StageProblem, chosen: frozenset[str], plan: Assignment, check: bool = True
+            ) -> tuple[float, Assignment] | None:
+    """``plan`` (of the rest) with ``chosen`` offloaded, checked (None: no fit); ``check``: the
+    peak exactly even where nothing moved."""
+    recompute = plan.recompute
     offload = chosen - recompute   # a zero-byte helper recomputed with its consumer is recomputed
     layout, reads = group_layout(problem), read_groups(problem)
     copies = problem.copies
@@ -354,11 +384,11 @@ def _with_offload(problem: StageProblem, chosen: frozenset[str], rest: StageProb
     # a window may not recompute from a value that comes back only during the backward (but a
     # TP window after its issue): there, recompute on demand instead — and so what reads that
     streamed = {n for n in offload if issue_group(reads[n], layout) >= 0}
-    window_of = _on_demand_readers(problem, recompute, dict(res.assignment.window_of), streamed)
+    window_of = _on_demand_readers(problem, recompute, dict(plan.window_of), streamed)
     assignment = Assignment(recompute, window_of, offload, prefetch)
     if host_bytes(problem, assignment) > copies.host_budget_bytes:
         return None
-    if len(window_of) != len(res.assignment.window_of) or offload != chosen:
+    if check or len(window_of) != len(plan.window_of) or offload != chosen:
         # moved on demand, or a helper recomputed after all: check what the bound no longer covers
         # (otherwise the rest's plan fits its budget, and offloading adds at most the overhead)
         try:

@@ -1,0 +1,74 @@
+"""HEU with offload at the tightest budgets: the dear values below the top group, budgeted by the
+exact peak where the additive overhead bound leaves the rest nothing (lynx.solvers.heu.offload_exact)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lynx.solvers.copies import StageCopies
+from lynx.solvers.cpsat_offload import with_copies
+from lynx.solvers.heu import offload as heu_offload
+from lynx.solvers.heu.offload_exact import dear_set, exact_left, lean_with_offload
+from lynx.solvers.heu.solve import solve_heu
+from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.offload import offload_overhead, read_groups, total_exposed_s
+from lynx.solvers.problem import group_key, group_ranks
+from lynx.solvers.synthetic import make_uniform_problem
+from lynx.solvers.validate import validate
+
+
+def _tight(fraction: float = 0.08, in_flight: int = 4):
+    return with_copies(make_uniform_problem(layers=4, microbatches=4, in_flight=in_flight, budget_fraction=fraction))
+
+
+def test_dear_set_takes_boundaries_and_dear_values_below_the_top_group() -> None:
+    p = _tight()
+    chosen = dear_set(p)
+    ranks, reads = group_ranks(p), read_groups(p)
+    top = max(ranks.values())
+    by_name = {n.name: n for n in p.nodes}
+    assert chosen and all(reads[name] < top for name in chosen)   # nothing the top group reads
+    can = [n for n in p.nodes if n.saved_bytes > 0 and reads[n.name] < top]
+    boundaries = {n.name for n in can if reads[n.name] > ranks[group_key(n)]}
+    assert boundaries <= chosen
+    cheapest = min(can, key=lambda n: n.recompute_s / n.saved_bytes)
+    assert cheapest.name not in chosen and any(name not in boundaries for name in chosen)
+    dearest = max(can, key=lambda n: n.recompute_s / n.saved_bytes)
+    assert dearest.name in chosen and by_name[dearest.name].layer is not None
+    assert dear_set(_tight(in_flight=1)) == frozenset()   # one microbatch: its copies must drain by the forward's end
+    assert dear_set(dataclasses.replace(p, copies=None)) == frozenset()
+
+
+def test_exact_left_measures_what_the_set_adds_to_the_leanest_plan() -> None:
+    p = _tight()
+    chosen = dear_set(p)
+    lean = heu_offload._lean(p)
+    bound = p.activation_budget_bytes - offload_overhead(p, chosen)
+    rest = heu_offload._rest(p, chosen, max(bound, 0))
+    assert not heu_offload._lean_fits(p, chosen, rest)   # the additive bound leaves the rest too little
+    left = exact_left(p, rest, chosen, lean)
+    assert left is not None and left > bound
+    joined = lean_with_offload(p, chosen, lean)
+    validate(p, joined)
+    assert peak_activation_bytes(p, joined) <= p.activation_budget_bytes
+    assert exact_left(dataclasses.replace(p, activation_budget_bytes=1), rest, chosen, lean) is None
+
+
+def test_heu_offloads_the_dear_set_where_the_bound_leaves_the_rest_nothing() -> None:
+    p = _tight()
+    heu_offload.forget_winners()
+    res = solve_heu(p)
+    validate(p, res.assignment)
+    assert peak_activation_bytes(p, res.assignment) <= p.activation_budget_bytes   # checked whole, exactly
+    assert res.assignment.offload == dear_set(p)
+    assert abs(res.objective_s - total_exposed_s(p, res.assignment)) < 1e-12
+    without = solve_heu(dataclasses.replace(p, copies=None))
+    assert res.objective_s < 0.8 * without.objective_s
+
+
+def test_nothing_is_pending_when_the_lane_has_drained_every_term() -> None:
+    copies = StageCopies(d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9, alpha_s=0.0, synchronous=False,
+                         host_budget_bytes=2**40, slots=(), group_backward_s=(0.002, 0.002),
+                         pending=(((1, 1), 5e6), ((0, 1), 2e6)))
+    assert copies.pending_bytes([1_000_000, 1_000_000]) == 0   # the queue is empty: nothing in service either
+    assert copies.pending_bytes([3_000_000, 3_000_000]) == 1_000_000 + 3_000_000   # backlog + one in service
