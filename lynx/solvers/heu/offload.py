@@ -25,9 +25,10 @@ masks, norms). :func:`solve_heu_offload`:
    solves the recompute problem of the rest for the ``SOLVED`` most promising, with every
    policy: the offloaded nodes saved nothing there (they are available, like kept values, to
    what is recomputed from them) and the budget is smaller by what offloading can add to a
-   backward (:func:`lynx.solvers.offload.offload_overhead`) — for the dear set, by what it
-   adds to the leanest plan's exact peak instead (:func:`~lynx.solvers.heu.offload_exact.exact_left`;
-   the joined plan is then checked whole); a set that exposes nothing ends the search. A stage solved again
+   backward (:func:`lynx.solvers.offload.offload_overhead`) — for the dear set, where that
+   leaves its rest's leanest plan no room, by what it adds to the leanest plan's exact peak
+   instead (:func:`~lynx.solvers.heu.offload_exact.exact_left`; the joined plan is then checked
+   whole); a set that exposes nothing ends the search. A stage solved again
    under the same budget (the planner's next round) solves only what won before (that
    offload set, or none);
 4. joins the two, moves on demand what a window would recompute from a value that comes back
@@ -73,6 +74,9 @@ FRACTIONS = (1.0, 0.5, 0.25)
 SEEDED = (0.95, 0.9)
 # offload sets solved per stage, best estimate first (:func:`_estimate`)
 SOLVED = 4
+# the dear set is tried where the budget is at most this much the leanest plan's peak (level 0.0
+# and near: elsewhere it seldom wins, and its rest — its top layer unlike the others — costs more)
+TIGHT = 4.0
 # per (stage nodes, budget): the offload set that won last time (the planner's fixed point
 # re-solves the same stage with moved windows: only that set and none are tried again)
 _WINNERS: dict[tuple[int, int], tuple[tuple, frozenset[str]]] = {}
@@ -222,7 +226,7 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
     if best is None or best[0] > 0:
         tried: set[frozenset[str]] = set()
         candidates: list[tuple[frozenset[str], int]] = []   # (set, the budget its rest has)
-        dear = dear_set(problem)
+        dear = dear_set(problem) if _tight(problem, plain) else frozenset()
         for chosen in [won] if won else [] if again else _offload_sets(problem, dear):
             if chosen and chosen not in tried:
                 tried.add(chosen)
@@ -237,14 +241,15 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
         for chosen, left in candidates:
             if solved == SOLVED or best is not None and best[0] <= 1e-12:
                 break   # (nothing exposed: no later set can win, it must expose 1e-12 s less)
-            exact = chosen == dear
             rest = _rest(problem, chosen, max(left, 0))
+            fits = left > 0 and _lean_fits(problem, chosen, rest)
+            exact = chosen == dear and not fits
             if exact:   # (at the tightest budgets the bound leaves it nothing: measured, offload_exact)
                 measured = exact_left(problem, rest, chosen, _lean(problem))
                 if measured is None:
                     continue
                 rest = _rest(problem, chosen, measured)
-            elif left <= 0 or not _lean_fits(problem, chosen, rest):
+            elif not fits:
                 continue
             solved += 1
             found = _with_offload(problem, chosen, rest, solve_plain, time_limit_s, exact=exact)
@@ -321,6 +326,12 @@ def _lean(problem: StageProblem) -> frozenset[str]:
             _LEAN.clear()
         found = _LEAN[key] = (problem.nodes, layer_recompute_set(problem))
     return found[1]
+
+
+def _tight(problem: StageProblem, plain: StageProblem) -> bool:
+    """Whether the stage's budget is within ``TIGHT`` of its leanest plan's peak (Megatron-full's,
+    no offload): where :func:`~lynx.solvers.heu.offload_exact.dear_set` is tried."""
+    return problem.activation_budget_bytes <= TIGHT * peak_activation_bytes(plain, Assignment(_lean(problem)))
 
 
 def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> bool:

@@ -50,7 +50,8 @@ def dear_set(problem: StageProblem) -> frozenset[str]:
     copies = problem.copies
     if copies is None or problem.in_flight < 2:
         return frozenset()
-    can = [n for n in problem.nodes if n.saved_bytes > 0 and n.name in set(offloadable(problem))]
+    allowed = set(offloadable(problem))
+    can = [n for n in problem.nodes if n.saved_bytes > 0 and n.name in allowed]
     if not can:
         return frozenset()
     ranks, reads = group_ranks(problem), read_groups(problem)
