@@ -8,11 +8,11 @@ import dataclasses
 from lynx.solvers.copies import StageCopies
 from lynx.solvers.cpsat_offload import with_copies
 from lynx.solvers.heu import offload as heu_offload
-from lynx.solvers.heu.offload_exact import dear_set, exact_left, lean_with_offload
+from lynx.solvers.heu.offload_exact import TIGHT, dear_set, exact_left, lean_with_offload, tight
 from lynx.solvers.heu.solve import solve_heu
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import offload_overhead, read_groups, total_exposed_s
-from lynx.solvers.problem import group_key, group_ranks
+from lynx.solvers.problem import Assignment, group_key, group_ranks
 from lynx.solvers.synthetic import make_uniform_problem
 from lynx.solvers.validate import validate
 
@@ -72,3 +72,14 @@ def test_nothing_is_pending_when_the_lane_has_drained_every_term() -> None:
                          pending=(((1, 1), 5e6), ((0, 1), 2e6)))
     assert copies.pending_bytes([1_000_000, 1_000_000]) == 0   # the queue is empty: nothing in service either
     assert copies.pending_bytes([3_000_000, 3_000_000]) == 1_000_000 + 3_000_000   # backlog + one in service
+
+
+def test_the_dear_set_is_tried_at_tight_budgets_only() -> None:
+    p = _tight()
+    plain, lean = dataclasses.replace(p, copies=None), heu_offload._lean(p)
+    assert tight(p, plain, lean)
+    loose = int(TIGHT * peak_activation_bytes(plain, Assignment(lean))) + 1
+    roomy = dataclasses.replace(p, activation_budget_bytes=loose)
+    assert not tight(roomy, dataclasses.replace(roomy, copies=None), lean)
+    heu_offload.forget_winners()
+    assert solve_heu(roomy).assignment.offload != dear_set(roomy)

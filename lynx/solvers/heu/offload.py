@@ -18,8 +18,9 @@ masks, norms). :func:`solve_heu_offload`:
    budget left) is skipped before solving; and the same picks with the boundaries taken
    first (``SEEDED`` shares): at the tightest budgets a layer's matmul outputs fit on the host
    only beside its boundary (gpt-1.3b, pp 4, level 0.0: stage 0 exposes 24.2 ms instead of
-   31.1 ms, OPT 21.9 ms); and the boundaries with the values dearer than average per byte, none
-   the first-backpropagated group reads (:func:`~lynx.solvers.heu.offload_exact.dear_set`);
+   31.1 ms, OPT 21.9 ms); and, where the budget is within ``offload_exact.TIGHT`` of the leanest plan's
+   peak, the boundaries with the values dearer than average per byte, none the
+   first-backpropagated group reads (:func:`~lynx.solvers.heu.offload_exact.dear_set`);
 3. ranks the sets by a quick estimate (:func:`_estimate`: what the rest must recompute at
    least, on demand, plus the copy time), skips those whose rest's leanest plan cannot fit, and
    solves the recompute problem of the rest for the ``SOLVED`` most promising, with every
@@ -62,7 +63,7 @@ from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import (copy_exposed_s, group_layout, host_bytes, issue_group, offload_overhead, offloadable,
                                   read_groups, streamed_before, total_exposed_s)
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
-from lynx.solvers.heu.offload_exact import dear_set, exact_left
+from lynx.solvers.heu.offload_exact import dear_set, exact_left, tight
 from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.validate import uncounted_output, validate
 
@@ -74,9 +75,6 @@ FRACTIONS = (1.0, 0.5, 0.25)
 SEEDED = (0.95, 0.9)
 # offload sets solved per stage, best estimate first (:func:`_estimate`)
 SOLVED = 4
-# the dear set is tried where the budget is at most this much the leanest plan's peak (level 0.0
-# and near: elsewhere it seldom wins, and its rest — its top layer unlike the others — costs more)
-TIGHT = 4.0
 # per (stage nodes, budget): the offload set that won last time (the planner's fixed point
 # re-solves the same stage with moved windows: only that set and none are tried again)
 _WINNERS: dict[tuple[int, int], tuple[tuple, frozenset[str]]] = {}
@@ -226,7 +224,7 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
     if best is None or best[0] > 0:
         tried: set[frozenset[str]] = set()
         candidates: list[tuple[frozenset[str], int]] = []   # (set, the budget its rest has)
-        dear = dear_set(problem) if _tight(problem, plain) else frozenset()
+        dear = dear_set(problem) if tight(problem, plain, _lean(problem)) else frozenset()
         for chosen in [won] if won else [] if again else _offload_sets(problem, dear):
             if chosen and chosen not in tried:
                 tried.add(chosen)
@@ -326,12 +324,6 @@ def _lean(problem: StageProblem) -> frozenset[str]:
             _LEAN.clear()
         found = _LEAN[key] = (problem.nodes, layer_recompute_set(problem))
     return found[1]
-
-
-def _tight(problem: StageProblem, plain: StageProblem) -> bool:
-    """Whether the stage's budget is within ``TIGHT`` of its leanest plan's peak (Megatron-full's,
-    no offload): where :func:`~lynx.solvers.heu.offload_exact.dear_set` is tried."""
-    return problem.activation_budget_bytes <= TIGHT * peak_activation_bytes(plain, Assignment(_lean(problem)))
 
 
 def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> bool:

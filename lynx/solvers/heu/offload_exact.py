@@ -40,7 +40,18 @@ from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import group_layout, issue_group, offloadable, read_groups
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks
 
-__all__ = ["dear_set", "exact_left", "lean_with_offload"]
+__all__ = ["dear_set", "exact_left", "lean_with_offload", "tight", "TIGHT"]
+
+# the dear set is tried where the budget is at most this much the leanest plan's peak (level 0.0
+# and near: 1.0-3.6x on gpt-20b h100 pp 4; level 0.3 there 8-13x, where it never won and its
+# rest, its top layer unlike the others, cost HEU 11% more work)
+TIGHT = 4.0
+
+
+def tight(problem: StageProblem, plain: StageProblem, lean: frozenset[str]) -> bool:
+    """Whether the stage's budget is within ``TIGHT`` of the peak of its leanest plan without
+    offload (``plain``: the stage without copy lanes; ``lean``: Megatron-full's recomputed set)."""
+    return problem.activation_budget_bytes <= TIGHT * peak_activation_bytes(plain, Assignment(lean))
 
 
 def dear_set(problem: StageProblem) -> frozenset[str]:
