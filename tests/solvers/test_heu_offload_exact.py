@@ -8,7 +8,7 @@ import dataclasses
 from lynx.solvers.copies import StageCopies
 from lynx.solvers.cpsat_offload import with_copies
 from lynx.solvers.heu import offload as heu_offload
-from lynx.solvers.heu.offload_exact import TIGHT, dear_set, exact_left, lean_with_offload, tight
+from lynx.solvers.heu.offload_exact import TIGHT, dear_set, exact_left, lean, lean_with_offload, tight
 from lynx.solvers.heu.solve import solve_heu
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import offload_overhead, read_groups, total_exposed_s
@@ -42,16 +42,16 @@ def test_dear_set_takes_boundaries_and_dear_values_below_the_top_group() -> None
 def test_exact_left_measures_what_the_set_adds_to_the_leanest_plan() -> None:
     p = _tight()
     chosen = dear_set(p)
-    lean = heu_offload._lean(p)
+    leanest = lean(p)
     bound = p.activation_budget_bytes - offload_overhead(p, chosen)
     rest = heu_offload._rest(p, chosen, max(bound, 0))
     assert not heu_offload._lean_fits(p, chosen, rest)   # the additive bound leaves the rest too little
-    left = exact_left(p, rest, chosen, lean)
+    left = exact_left(p, rest, chosen, leanest)
     assert left is not None and left > bound
-    joined = lean_with_offload(p, chosen, lean)
+    joined = lean_with_offload(p, chosen, leanest)
     validate(p, joined)
     assert peak_activation_bytes(p, joined) <= p.activation_budget_bytes
-    assert exact_left(dataclasses.replace(p, activation_budget_bytes=1), rest, chosen, lean) is None
+    assert exact_left(dataclasses.replace(p, activation_budget_bytes=1), rest, chosen, leanest) is None
 
 
 def test_heu_offloads_the_dear_set_where_the_bound_leaves_the_rest_nothing() -> None:
@@ -76,10 +76,10 @@ def test_nothing_is_pending_when_the_lane_has_drained_every_term() -> None:
 
 def test_the_dear_set_is_tried_at_tight_budgets_only() -> None:
     p = _tight()
-    plain, lean = dataclasses.replace(p, copies=None), heu_offload._lean(p)
-    assert tight(p, plain, lean)
-    loose = int(TIGHT * peak_activation_bytes(plain, Assignment(lean))) + 1
+    plain, leanest = dataclasses.replace(p, copies=None), lean(p)
+    assert tight(p, plain, leanest)
+    loose = int(TIGHT * peak_activation_bytes(plain, Assignment(leanest))) + 1
     roomy = dataclasses.replace(p, activation_budget_bytes=loose)
-    assert not tight(roomy, dataclasses.replace(roomy, copies=None), lean)
+    assert not tight(roomy, dataclasses.replace(roomy, copies=None), leanest)
     heu_offload.forget_winners()
     assert solve_heu(roomy).assignment.offload != dear_set(roomy)

@@ -58,12 +58,11 @@ import time
 from collections.abc import Callable
 
 from lynx.errors import LynxBudgetError, LynxPlanError
-from lynx.solvers.baselines import layer_recompute_set
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import (copy_exposed_s, group_layout, host_bytes, issue_group, offload_overhead, offloadable,
                                   read_groups, streamed_before, total_exposed_s)
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
-from lynx.solvers.heu.offload_exact import dear_set, exact_left, tight
+from lynx.solvers.heu.offload_exact import dear_set, exact_left, lean, tight
 from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.validate import uncounted_output, validate
 
@@ -78,7 +77,6 @@ SOLVED = 4
 # per (stage nodes, budget): the offload set that won last time (the planner's fixed point
 # re-solves the same stage with moved windows: only that set and none are tried again)
 _WINNERS: dict[tuple[int, int], tuple[tuple, frozenset[str]]] = {}
-_LEAN: dict[int, tuple[tuple, frozenset[str]]] = {}   # per stage nodes: Megatron-full's recomputed set
 
 
 def choose_offload(problem: StageProblem, fraction: float, seed: frozenset[str] = frozenset()) -> frozenset[str]:
@@ -224,7 +222,7 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
     if best is None or best[0] > 0:
         tried: set[frozenset[str]] = set()
         candidates: list[tuple[frozenset[str], int]] = []   # (set, the budget its rest has)
-        dear = dear_set(problem) if tight(problem, plain, _lean(problem)) else frozenset()
+        dear = dear_set(problem) if tight(problem, plain, lean(problem)) else frozenset()
         for chosen in [won] if won else [] if again else _offload_sets(problem, dear):
             if chosen and chosen not in tried:
                 tried.add(chosen)
@@ -243,7 +241,7 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
             fits = left > 0 and _lean_fits(problem, chosen, rest)
             exact = chosen == dear and not fits
             if exact:   # (at the tightest budgets the bound leaves it nothing: measured, offload_exact)
-                measured = exact_left(problem, rest, chosen, _lean(problem))
+                measured = exact_left(problem, rest, chosen, lean(problem))
                 if measured is None:
                     continue
                 rest = _rest(problem, chosen, measured)
@@ -315,20 +313,9 @@ def _rest(problem: StageProblem, chosen: frozenset[str], budget: int) -> StagePr
     return dataclasses.replace(problem, nodes=nodes, copies=None, activation_budget_bytes=budget)
 
 
-def _lean(problem: StageProblem) -> frozenset[str]:
-    """Megatron-full's recomputed set of the stage (it follows the groups, not the bytes: once per stage)."""
-    key = id(problem.nodes)
-    found = _LEAN.get(key)
-    if found is None or found[0] is not problem.nodes:
-        if len(_LEAN) > 256:
-            _LEAN.clear()
-        found = _LEAN[key] = (problem.nodes, layer_recompute_set(problem))
-    return found[1]
-
-
 def _lean_fits(problem: StageProblem, chosen: frozenset[str], rest: StageProblem) -> bool:
     """Whether the leanest plan of ``rest`` (Megatron-full's kept set) fits its budget."""
-    return peak_activation_bytes(rest, Assignment(_lean(problem) - chosen)) <= rest.activation_budget_bytes
+    return peak_activation_bytes(rest, Assignment(lean(problem) - chosen)) <= rest.activation_budget_bytes
 
 
 def _estimate(problem: StageProblem, chosen: frozenset[str], budget: int) -> float:
@@ -366,7 +353,7 @@ def _with_offload(problem: StageProblem, chosen: frozenset[str], rest: StageProb
     if exact:
         found = _joined(problem, chosen, res.assignment) if res is not None else None
         if found is None:
-            found = _joined(problem, chosen, Assignment(_lean(problem) - chosen))
+            found = _joined(problem, chosen, Assignment(lean(problem) - chosen))
         return found
     if res is None:
         return None
