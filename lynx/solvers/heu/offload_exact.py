@@ -38,12 +38,12 @@ from __future__ import annotations
 
 from lynx.solvers.baselines import layer_recompute_set
 from lynx.solvers.memory import peak_activation_bytes
+from lynx.solvers.memory_regen import _per_nodes   # (the solvers' per-node-tuple cache)
 from lynx.solvers.offload import group_layout, issue_group, offloadable, read_groups
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks
 
 __all__ = ["dear_set", "exact_left", "lean", "lean_with_offload", "tight", "TIGHT"]
 
-_LEAN: dict[int, tuple[tuple, frozenset[str]]] = {}   # per stage nodes: Megatron-full's recomputed set
 
 # the dear set is tried where the budget is at most this much the leanest plan's peak (level 0.0
 # and near: 1.0-3.6x on gpt-20b h100 pp 4; level 0.3 there 8-13x, where it never won and its
@@ -53,13 +53,7 @@ TIGHT = 4.0
 
 def lean(problem: StageProblem) -> frozenset[str]:
     """Megatron-full's recomputed set of the stage (it follows the groups, not the bytes: once per stage)."""
-    key = id(problem.nodes)
-    found = _LEAN.get(key)
-    if found is None or found[0] is not problem.nodes:
-        if len(_LEAN) > 256:
-            _LEAN.clear()
-        found = _LEAN[key] = (problem.nodes, layer_recompute_set(problem))
-    return found[1]
+    return _per_nodes("lean", problem, layer_recompute_set)
 
 
 def tight(problem: StageProblem, plain: StageProblem, lean: frozenset[str]) -> bool:
