@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from lynx.config import CompileConfig
-from lynx.errors import LynxConfigError
+from lynx.errors import LynxBudgetError, LynxConfigError
 from lynx.planner.comm import CommModel
 from lynx.planner.loop import plan_graph_outcome
 from lynx.planner.synthetic import synthetic_graph
@@ -174,3 +174,14 @@ def _synthetic_pipeline_at_level_03():
     budget = int(max(full.sim.peak_memory_bytes) + 0.3 * (max(none.sim.peak_memory_bytes)
                                                             - max(full.sim.peak_memory_bytes)))
     return g, base.replace(memory_budget=budget, offload=True, solver="heu"), comm, full
+
+
+@pytest.mark.parametrize("fraction", [0.075, 0.1, 0.15])
+def test_heu_with_offload_never_returns_a_plan_over_its_budget(fraction: float) -> None:
+    # at 7.5% the additive offload_overhead bound let a joined plan through at 1.44x the budget
+    problem = with_copies(make_uniform_problem(layers=4, microbatches=4, in_flight=4, budget_fraction=fraction))
+    try:
+        result = solve("heu", problem)
+    except LynxBudgetError:
+        return   # (no plan: refused, as the leanest plan does not fit either)
+    assert peak_activation_bytes(problem, result.assignment) <= problem.activation_budget_bytes
