@@ -115,8 +115,8 @@ def microbatch_peak_bytes(problem: StageProblem, assignment: Assignment, prefetc
         # backward steps reading the output: its savers', and the re-runs of dropped consumers
         reads = list(saver_steps)
         for c in consumers:
-            if c in prefetched:
-                reads.append(0)  # (an invalid plan) a window re-runs it first
+            if c in prefetched and c not in offloaded:
+                reads.append(0)  # (an invalid plan) a window re-runs it first; a prefetched copy reads nothing
             elif regenerated.get(c, _NEVER) != _NEVER:
                 reads.append(regenerated[c])
         if unknown:  # unknown savers: every consumer, perhaps itself
