@@ -31,8 +31,8 @@ from typing import Any
 from lynx.solvers.memory_microbatch import saved_parts
 from lynx.solvers.problem import ProblemNode, StageProblem, consumers_of
 
-__all__ = ["weight_read_bytes", "handed_bytes", "starts_input_regeneration", "regenerating_parts", "rerun_counts",
-           "reads_input", "BOTH"]
+__all__ = ["per_node_tuple", "weight_read_bytes", "handed_bytes", "starts_input_regeneration", "regenerating_parts",
+           "rerun_counts", "reads_input", "BOTH"]
 
 BOTH = (True, True)   # a node's reads when unknown: both parts read it
 
@@ -41,7 +41,7 @@ BOTH = (True, True)   # a node's reads when unknown: both parts read it
 _CACHE: dict[tuple[str, int], tuple[tuple, Any]] = {}
 
 
-def _per_nodes(kind: str, problem: StageProblem, build: Callable[[StageProblem], Any]) -> Any:
+def per_node_tuple(kind: str, problem: StageProblem, build: Callable[[StageProblem], Any]) -> Any:
     """``build(problem)``, remembered per node tuple (callers must not change the answer)."""
     key = (kind, id(problem.nodes))
     found = _CACHE.get(key)
@@ -69,7 +69,7 @@ def handed_bytes(problem: StageProblem) -> dict[str, int]:
     every handed value (more where a starter is dropped but the path to it is not); a chunk
     whose ``I`` reads nothing (the first: its ``W`` is the whole backward) hands nothing over.
     Cached per node tuple: callers must not change the answer."""
-    return _per_nodes("handed", problem, _handed_bytes)
+    return per_node_tuple("handed", problem, _handed_bytes)
 
 
 def _handed_bytes(problem: StageProblem) -> dict[str, int]:
@@ -109,7 +109,7 @@ def regenerating_parts(problem: StageProblem) -> dict[str, tuple[bool, bool]]:
     node ``I`` reads whose output ``W`` reads (``I`` regenerated and handed it); in a chunk whose
     ``I`` reads nothing, ``W`` is the whole backward and ``I`` regenerates nothing. Cached per
     node tuple: callers must not change the answer."""
-    return _per_nodes("parts", problem, _regenerating_parts)
+    return per_node_tuple("parts", problem, _regenerating_parts)
 
 
 def _regenerating_parts(problem: StageProblem) -> dict[str, tuple[bool, bool]]:
@@ -140,7 +140,7 @@ def rerun_counts(problem: StageProblem) -> dict[str, int]:
     input ``I`` may not have handed (``W`` does not read the output itself) — more than
     :func:`~lynx.solvers.memory_weights.regenerated_nodes` finds for a given plan, never less. The
     first chunk's ``W`` is the whole backward: once. Cached per node tuple: callers must not change the answer."""
-    return _per_nodes("reruns", problem, _rerun_counts)
+    return per_node_tuple("reruns", problem, _rerun_counts)
 
 
 def _rerun_counts(problem: StageProblem) -> dict[str, int]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from lynx.solvers.baselines import layer_recompute_set
 from lynx.solvers.memory import peak_activation_bytes
-from lynx.solvers.memory_regen import _per_nodes   # (the solvers' per-node-tuple cache)
+from lynx.solvers.memory_regen import per_node_tuple   # (the solvers' per-node-tuple cache)
 from lynx.solvers.offload import group_layout, issue_group, offloadable, read_groups
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks
 
@@ -53,7 +53,7 @@ TIGHT = 4.0
 
 def lean(problem: StageProblem) -> frozenset[str]:
     """Megatron-full's recomputed set of the stage (it follows the groups, not the bytes: once per stage)."""
-    return _per_nodes("lean", problem, layer_recompute_set)
+    return per_node_tuple("lean", problem, layer_recompute_set)
 
 
 def tight(problem: StageProblem, plain: StageProblem, lean: frozenset[str]) -> bool:
