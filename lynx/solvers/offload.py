@@ -40,7 +40,7 @@ from lynx.solvers.problem import (Assignment, StageProblem, exposed_recompute_s,
                                   savers_of)
 
 __all__ = ["GroupLayout", "group_layout", "read_groups", "issue_group", "issue_steps", "streamed_before",
-           "offloadable", "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes",
+           "offloadable", "slot_prefetch", "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes",
            "prefetch_bytes_by_issue", "offload_overhead", "total_exposed_s"]
 
 
@@ -116,6 +116,16 @@ def issue_group(read_group: int, layout: GroupLayout) -> int:
     (-1: none, the read group is backpropagated first: at the backward's start)."""
     above = read_group + 1
     return above if above < layout.groups else -1
+
+
+def slot_prefetch(problem: StageProblem, names: frozenset[str] | set[str]) -> dict[tuple[str, int], WindowId]:
+    """Per (node, microbatch) the window slot that prefetches each of ``names`` the first
+    backpropagated group reads (its streamed prefetch would be issued at the backward's start)."""
+    copies = problem.copies
+    assert copies is not None
+    layout, reads = group_layout(problem), read_groups(problem)
+    return {(n, j): slot.window for n in names if issue_group(reads[n], layout) < 0
+            for j, slot in enumerate(copies.slots) if slot is not None}
 
 
 def issue_steps(problem: StageProblem, offload: frozenset[str] | set[str]) -> dict[str, int]:

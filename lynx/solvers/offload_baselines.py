@@ -29,7 +29,7 @@ import time
 
 from lynx.errors import LynxConfigError
 from lynx.solvers.memory import peak_activation_bytes
-from lynx.solvers.offload import group_layout, host_bytes, issue_group, offloadable, read_groups, total_exposed_s
+from lynx.solvers.offload import host_bytes, offloadable, slot_prefetch, total_exposed_s
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem
 
 __all__ = ["solve_offload_all", "solve_offload_modules", "MEGATRON_MODULES", "offload_assignment"]
@@ -43,10 +43,7 @@ def offload_assignment(problem: StageProblem, names: frozenset[str] | set[str]) 
     copies = problem.copies
     if copies is None:
         raise LynxConfigError(f"stage {problem.stage}: offload baselines need copy lanes: plan with offload=True")
-    layout, reads = group_layout(problem), read_groups(problem)
-    prefetch = {(n, j): slot.window for n in names if issue_group(reads[n], layout) < 0
-                for j, slot in enumerate(copies.slots) if slot is not None}
-    return Assignment(frozenset(), {}, frozenset(names), prefetch)
+    return Assignment(frozenset(), {}, frozenset(names), slot_prefetch(problem, names))
 
 
 def _result(problem: StageProblem, names: set[str], start: float) -> SolveResult:

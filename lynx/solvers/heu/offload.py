@@ -60,7 +60,7 @@ from collections.abc import Callable
 from lynx.errors import LynxBudgetError, LynxPlanError
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.offload import (copy_exposed_s, group_layout, host_bytes, issue_group, offload_overhead, offloadable,
-                                  read_groups, streamed_before, total_exposed_s)
+                                  read_groups, slot_prefetch, streamed_before, total_exposed_s)
 from lynx.solvers.problem import Assignment, SolveResult, StageProblem, group_key, group_ranks
 from lynx.solvers.heu.offload_exact import dear_set, exact_left, lean, tight
 from lynx.solvers.heu.tp_fill import fill_tp_windows
@@ -332,12 +332,7 @@ def _estimate(problem: StageProblem, chosen: frozenset[str], budget: int) -> flo
             over -= problem.in_flight * n.saved_bytes
             if over <= 0:
                 break
-    layout, reads = group_layout(problem), read_groups(problem)
-    copies = problem.copies
-    assert copies is not None
-    prefetch = {(n, j): slot.window for n in chosen if issue_group(reads[n], layout) < 0
-                for j, slot in enumerate(copies.slots) if slot is not None}
-    return seconds + copy_exposed_s(problem, Assignment(frozenset(), {}, chosen, prefetch))
+    return seconds + copy_exposed_s(problem, Assignment(frozenset(), {}, chosen, slot_prefetch(problem, chosen)))
 
 
 def _with_offload(problem: StageProblem, chosen: frozenset[str], rest: StageProblem,
@@ -370,8 +365,7 @@ def _joined(problem: StageProblem, chosen: frozenset[str], plan: Assignment) -> 
     layout, reads = group_layout(problem), read_groups(problem)
     copies = problem.copies
     assert copies is not None
-    prefetch = {(n, j): slot.window for n in offload if issue_group(reads[n], layout) < 0
-                for j, slot in enumerate(copies.slots) if slot is not None}
+    prefetch = slot_prefetch(problem, offload)
     # a window may not recompute from a value that comes back only during the backward (but a
     # TP window after its issue): there, recompute on demand instead — and so what reads that
     streamed = {n for n in offload if issue_group(reads[n], layout) >= 0}

@@ -39,7 +39,7 @@ from __future__ import annotations
 from lynx.solvers.baselines import layer_recompute_set
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.memory_regen import per_node_tuple   # (the solvers' per-node-tuple cache)
-from lynx.solvers.offload import group_layout, issue_group, offloadable, read_groups
+from lynx.solvers.offload import offloadable, read_groups, slot_prefetch
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks
 
 __all__ = ["dear_set", "exact_left", "lean", "lean_with_offload", "tight", "TIGHT"]
@@ -91,12 +91,7 @@ def dear_set(problem: StageProblem) -> frozenset[str]:
 def lean_with_offload(problem: StageProblem, chosen: frozenset[str], lean: frozenset[str]) -> Assignment:
     """The leanest plan with ``chosen`` offloaded: Megatron-full's recomputed set ``lean`` less
     ``chosen``, on demand; what the first-backpropagated group reads prefetched in the slot."""
-    layout, reads = group_layout(problem), read_groups(problem)
-    copies = problem.copies
-    assert copies is not None
-    prefetch = {(n, j): slot.window for n in chosen if issue_group(reads[n], layout) < 0
-                for j, slot in enumerate(copies.slots) if slot is not None}
-    return Assignment(lean - chosen, {}, chosen, prefetch)
+    return Assignment(lean - chosen, {}, chosen, slot_prefetch(problem, chosen))
 
 
 def exact_left(problem: StageProblem, rest: StageProblem, chosen: frozenset[str], lean: frozenset[str]) -> int | None:
