@@ -6,6 +6,8 @@ tested in tests/solvers/test_offload_solvers.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lynx.config import CompileConfig
@@ -169,6 +171,23 @@ def test_simulated_offload_plan_round_trips_through_plan_decisions() -> None:
     assert assignment_from_decisions(decisions, 4) == assignments[0]
 
 
+def test_copy_loads_name_the_tp_windows_whose_recomputation_reads_a_streamed_value() -> None:
+    """``l0_ln2``, offloaded, streams back for layer 0 (block 1) as layer 1's backward starts;
+    layer 1's TP window recomputes ``l0_fc1`` from it for microbatch 0 (the replay waits for it
+    there), while for microbatch 1 it is prefetched in the slot (nothing to wait for there)."""
+    from lynx.planner.offload_costs import copy_loads
+    from lynx.planner.windows import WindowId
+
+    g, pipe, _static, problems = _graph_setup()
+    p = problems[0]
+    w0, w1 = WindowId.tp(0, 1, 0), WindowId.tp(0, 1, 1)
+    a = Assignment(frozenset({"l0_fc1", "l0_gelu"}),
+                   {("l0_fc1", 0): w0, ("l0_fc1", 1): w1, ("l0_gelu", 0): w0, ("l0_gelu", 1): w1},
+                   offload=frozenset({"l0_ln2"}), prefetch_of={("l0_ln2", 1): p.copies.slots[1].window})
+    loads = copy_loads(g, pipe, problems, [a, Assignment(frozenset())])
+    assert loads.window_reads == {w0: frozenset({1})} and g.nodes["l0_ln2"]["block"] == 1
+
+
 def test_offload_rules() -> None:
     g, pipe, static, problems = _graph_setup()
     p = problems[0]
@@ -230,8 +249,6 @@ def test_a_backward_without_copies_still_sends_its_input_gradients_first() -> No
     """Offload on stage 0 only: stage 1's B brings nothing back from the host, so it still runs
     split as the runtime does (its input gradients sent before its weight part); stage 0's
     copies stay on their lanes (pp 2: F 1, B 2 of which W 1)."""
-    import dataclasses
-
     pipe = _uniform()
     pipe = dataclasses.replace(pipe, costs=tuple(dataclasses.replace(c, backward_weight_s=1.0) for c in pipe.costs))
     split = dataclasses.replace(pipe, grads_first=True)
@@ -252,15 +269,21 @@ def test_a_tp_window_recomputing_waits_for_the_prefetch_of_the_block_below() -> 
     """One device, two blocks of 1 s each way, block 1's backward all-reduce 0.5 s. Block 0's
     values go out after its forward (1–2 s) and stream back as block 1's backward starts (2 s,
     2.5 s: back at 4.5 s). Block 1's TP window, at 3 s, recomputes for block 0 from them
-    (lynx.solvers.offload.streamed_before): it runs once they are back, 4.5–4.7 s."""
+    (lynx.solvers.offload.streamed_before, ``CopyLoads.window_reads``): it runs once they are
+    back, 4.5–4.7 s. A window whose recomputation reads none of them waits for none (the
+    runtime waits before a value's first reader): it runs at 3–3.2 s, inside its all-reduce."""
     from lynx.planner.partition import BlockCost, Chunk
     from lynx.planner.windows import WindowId
     costs = tuple(BlockCost(block=b, name=f"layer{b}", layer=b, forward_s=1.0, backward_s=1.0, tp_forward_s=0.0,
                             tp_backward_s=0.5 * b, param_bytes=0, dp_s=0.0) for b in range(2))
     pipe = PipelineCosts(pp=1, microbatches=1, schedule="1f1b", chunks=(Chunk(0, 0, (0, 1), (0, 1)),), costs=costs,
                          boundary_s=(), host=HostCopies(link=_LINK, lane_of_device=(0,), share=1))
+    wid = WindowId.tp(0, 1, 0)
     copies = CopyLoads(offload={(0, 0, 0): 1_000_000}, streamed={(0, 0): [(1, 0, 2_500_000)]})
+    reads = dataclasses.replace(copies, window_reads={wid: frozenset({0})})
     idle = run_timeline(pipe, Loads(copies=copies))
-    busy = run_timeline(pipe, Loads(window={WindowId.tp(0, 1, 0): 0.2}, copies=copies))
+    busy = run_timeline(pipe, Loads(window={wid: 0.2}, copies=reads))
+    aside = run_timeline(pipe, Loads(window={wid: 0.2}, copies=copies))
     assert idle.step_time_s == pytest.approx(5.5) and idle.exposed_copy_s[0] == pytest.approx(1.0)
     assert busy.step_time_s == pytest.approx(5.7) and busy.exposed_copy_s[0] == pytest.approx(1.0)
+    assert aside.step_time_s == pytest.approx(5.5) and aside.exposed_copy_s[0] == pytest.approx(1.0)

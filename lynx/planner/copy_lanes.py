@@ -97,12 +97,16 @@ class CopyLoads:
     the issue block's backward starts (None: when the backward starts), waited on before the
     reading block's. ``sources``: per ``(chunk, microbatch, reading block)`` (None: the window
     prefetches), the blocks whose forwards copied out what it brings back (absent: every block
-    of the microbatch, the conservative rule)."""
+    of the microbatch, the conservative rule). ``window_reads``: per tensor-parallel window,
+    the reading blocks whose streamed prefetches its recomputation reads — the runtime waits
+    for a prefetch before its first reader only (:func:`lynx.rewrite.offload.offload_wait`), so
+    a window that reads none of them waits for none (absent: it reads none)."""
 
     offload: dict[tuple[int, int, int], int] = field(default_factory=dict)
     window: dict[WindowId, list[tuple[int, int, int]]] = field(default_factory=dict)
     streamed: dict[tuple[int, int], list[tuple[Optional[int], int, int]]] = field(default_factory=dict)
     sources: dict[tuple[int, int, Optional[int]], frozenset[int]] = field(default_factory=dict)
+    window_reads: dict[WindowId, frozenset[int]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.offload)

@@ -195,7 +195,24 @@ def copy_loads(graph: nx.DiGraph, pipe: PipelineCosts, problems: list[StageProbl
                 # (the prefetch waits for this block's copy-out only: copy_lanes.CopyReplay.out_at)
                 at = (chunk, mb, None if wid is not None else reader)
                 loads.sources[at] = loads.sources.get(at, frozenset()) | {block}
+        _window_reads(problem, assignment, {n: block_of_group[g] for n, g in reads.items()}, loads.window_reads)
     return loads
+
+
+def _window_reads(problem: StageProblem, assignment: Assignment, block_of: dict[str, int],
+                  into: dict[WindowId, frozenset[int]]) -> None:
+    """Per tensor-parallel window of the assignment, the reading blocks of the streamed values
+    its recomputation reads (a node placed there whose input is offloaded and not prefetched in
+    a window for the microbatch; ``block_of``: per node, the block that reads it): what the
+    runtime waits for in it (``CopyLoads.window_reads``)."""
+    inputs = {n.name: n.inputs for n in problem.nodes}
+    for (name, mb), wid in assignment.window_of.items():
+        if wid.kind != "tp_allreduce":
+            continue
+        blocks = {block_of[src] for src in inputs.get(name, ())
+                  if src in assignment.offload and (src, mb) not in assignment.prefetch_of}
+        if blocks:
+            into[wid] = into.get(wid, frozenset()) | blocks
 
 
 def _add(entries: list, key: tuple[int, int], nbytes: int) -> None:

@@ -93,7 +93,7 @@ class ReplayBackward(ReplayCopies):
             return self.backward_grads_first(s, a, blocks, t)
         if copies is not None and a.kind in ("B", "I"):
             t = self.copy_wait(s, a, None, self.issue_streamed(s, a, None, t))
-        for i, b in enumerate(blocks):
+        for b in blocks:
             cost = self.pipe.costs[b]
             compute = cost.backward_s - (self.weight_s(a.chunk, cost) if a.kind == "I" else 0.0)
             if copies is not None and a.kind in ("B", "I"):
@@ -118,8 +118,7 @@ class ReplayBackward(ReplayCopies):
                                            self.eligible(s, a.chunk, below_block=b), tload))
                 # its recomputation may read what the backward prefetched at this block's start
                 # for the block below (lynx.solvers.offload.streamed_before): it waits for that
-                late = self.tp_window_wait(s, a, blocks[i + 1] if i + 1 < len(blocks) else None, t, tload,
-                                           cost.tp_backward_s)
+                late = self.tp_window_wait(s, a, tid, t, cost.tp_backward_s)
                 self.account(s, t + late, tload, max(0.0, cost.tp_backward_s - late), str(tid))
                 if cost.tp_backward_s > tload + late:
                     self.segment(s, "tp", t + late + tload, t + cost.tp_backward_s, str(tid))

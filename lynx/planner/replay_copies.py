@@ -3,7 +3,8 @@
 :class:`ReplayCopies` is the base of the replay in :mod:`lynx.planner.timeline`: the drawing
 segments it records, the prefetches a plan names in a window (issued when the window opens),
 those a backward streams as its blocks start, and the wait until what a block reads is back on
-the device (exposed copy time) — or what a tensor-parallel window's recomputation reads. The
+the device (exposed copy time) — or what a tensor-parallel window's recomputation reads (only
+a window that reads a streamed value waits, as the runtime waits before its first reader). The
 lanes' bookkeeping itself: :class:`~lynx.planner.copy_lanes.CopyReplay`.
 """
 
@@ -72,14 +73,17 @@ class ReplayCopies:
             return arrival
         return t
 
-    def tp_window_wait(self, s: int, a: TimedAction, below: Optional[int], t: float, load: float,
-                       allreduce: float) -> float:
-        """Seconds a TP window's recomputation starting at ``t`` waits for the prefetches of
-        block ``below`` (issued as this block started); a wait past the all-reduce is exposed
-        copy time."""
-        if load <= 0 or below is None or self.copies is None or a.kind not in ("B", "I"):
+    def tp_window_wait(self, s: int, a: TimedAction, wid: WindowId, t: float, allreduce: float) -> float:
+        """Seconds TP window ``wid``'s recomputation starting at ``t`` waits for the streamed
+        prefetches it reads (``CopyLoads.window_reads``: the runtime waits before a value's first
+        reader, so a window that reads none waits for none); a wait past the all-reduce is
+        exposed copy time."""
+        if self.copies is None or a.kind not in ("B", "I"):
             return 0.0
-        late = max(0.0, self.copies.arrival(a.chunk, a.microbatch, below) - t)
+        readers = self.copies.loads.window_reads.get(wid)
+        if not readers:
+            return 0.0
+        late = max(0.0, max(self.copies.arrival(a.chunk, a.microbatch, r) for r in readers) - t)
         if late > allreduce:
             self.exposed_copy[s] += late - allreduce
             self.segment(s, "wait", t + allreduce, t + late, f"h2d {a.kind}{a.microbatch}")
