@@ -17,7 +17,9 @@ of
   :class:`~lynx.solvers.copies.StageCopies`;
 * **the exposed copy time** the solvers charge (:func:`copy_exposed_s`): per microbatch, a
   window prefetch's time beyond its slot's slack and each streamed group's time beyond the
-  backward of the group it is issued in; on a synchronous link (a CPU) every copy's time.
+  backward of the group it is issued in, and what a tensor-parallel window that reads such a
+  group's value waits for it (:func:`tp_window_wait_s`); on a synchronous link (a CPU) every
+  copy's time.
 
 Example::
 
@@ -41,7 +43,7 @@ from lynx.solvers.problem import (Assignment, StageProblem, exposed_recompute_s,
 
 __all__ = ["GroupLayout", "group_layout", "read_groups", "issue_group", "issue_steps", "streamed_before",
            "offloadable", "slot_prefetch", "offloaded_by_group", "pending_by_group", "copy_exposed_s", "host_bytes",
-           "prefetch_bytes_by_issue", "offload_overhead", "total_exposed_s"]
+           "prefetch_bytes_by_issue", "offload_overhead", "total_exposed_s", "tp_window_wait_s"]
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,51 @@ def copy_exposed_s(problem: StageProblem, assignment: Assignment) -> float:
                 here += max(0.0, copies.h2d_s(nbytes) - room)
         cache[cache_key] = here
         exposed += here
-    return exposed
+    return exposed + tp_window_wait_s(problem, assignment)
+
+
+def tp_window_wait_s(problem: StageProblem, assignment: Assignment) -> float:
+    """Copy seconds tensor-parallel windows wait beyond what :func:`copy_exposed_s` charges
+    per group: a ``tp_allreduce`` window of layer ``L`` whose recomputation reads a value
+    streamed from ``L``'s backward start (:func:`streamed_before`) waits for that copy — the
+    runtime waits before a value's first reader — ``late = max(0, copy − L's backward)``
+    seconds, so its capacity is ``late`` less. It exposes ``max(0, load + late − capacity)``
+    where the window overflow and the group's copy charge hold ``max(0, load − capacity) +
+    max(0, late − capacity)``; the difference is charged here (0 on a synchronous link, where
+    a copy ends before the compute that follows it)."""
+    copies = problem.copies
+    if copies is None or copies.synchronous or not assignment.offload or not assignment.window_of:
+        return 0.0
+    layout, reads = group_layout(problem), read_groups(problem)
+    issued = {name: issue_group(reads[name], layout) for name in assignment.offload}
+    reading = {n.name: [src for src in n.inputs if issued.get(src, -1) >= 0] for n in problem.nodes
+               if n.name in assignment.recompute and any(issued.get(src, -1) >= 0 for src in n.inputs)}
+    if not reading:
+        return 0.0
+    ranks = group_ranks(problem)
+    cost = {n.name: n.recompute_s for n in problem.nodes}
+    load: dict[WindowId, float] = {}
+    waits: dict[WindowId, tuple[int, int]] = {}   # window -> (its group, microbatch)
+    for (name, mb), wid in assignment.window_of.items():
+        if wid.kind != "tp_allreduce":
+            continue
+        load[wid] = load.get(wid, 0.0) + cost.get(name, 0.0)
+        g = ranks.get(f"layer{wid.layer}", -1)
+        if any(issued[src] == g and (src, mb) not in assignment.prefetch_of for src in reading.get(name, ())):
+            waits[wid] = (g, mb)
+    if not waits:
+        return 0.0
+    size = {n.name: n.saved_bytes for n in problem.nodes}
+    capacity = {w.id: w.capacity_s for w in problem.windows}
+    extra = 0.0
+    for wid, (g, mb) in waits.items():
+        nbytes = sum(size[n] for n, at in issued.items() if at == g and (n, mb) not in assignment.prefetch_of)
+        cap = capacity.get(wid, 0.0)
+        backward = copies.group_backward_s[g] - cap if g < len(copies.group_backward_s) else 0.0
+        late = max(0.0, copies.h2d_s(nbytes) - backward)
+        used = load[wid]
+        extra += max(0.0, used + late - cap) - max(0.0, used - cap) - max(0.0, late - cap)
+    return extra
 
 
 def host_bytes(problem: StageProblem, assignment: Assignment) -> int:

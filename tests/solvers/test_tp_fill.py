@@ -15,7 +15,7 @@ from lynx.solvers.cpsat_offload import with_copies
 from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.memory import peak_activation_bytes
 from lynx.solvers.memory_microbatch import window_steps
-from lynx.solvers.offload import streamed_before, total_exposed_s
+from lynx.solvers.offload import copy_exposed_s, streamed_before, total_exposed_s, tp_window_wait_s
 from lynx.solvers.problem import Assignment
 from lynx.solvers.synthetic import make_uniform_problem
 from lynx.solvers.validate import validate
@@ -85,3 +85,28 @@ def test_fill_uses_unmarked_tp_windows_at_the_tightest_budget() -> None:
     validate(p, filled)
     assert peak_activation_bytes(p, filled) <= p.activation_budget_bytes
     assert total_exposed_s(p, filled) < total_exposed_s(p, full)
+
+
+def test_a_tp_window_reading_a_streamed_value_is_charged_its_wait() -> None:
+    """Layer 2's backward (1 ms) issues the copy of ``l0.add2`` (1.1 ms); its TP window (0.2 ms)
+    recomputing ``l1.ln1`` from it waits 0.1 ms, as the runtime does before the value's first
+    reader: with 0.262 ms placed there, 0.1 ms more is exposed than the window's overflow and the
+    group's copy charge (lynx.solvers.offload.tp_window_wait_s). A window that reads no streamed
+    value, or reads it prefetched in the slot, waits for nothing."""
+    p, _ = _tp_stage(offload=True)
+    boundary, w2 = "l0.add2", WindowId.tp(0, 2, 0)
+    backward = [1e-3 + 2e-4] * 4
+    rate = 8388608 / 1.1e-3
+    p = dataclasses.replace(p, copies=dataclasses.replace(p.copies, group_backward_s=tuple(backward),
+                                                          h2d_bytes_per_s=rate, d2h_bytes_per_s=rate))
+    recompute = frozenset({"l1.ln1", "l1.qkv"})
+    placed = {("l1.ln1", 0): w2, ("l1.qkv", 0): w2}
+    reads = Assignment(recompute, placed, offload=frozenset({boundary}))
+    validate(p, reads)
+    assert tp_window_wait_s(p, reads) == pytest.approx(1e-4)
+    on_demand = Assignment(recompute, {}, offload=frozenset({boundary}))
+    assert copy_exposed_s(p, reads) == pytest.approx(copy_exposed_s(p, on_demand) + 1e-4)
+    aside = Assignment(recompute, placed, offload=frozenset({"l2.ln1"}))   # (a value the window does not read)
+    slots = {(boundary, j): slot.window for j, slot in enumerate(p.copies.slots)}
+    slot = Assignment(recompute, placed, offload=frozenset({boundary}), prefetch_of=slots)
+    assert tp_window_wait_s(p, aside) == tp_window_wait_s(p, slot) == 0.0
