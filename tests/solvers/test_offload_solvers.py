@@ -159,6 +159,29 @@ def test_heu_hands_back_its_plan_without_offload_and_the_loop_scores_it() -> Non
     assert with_copies_asked[0] and not with_copies_asked[-1]
 
 
+def test_offload_plans_that_miss_the_budget_in_their_first_round_get_a_second() -> None:
+    # the first round's problems estimate the copies pending at a backward's start from a replay
+    # without offload: a plan filled to the budget can miss it there. The loop then solves once
+    # more from the offload replay before it gives offload up for the plans without it.
+    g, cfg, comm, _ = _synthetic_pipeline_at_level_03()
+    rounds: list[bool] = []
+
+    def missing_once(name, problem, **kw):   # the first offload round's plans keep everything
+        res = solve(name, problem, **kw)
+        if problem.copies is None:
+            return res
+        if problem.stage == 0:
+            rounds.append(True)
+        if len(rounds) == 1 and res.assignment.offload:
+            keep_all = dataclasses.replace(res.assignment, recompute=frozenset(), window_of={})
+            return dataclasses.replace(res, assignment=keep_all)
+        return res
+
+    out = plan_graph_outcome(g, cfg, comm=comm, solve=missing_once)
+    assert len(rounds) >= 2
+    assert out.sim.fits_budget and any(r.assignment.offload for r in out.results)
+
+
 def _synthetic_pipeline_at_level_03():
     """An 8-layer synthetic graph on pp 2 × 8 microbatches (a100-80g), HEU with offload at a budget
     0.3 of the way from ``full``'s peak to ``none``'s: the graph, the config, the comm model, and
