@@ -8,6 +8,7 @@ import dataclasses
 from lynx.solvers.copies import StageCopies
 from lynx.solvers.cpsat_offload import with_copies
 from lynx.solvers.heu import offload as heu_offload
+from lynx.solvers.heu.offload_join import lean_fits, rest_problem
 from lynx.solvers.heu.offload_exact import TIGHT, dear_set, exact_left, lean, lean_with_offload, tight
 from lynx.solvers.heu.solve import solve_heu
 from lynx.solvers.memory import peak_activation_bytes
@@ -44,8 +45,8 @@ def test_exact_left_measures_what_the_set_adds_to_the_leanest_plan() -> None:
     chosen = dear_set(p)
     leanest = lean(p)
     bound = p.activation_budget_bytes - offload_overhead(p, chosen)
-    rest = heu_offload._rest(p, chosen, max(bound, 0))
-    assert not heu_offload._lean_fits(p, chosen, rest)   # the additive bound leaves the rest too little
+    rest = rest_problem(p, chosen, max(bound, 0))
+    assert not lean_fits(p, chosen, rest)   # the additive bound leaves the rest too little
     left = exact_left(p, rest, chosen, leanest)
     assert left is not None and left > bound
     joined = lean_with_offload(p, chosen, leanest)
