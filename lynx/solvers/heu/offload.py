@@ -20,21 +20,24 @@ masks, norms). :func:`solve_heu_offload`:
    only beside its boundary (gpt-1.3b, pp 4, level 0.0: stage 0 exposes 24.2 ms instead of
    31.1 ms, OPT 21.9 ms); and, where the budget is within ``offload_exact.TIGHT`` of the leanest plan's
    peak, the boundaries with the values dearer than average per byte, none the
-   first-backpropagated group reads (:func:`~lynx.solvers.heu.offload_exact.dear_set`);
+   first-backpropagated group reads (:func:`~lynx.solvers.heu.offload_exact.dear_set`), less
+   the upper groups' dear values its leanest plan has no room for
+   (:func:`~lynx.solvers.heu.offload_exact.fitting_dear_set`);
 3. ranks the sets by a quick estimate (:func:`_estimate`: what the rest must recompute at
    least, on demand, plus the copy time), skips those whose rest's leanest plan cannot fit, and
    solves the recompute problem of the rest for the ``SOLVED`` most promising, with every
    policy: the offloaded nodes saved nothing there (they are available, like kept values, to
    what is recomputed from them) and the budget is smaller by what offloading can add to a
    backward (:func:`lynx.solvers.offload.offload_overhead`) — for the dear set, where that
-   leaves its rest's leanest plan no room, by what it adds to the leanest plan's exact peak
-   instead (:func:`~lynx.solvers.heu.offload_exact.exact_left`; the joined plan is then checked
-   whole); a set that exposes nothing ends the search. The winner's rest is solved once more
-   with its budget raised by what the joined plan's exact peak leaves, kept where it exposes
-   less (``offload_overhead`` adds every group's worst case; gpt-20b a100-80g pp 4 tp 2 m 8 at
-   level 0.0: stages 1–2 used 1.9 of 3.9 GiB). A stage solved again
-   under the same budget (the planner's next round) solves only what won before (that
-   offload set, or none);
+   leaves its rest's leanest plan no room or less than the exact figure does, by what it adds
+   to the leanest plan's exact peak instead (:func:`~lynx.solvers.heu.offload_exact.exact_left`;
+   the joined plan is then checked whole); a set that exposes nothing ends the search. The
+   winner's rest is solved once more with its budget raised by what the joined plan's exact
+   peak leaves, kept where it exposes less (``offload_overhead`` adds every group's worst case;
+   gpt-20b a100-80g pp 4 tp 2 m 8 at level 0.0: stages 1–2 used 1.9 of 3.9 GiB). A stage solved
+   again under the same budget (the planner's next round) solves only what won before (that
+   offload set, or none) — all the sets again where that set no longer fits (the round's
+   windows moved, and the copies pending with them);
 4. joins the two, moves on demand what a window would recompute from a value that comes back
    only during the backward, checks the whole plan (validity, the memory model's peak with the
    copies pending, the host budget) and keeps the plan exposing least recompute plus copy time;
@@ -61,7 +64,7 @@ import time
 from collections.abc import Callable
 
 from lynx.errors import LynxBudgetError
-from lynx.solvers.heu.offload_exact import dear_set, exact_left, lean, tight
+from lynx.solvers.heu.offload_exact import exact_left, fitting_dear_set, lean, tight
 from lynx.solvers.heu.offload_join import lean_fits, raised, rest_problem, with_offload
 from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.offload import (copy_exposed_s, group_layout, issue_group, offload_overhead, offloadable,
@@ -226,7 +229,7 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
     if best is None or best[0] > 0:
         tried: set[frozenset[str]] = set()
         candidates: list[tuple[frozenset[str], int]] = []   # (set, the budget its rest has)
-        dear = dear_set(problem) if tight(problem, plain, lean(problem)) else frozenset()
+        dear = fitting_dear_set(problem, lean(problem)) if tight(problem, plain, lean(problem)) else frozenset()
         for chosen in [won] if won else [] if again else _offload_sets(problem, dear):
             if chosen and chosen not in tried:
                 tried.add(chosen)
@@ -242,13 +245,12 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
                 break   # (nothing exposed: no later set can win, it must expose 1e-12 s less)
             rest = rest_problem(problem, chosen, max(left, 0))
             fits = left > 0 and lean_fits(problem, chosen, rest)
-            exact = chosen == dear and not fits
-            if exact:   # (at the tightest budgets the bound leaves it nothing: measured, offload_exact)
+            exact = False
+            if chosen == dear:   # (at the tightest budgets the bound leaves it little: measured, offload_exact)
                 measured = exact_left(problem, rest, chosen, lean(problem))
-                if measured is None:
-                    continue
-                rest = rest_problem(problem, chosen, measured)
-            elif not fits:
+                if measured is not None and (not fits or measured > left):
+                    exact, rest = True, rest_problem(problem, chosen, measured)
+            if not fits and not exact:
                 continue
             solved += 1
             found = with_offload(problem, chosen, rest, solve_plain, time_limit_s, exact=exact)
@@ -259,6 +261,9 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
         _WINNERS[memo] = (problem.nodes, winner)
     if best is not None and winner:
         best = raised(problem, winner, winner_left, best, solve_plain, time_limit_s)
+    if best is None and won:   # (the set that won no longer fits the re-derived windows' copies: search again)
+        _WINNERS.pop(memo, None)
+        return solve_heu_offload(problem, solve_plain, time_limit_s=time_limit_s)
     if best is None:   # (nothing fits with offload either: the recompute plan, or its budget error)
         return solve_plain(plain, time_limit_s=time_limit_s)
     alternative = base if base is not None and best[1] != base.assignment else None

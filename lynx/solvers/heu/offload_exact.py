@@ -42,7 +42,7 @@ from lynx.solvers.memory_regen import per_node_tuple   # (the solvers' per-node-
 from lynx.solvers.offload import offloadable, read_groups, slot_prefetch
 from lynx.solvers.problem import Assignment, StageProblem, group_key, group_ranks
 
-__all__ = ["dear_set", "exact_left", "lean", "lean_with_offload", "tight", "TIGHT"]
+__all__ = ["dear_set", "fitting_dear_set", "exact_left", "lean", "lean_with_offload", "tight", "TIGHT"]
 
 
 # the dear set is tried where the budget is at most this much the leanest plan's peak (level 0.0
@@ -86,6 +86,39 @@ def dear_set(problem: StageProblem) -> frozenset[str]:
             host -= n.saved_bytes
             chosen.append(n.name)
     return frozenset(chosen)
+
+
+def fitting_dear_set(problem: StageProblem, lean: frozenset[str]) -> frozenset[str]:
+    """:func:`dear_set`, less the fewest of its dear values (not its boundaries) from the top group
+    down, largest first, that its leanest plan fits the budget with (:func:`exact_left` not None):
+    the copies a forward's top groups offload are still pending at the next backward's start,
+    and a group's values come back while the group above is backpropagated, so the dear values
+    of the upper groups cost the most device memory. Unchanged where the whole set fits, or
+    where its boundaries alone do not (found by bisection: a few exact peaks, tight stages only)."""
+    dear = dear_set(problem)
+    if not dear or _lean_fits(problem, dear, lean):
+        return dear
+    ranks, reads = group_ranks(problem), read_groups(problem)
+    own = {n.name: ranks[group_key(n)] for n in problem.nodes}
+    at = {n.name: i for i, n in enumerate(problem.nodes)}
+    size = {n.name: n.saved_bytes for n in problem.nodes}
+    values = sorted((name for name in dear if reads[name] <= own[name]),   # (not a boundary)
+                    key=lambda name: (-own[name], -size[name], -at[name]))
+    if not values or not _lean_fits(problem, dear - frozenset(values), lean):
+        return dear
+    low, high = 0, len(values)   # dear less values[:high] fits, less values[:low] does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        if _lean_fits(problem, dear - frozenset(values[:mid]), lean):
+            high = mid
+        else:
+            low = mid
+    return dear - frozenset(values[:high])
+
+
+def _lean_fits(problem: StageProblem, chosen: frozenset[str], lean: frozenset[str]) -> bool:
+    """Whether the leanest plan with ``chosen`` offloaded fits the stage's budget (exact peak)."""
+    return peak_activation_bytes(problem, lean_with_offload(problem, chosen, lean)) <= problem.activation_budget_bytes
 
 
 def lean_with_offload(problem: StageProblem, chosen: frozenset[str], lean: frozenset[str]) -> Assignment:
