@@ -20,6 +20,7 @@ def _stage(fraction: float):
 
 def _solved(p, raise_: bool, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(heu_offload, "raised", offload_join.raised if raise_ else lambda *args: args[3])
+    monkeypatch.setattr(heu_offload, "exact_fill", lambda problem, assignment: assignment)   # (raised alone)
     heu_offload.forget_winners()
     clear_cache()
     return solve_heu(p)

@@ -43,7 +43,10 @@ masks, norms). :func:`solve_heu_offload`:
    copies pending, the host budget) and keeps the plan exposing least recompute plus copy time;
    the plan of step 1 goes along (``SolveResult.without_offload``): the planner scores it on
    the whole pipeline too (a backward that copies runs whole — its input gradients sent after
-   its weight part — which a stage's objective does not see: :mod:`lynx.planner.loop`).
+   its weight part — which a stage's objective does not see: :mod:`lynx.planner.loop`);
+   both get on-demand recompute moved into tensor-parallel windows
+   (:mod:`~lynx.solvers.heu.tp_fill`), then kept where the exact peak leaves room
+   (:mod:`~lynx.solvers.heu.exact_fill`).
 
 Example::
 
@@ -66,6 +69,7 @@ from collections.abc import Callable
 from lynx.errors import LynxBudgetError
 from lynx.solvers.heu.offload_exact import exact_left, fitting_dear_set, lean, tight
 from lynx.solvers.heu.offload_join import lean_fits, raised, rest_problem, with_offload
+from lynx.solvers.heu.exact_fill import exact_fill
 from lynx.solvers.heu.tp_fill import fill_tp_windows
 from lynx.solvers.offload import (copy_exposed_s, group_layout, issue_group, offload_overhead, offloadable,
                                   read_groups, slot_prefetch, total_exposed_s)
@@ -268,11 +272,11 @@ def solve_heu_offload(problem: StageProblem, solve_plain: Callable[..., SolveRes
         return solve_plain(plain, time_limit_s=time_limit_s)
     alternative = base if base is not None and best[1] != base.assignment else None
     if alternative is not None:
-        filled = fill_tp_windows(problem, alternative.assignment)
+        filled = exact_fill(problem, fill_tp_windows(problem, alternative.assignment))
         if filled is not alternative.assignment:
             alternative = dataclasses.replace(alternative, assignment=filled,
                                               objective_s=total_exposed_s(problem, filled))
-    filled = fill_tp_windows(problem, best[1])
+    filled = exact_fill(problem, fill_tp_windows(problem, best[1]))
     if filled is not best[1]:
         best = (total_exposed_s(problem, filled), filled)
     return SolveResult(best[1], "HEURISTIC", best[0], None, time.perf_counter() - start, alternative)
