@@ -50,9 +50,6 @@ def exact_fill(problem: StageProblem, assignment: Assignment) -> Assignment:
     if not assignment.recompute:
         return assignment
     budget = problem.activation_budget_bytes
-    pending = _pending_floor(problem, assignment)
-    if peak_activation_bytes(problem, assignment, pending) >= budget:
-        return assignment
     by_name = {n.name: n for n in problem.nodes}
     consumers = consumers_of(problem)
     room = budget // max(1, problem.in_flight) - held_bytes(problem, assignment)
@@ -65,8 +62,9 @@ def exact_fill(problem: StageProblem, assignment: Assignment) -> Assignment:
             gain = sum(by_name[r].recompute_s for r in removed)
             if gain > 0:
                 moves.append((-gain / n.saved_bytes, -gain, i, n.name))
-    if not moves:
-        return assignment
+    pending = _pending_floor(problem, assignment)
+    if not moves or peak_activation_bytes(problem, assignment, pending) >= budget:
+        return assignment   # (the peak replayed only where the cheap condition leaves a move)
     moves.sort()
     current, exposed = assignment, total_exposed_s(problem, assignment)
     too_big = room + 1   # (the fewest bytes a move that did not fit added: the room only shrinks)
