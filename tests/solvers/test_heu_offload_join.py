@@ -47,3 +47,11 @@ def test_raising_keeps_a_plan_that_leaves_nothing(monkeypatch: pytest.MonkeyPatc
     once = _solved(p, False, monkeypatch)
     again = _solved(p, True, monkeypatch)
     assert again.assignment == once.assignment
+
+
+def test_a_raise_needs_slack_worth_a_solve(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _stage(0.1)
+    once = _solved(p, False, monkeypatch)
+    slack = 1 - peak_activation_bytes(p, once.assignment) / p.activation_budget_bytes
+    monkeypatch.setattr(offload_join, "RAISE_SLACK", slack + 0.01)
+    assert _solved(p, True, monkeypatch).assignment == once.assignment
