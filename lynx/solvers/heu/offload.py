@@ -33,7 +33,8 @@ masks, norms). :func:`solve_heu_offload`:
    to the leanest plan's exact peak instead (:func:`~lynx.solvers.heu.offload_exact.exact_left`;
    the joined plan is then checked whole); a set that exposes nothing ends the search. The
    winner's rest is solved once more with its budget raised by what the joined plan's exact
-   peak leaves, kept where it exposes less (``offload_overhead`` adds every group's worst case;
+   peak leaves where that is at least ``offload_join.RAISE_SLACK`` of the budget, kept where it
+   exposes less (``offload_overhead`` adds every group's worst case;
    gpt-20b a100-80g pp 4 tp 2 m 8 at level 0.0: stages 1–2 used 1.9 of 3.9 GiB). A stage solved
    again under the same budget (the planner's next round) solves only what won before (that
    offload set, or none) — all the sets again where that set no longer fits (the round's
